@@ -1,0 +1,357 @@
+"""Algorithms 1-2 of Kaplan & Ordentlich: hierarchical encode and decode, the pure-JAX path.
+
+Shapes: only the last axis is the lattice axis; every leading axis is a batch axis.
+
+* ``encode(x[..., d]) -> Codes(labels[..., M, d] uint8, T[...] int8)``
+* ``decode(Codes) -> x_hat[..., d]``
+
+Exactness (SPEC §3): level 0 is ``Q_L(y + eps)`` in the input's dtype; every later level and the
+decoder run on integer lattice coordinates, so ties there are decided by the rule, never by
+rounding. A block that is non-finite or still overloaded at ``max_T`` gets ``T = -1`` and
+decodes to NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hnlq_jax.config import HNLQConfig, pow2_table
+from hnlq_jax.lattices import matvec, nearest_float, nearest_int
+
+__all__ = ["Codes", "encode", "decode", "quantize", "codebook", "to_blocks", "from_blocks"]
+
+# Relative slack on norm bounds: float rounding of a norm is far below it, so "norm > bound *
+# (1 + slack)" proves overload, and skipping such t's never changes T.
+_NORM_SLACK = 1e-3
+MAX_CODEBOOK = 2**22
+
+
+class Codes(NamedTuple):
+    """HNLQ codes of a batch of d-blocks (a pytree).
+
+    Attributes:
+      labels: ``[..., M, d]`` uint8, ``labels[..., m, :]`` = b_m; level 0 is the finest.
+      T: ``[...]`` int8 overload steps; ``-1`` marks a block that could not be encoded
+        (non-finite input, or still overloaded at ``max_T``).
+    """
+
+    labels: jax.Array
+    T: jax.Array
+
+
+def default_float():
+    """float64 when x64 is enabled, float32 otherwise."""
+    return jnp.zeros(()).dtype if jax.config.jax_enable_x64 else jnp.float32
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_x(x, config: HNLQConfig, fn: str):
+    """Validates ``x[..., d]`` and returns it in its compute dtype (half -> float32)."""
+    if not isinstance(config, HNLQConfig):
+        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
+    x = jnp.asarray(x)
+    d = config.d
+    if x.ndim == 0 or x.shape[-1] != d:
+        raise ValueError(
+            f"{fn}: the last axis is the lattice axis and must have size d={d} for "
+            f"{config.lattice}, got shape {x.shape}; use to_blocks(x, {d}) to split a longer axis"
+        )
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{fn}: expected a floating-point array, got dtype {x.dtype}")
+    if jnp.finfo(x.dtype).bits < 32:
+        x = x.astype(jnp.float32)
+    if _is_concrete(x) and not bool(jnp.all(jnp.isfinite(x))):
+        bad = int(jnp.sum(~jnp.all(jnp.isfinite(x), axis=-1)))
+        raise ValueError(
+            f"{fn}: input has NaN or Inf in {bad} block(s); expected finite values "
+            "(under jit such blocks are marked T = -1 and decode to NaN)"
+        )
+    return x
+
+
+def _labels_of(g, config: HNLQConfig):
+    """``b = (G^-1 g) mod q`` for integer P coordinates ``g``, exactly."""
+    lat = config.lat
+    basis = jnp.floor_divide(matvec(lat.basis_from_P, g), lat.basis_den)
+    return jnp.remainder(basis, config.q)
+
+
+def _encode_at(y, config: HNLQConfig):
+    """Algorithm 1 on scaled blocks ``y[N, d]``: labels ``[N, M, d]`` int32 and overload ``[N]``."""
+    lat = config.lat
+    far = ~(_sq_norm(y) <= (config.overload_radius * (1 + _NORM_SLACK)) ** 2)  # NaN -> far
+    y = jnp.where(far[..., None], 0, y)  # keeps far blocks out of int32 range
+    g = nearest_float(y, lat).astype(jnp.int32)
+    labels = []
+    for _ in range(config.M):
+        labels.append(_labels_of(g, config))
+        g = nearest_int(g, config.q, lat)
+    overload = far | jnp.any(g != 0, axis=-1)
+    return jnp.stack(labels, axis=-2), overload
+
+
+def _sq_norm(v):
+    return jnp.sum(v * v, axis=-1)
+
+
+def encode_blocks(x, config: HNLQConfig, beta):
+    """Encode with the overload loop; ``beta`` may be traced (the beta grid search maps it).
+
+    Args:
+      x: ``[N, d]`` float32 or float64 blocks.
+      config: the quantizer (``config.beta`` is ignored in favour of ``beta``).
+      beta: scalar scale.
+
+    Returns:
+      ``Codes`` with ``labels[N, M, d]`` uint8 and ``T[N]`` int8.
+    """
+    dtype = x.dtype
+    N, d, M = x.shape[0], config.d, config.M
+    scales = jnp.asarray(beta, dtype) * jnp.asarray(pow2_table(config.alpha, config.max_T), dtype)
+    z = jnp.asarray(config.dither_array, dtype)
+    znorm = float(np.linalg.norm(config.dither_array))
+    finite = jnp.all(jnp.isfinite(x), axis=-1)
+    # Lower bound on T (SPEC §3): t is surely overloaded while |x|/s_t - |z| > radius.
+    thresholds = scales * (config.overload_radius * (1 + _NORM_SLACK) + znorm)
+    t0 = jnp.searchsorted(thresholds, jnp.sqrt(_sq_norm(jnp.where(finite[:, None], x, 0))))
+    active = finite & (t0 <= config.max_T)
+
+    def body(state):
+        t, labels, T, active = state
+        s = scales[jnp.minimum(t, config.max_T)]
+        lab_t, over = _encode_at(x / s[:, None] + z, config)
+        ok = active & ~over
+        labels = jnp.where(ok[:, None, None], lab_t, labels)
+        T = jnp.where(ok, t, T)
+        return t + 1, labels, T, active & over & (t + 1 <= config.max_T)
+
+    init = (t0.astype(jnp.int32), jnp.zeros((N, M, d), jnp.int32), jnp.full((N,), -1, jnp.int32),
+            active)
+    _, labels, T, _ = jax.lax.while_loop(lambda s: jnp.any(s[3]), body, init)
+    return Codes(labels.astype(jnp.uint8), T.astype(jnp.int8))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _encode_jit(x, config):
+    flat = x.reshape(-1, config.d)
+    codes = encode_blocks(flat, config, config.beta)
+    return Codes(codes.labels.reshape(x.shape[:-1] + (config.M, config.d)),
+                 codes.T.reshape(x.shape[:-1]))
+
+
+def encode(x, config: HNLQConfig) -> Codes:
+    """Algorithm 1 with overload rescaling, over every leading axis.
+
+    Args:
+      x: ``[..., d]`` floating array (half precision is computed in float32).
+      config: the quantizer.
+
+    Returns:
+      ``Codes(labels[..., M, d] uint8, T[...] int8)``.
+
+    Raises:
+      ValueError: wrong last-axis size, or NaN/Inf in a concrete input.
+      TypeError: non-floating input.
+    """
+    return _encode_jit(_check_x(x, config, "encode"), config)
+
+
+def lattice_sum(labels, config: HNLQConfig, levels: int | None = None):
+    """``sum_m q^m r(b_m)`` over the top ``levels`` levels, in integer P coordinates.
+
+    Args:
+      labels: ``[..., M, d]`` integer labels in ``0..q-1``.
+      config: the quantizer.
+      levels: how many of the coarsest levels to keep (default: all M).
+
+    Returns:
+      ``[..., d]`` int32 P coordinates (exact).
+    """
+    lat, q, M = config.lat, config.q, config.M
+    levels = M if levels is None else levels
+    b = labels.astype(jnp.int32)
+    total = None
+    for m in range(M - levels, M):
+        Pb = matvec(lat.P_from_basis, b[..., m, :])
+        r = (Pb - q * nearest_int(Pb, q, lat)) * (q**m)
+        total = r if total is None else total + r
+    return total
+
+
+def _check_codes(codes, config: HNLQConfig, levels, fn: str):
+    if not isinstance(config, HNLQConfig):
+        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
+    labels, T = jnp.asarray(codes[0]), jnp.asarray(codes[1])
+    M, d = config.M, config.d
+    if labels.shape[-2:] != (M, d) or labels.shape[:-2] != T.shape:
+        raise ValueError(
+            f"{fn}: expected labels [..., M={M}, d={d}] and T [...] with the same leading shape, "
+            f"got labels {labels.shape} and T {T.shape}"
+        )
+    if not (jnp.issubdtype(labels.dtype, jnp.integer) and jnp.issubdtype(T.dtype, jnp.integer)):
+        raise TypeError(f"{fn}: labels and T must be integer arrays, got {labels.dtype}, {T.dtype}")
+    if levels is not None and not (isinstance(levels, int) and 1 <= levels <= M):
+        raise ValueError(f"{fn}: levels must be an int in 1..M={M}, got {levels!r}")
+    if _is_concrete(labels) and labels.size and (
+        int(jnp.min(labels)) < 0 or int(jnp.max(labels)) >= config.q
+    ):
+        raise ValueError(
+            f"{fn}: labels must be in 0..q-1 = 0..{config.q - 1}, got values in "
+            f"{int(jnp.min(labels))}..{int(jnp.max(labels))}"
+        )
+    if _is_concrete(T) and T.size and (int(jnp.min(T)) < -1 or int(jnp.max(T)) > config.max_T):
+        raise ValueError(
+            f"{fn}: T must be in -1..max_T = -1..{config.max_T}, got values in "
+            f"{int(jnp.min(T))}..{int(jnp.max(T))}"
+        )
+    return labels, T
+
+
+def decode_blocks(labels, T, config: HNLQConfig, levels, dtype, beta):
+    """Algorithm 2: ``(beta (x_hat - z)) 2^(alpha T)``; invalid blocks give NaN."""
+    lat = config.lat
+    xhat = lat.cart_from_P(lattice_sum(labels, config, levels).astype(dtype))
+    z = jnp.asarray(config.dither_array, dtype)
+    pow2 = jnp.asarray(pow2_table(config.alpha, config.max_T), dtype)
+    T = T.astype(jnp.int32)
+    valid = (T >= 0) & (T <= config.max_T) & jnp.all((labels >= 0) & (labels < config.q), axis=(-2, -1))
+    # The reference rounds beta * (x_hat - z) first; the barrier stops XLA from reassociating
+    # the two broadcast multiplies into x_hat * (beta * 2^(alpha T)), which rounds differently.
+    scaled = jax.lax.optimization_barrier(jnp.asarray(beta, dtype) * (xhat - z))
+    out = scaled * pow2[jnp.clip(T, 0, config.max_T)][..., None]
+    return jnp.where(valid[..., None], out, jnp.nan)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _decode_jit(labels, T, config, levels, dtype):
+    return decode_blocks(labels, T, config, levels, dtype, config.beta)
+
+
+def decode(codes: Codes, config: HNLQConfig, levels: int | None = None, dtype=None):
+    """Algorithm 2: reconstruct ``x_hat[..., d]`` from codes.
+
+    Args:
+      codes: ``Codes(labels[..., M, d], T[...])``.
+      config: the quantizer that made them.
+      levels: keep only the ``levels`` coarsest levels (successive refinement): the result is
+        the input quantized on ``q^(M - levels) L``. Default: all.
+      dtype: output dtype; default float64 under x64, float32 otherwise.
+
+    Returns:
+      ``[..., d]`` reconstruction; NaN in blocks with ``T = -1``.
+
+    Raises:
+      ValueError: shapes that do not match ``config``, labels outside ``0..q-1`` or T outside
+        ``-1..max_T`` (checked when the codes are concrete; under jit such blocks give NaN).
+    """
+    labels, T = _check_codes(codes, config, levels, "decode")
+    dtype = jnp.dtype(default_float() if dtype is None else dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"decode: dtype must be floating, got {dtype}")
+    return _decode_jit(labels, T, config, levels, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _quantize_ste(x, config):
+    flat = x.reshape(-1, config.d)
+    c = encode_blocks(flat, config, config.beta)
+    return decode_blocks(c.labels, c.T, config, None, x.dtype, config.beta).reshape(x.shape)
+
+
+def _quantize_fwd(x, config):
+    return _quantize_ste(x, config), None
+
+
+def _quantize_bwd(config, _, g):
+    return (g,)
+
+
+_quantize_ste.defvjp(_quantize_fwd, _quantize_bwd)
+
+
+def quantize(x, config: HNLQConfig):
+    """``decode(encode(x))`` in ``x``'s dtype, with a straight-through (identity) gradient.
+
+    Args:
+      x: ``[..., d]`` floating array.
+      config: the quantizer.
+
+    Returns:
+      ``[..., d]`` quantized values (float32 for half-precision input).
+    """
+    return jax.jit(_quantize_ste, static_argnums=1)(_check_x(x, config, "quantize"), config)
+
+
+def codebook(config: HNLQConfig, dtype=None):
+    """All ``q^d`` representatives ``r(b)`` in SPEC §5 order (coordinate 0 most significant).
+
+    Args:
+      config: the quantizer (only lattice and q matter).
+      dtype: default float64 under x64, float32 otherwise.
+
+    Returns:
+      ``[q^d, d]`` Cartesian coordinates in lattice units.
+    """
+    q, d = config.q, config.d
+    if q**d > MAX_CODEBOOK:
+        raise ValueError(
+            f"codebook: q^d = {q}^{d} = {q**d} entries exceeds {MAX_CODEBOOK}; decode labels "
+            "directly instead"
+        )
+    dtype = jnp.dtype(default_float() if dtype is None else dtype)
+    return config.lat.cart_from_P(codebook_P(config)).astype(dtype)
+
+
+def all_labels(q: int, d: int):
+    """``[q^d, d]`` int32: the k-th row is the k-th tuple of ``itertools.product(range(q), d)``."""
+    k = jnp.arange(q**d, dtype=jnp.int32)[:, None]
+    return (k // (q ** jnp.arange(d - 1, -1, -1, dtype=jnp.int32))) % q
+
+
+def codebook_P(config: HNLQConfig):
+    """The codebook in integer P coordinates, ``[q^d, d]`` int32."""
+    one = config.replace(M=1)
+    return lattice_sum(all_labels(config.q, config.d)[:, None, :], one)
+
+
+def to_blocks(x, d: int):
+    """Splits the last axis (length n) into ``ceil(n/d)`` blocks of d, zero-padding the tail.
+
+    Args:
+      x: ``[..., n]`` array.
+      d: block length (the lattice dimension).
+
+    Returns:
+      ``[..., ceil(n/d), d]`` array.
+    """
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        raise ValueError("to_blocks: expected an array with at least one axis")
+    n = x.shape[-1]
+    pad = (-n) % d
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    return x.reshape(x.shape[:-1] + ((n + pad) // d, d))
+
+
+def from_blocks(xb, n: int):
+    """Inverse of :func:`to_blocks`: ``[..., nb, d] -> [..., n]`` (drops the padding).
+
+    Raises:
+      ValueError: when ``n`` does not fit in ``nb * d`` or needs fewer blocks than given.
+    """
+    xb = jnp.asarray(xb)
+    if xb.ndim < 2:
+        raise ValueError(f"from_blocks: expected [..., nb, d], got shape {xb.shape}")
+    nb, d = xb.shape[-2:]
+    if not (nb * d - d < n <= nb * d) and not (n == 0 and nb == 0):
+        raise ValueError(f"from_blocks: n={n} does not match {nb} blocks of {d}")
+    return xb.reshape(xb.shape[:-2] + (nb * d,))[..., :n]

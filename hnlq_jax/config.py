@@ -1,0 +1,132 @@
+"""``HNLQConfig``: the frozen, validated, hashable description of one HNLQ quantizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from hnlq_jax.lattices import Lattice, lattice
+
+__all__ = ["HNLQConfig"]
+
+MAX_Q_POW_M = 2**20  # keeps every integer of the encoder and decoder inside int32 (SPEC §3)
+MAX_T_CAP = 127  # T is stored as int8
+
+
+@dataclasses.dataclass(frozen=True)
+class HNLQConfig:
+    """Hierarchical nested-lattice quantizer (SPEC §1-2).
+
+    Frozen and hashable, so it can be a static argument of ``jax.jit``. Validated at
+    construction.
+
+    Attributes:
+      lattice: lattice name: ``"Z2"``, ``"A2"``, ``"D4"``, ``"E8"``, ``"Z{n}"`` or ``"D{n}"``.
+      q: nesting ratio, an integer >= 2 (labels are in ``0..q-1``; at most 256 for uint8).
+      M: number of levels, >= 1; rate ``M log2 q`` bits/dim (plus ``H(T)/d``).
+      beta: scale; the encoder quantizes ``x / beta`` (see :func:`hnlq_jax.calibrate_beta`).
+      alpha: overload step: block ``k`` is encoded at ``beta * 2**(alpha * T_k)``.
+      max_T: largest rescaling step tried (inclusive). ``0`` turns the overload loop off: an
+        overloaded block is then marked ``T = -1`` rather than rescaled.
+      dither: optional fixed subtractive dither ``z`` (length ``d``, inside the Voronoi cell).
+    """
+
+    lattice: str = "D4"
+    q: int = 4
+    M: int = 2
+    beta: float = 1.0
+    alpha: float = 1 / 3
+    max_T: int = 64
+    dither: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        lat = lattice(self.lattice)  # raises on unknown names
+        for name in ("q", "M", "max_T"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"HNLQConfig.{name} must be an int, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        if self.q < 2 or self.q > 256:
+            raise ValueError(f"HNLQConfig.q must be in 2..256 (uint8 labels), got {self.q}")
+        if self.M < 1:
+            raise ValueError(f"HNLQConfig.M must be >= 1, got {self.M}")
+        if self.q**self.M > MAX_Q_POW_M:
+            raise ValueError(
+                f"HNLQConfig: q**M = {self.q}**{self.M} exceeds 2**20, the limit that keeps "
+                "the exact integer arithmetic inside int32"
+            )
+        if not 0 <= self.max_T <= MAX_T_CAP:
+            raise ValueError(f"HNLQConfig.max_T must be in 0..{MAX_T_CAP}, got {self.max_T}")
+        for name in ("beta", "alpha"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise TypeError(f"HNLQConfig.{name} must be a real number, got {v!r}")
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"HNLQConfig.{name} must be finite and > 0, got {v}")
+            object.__setattr__(self, name, float(v))
+        if self.dither is not None:
+            z = np.asarray(self.dither, dtype=np.float64)
+            if z.shape != (lat.d,):
+                raise ValueError(
+                    f"HNLQConfig.dither must have length d={lat.d} for {lat.name}, got shape "
+                    f"{z.shape}"
+                )
+            if not np.all(np.isfinite(z)):
+                raise ValueError("HNLQConfig.dither must be finite")
+            from hnlq_jax.lattices import closest_point  # local: jax work only when needed
+
+            if np.any(np.asarray(closest_point(z, lat)) != 0):
+                raise ValueError(
+                    f"HNLQConfig.dither {z.tolist()} is outside the Voronoi cell of 0 of "
+                    f"{lat.name} (its nearest lattice point is not 0)"
+                )
+            object.__setattr__(self, "dither", tuple(float(v) for v in z))
+
+    @property
+    def lat(self) -> Lattice:
+        """The :class:`~hnlq_jax.lattices.Lattice` object."""
+        return lattice(self.lattice)
+
+    @property
+    def d(self) -> int:
+        """Lattice dimension (block length)."""
+        return self.lat.d
+
+    @property
+    def rate(self) -> float:
+        """Nominal rate ``M log2 q`` in bits per dimension (without ``H(T)/d``)."""
+        return self.M * math.log2(self.q)
+
+    @property
+    def overload_radius(self) -> float:
+        """``(q^M (1 + r_{q,M}) + 1) r_cov``: a scaled input farther from 0 surely overloads."""
+        r = (1 - self.q ** (1 - self.M)) / (self.q - 1)
+        return (self.q**self.M * (1 + r) + 1) * self.lat.covering_radius
+
+    @property
+    def dither_array(self) -> np.ndarray:
+        """The dither as float64 ``[d]`` (zeros when there is none)."""
+        return np.zeros(self.d) if self.dither is None else np.asarray(self.dither)
+
+    def beta_min(self) -> float:
+        """Start of the paper's beta grid: ``q^-M sqrt(d/(d+2)) / sqrt(sigma_L^2)`` (SPEC §7)."""
+        return beta_min(self.lattice, self.q, self.M)
+
+    def replace(self, **changes) -> HNLQConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@functools.lru_cache(maxsize=None)
+def beta_min(name: str, q: int, M: int) -> float:
+    lat = lattice(name)
+    return q**-M * math.sqrt(lat.d / (lat.d + 2)) / math.sqrt(lat.second_moment)
+
+
+@functools.lru_cache(maxsize=None)
+def pow2_table(alpha: float, max_T: int) -> np.ndarray:
+    """``2**(alpha*t)`` for t = 0..max_T, in float64 with Python's pow (as the reference)."""
+    return np.array([2.0 ** (alpha * t) for t in range(max_T + 1)], dtype=np.float64)

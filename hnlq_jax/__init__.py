@@ -1,0 +1,42 @@
+"""hnlq_jax: hierarchical nested-lattice quantization (Kaplan & Ordentlich 2025) in JAX.
+
+The public API, re-exported here:
+
+* lattices: :func:`lattice`, :class:`Lattice`, :func:`closest_point`
+* the quantizer: :class:`HNLQConfig`, :func:`encode`, :func:`decode`, :func:`quantize`,
+  :class:`Codes`, :func:`codebook`
+* blocks: :func:`to_blocks`, :func:`from_blocks`
+* packing: :func:`pack`, :func:`unpack`, :class:`Packed`, :func:`bits_per_block`
+* statistics: :func:`rate_stats`, :class:`RateStats`, :func:`calibrate_beta`,
+  :class:`BetaSearch`
+"""
+
+from hnlq_jax.codec import Codes, codebook, decode, encode, from_blocks, quantize, to_blocks
+from hnlq_jax.config import HNLQConfig
+from hnlq_jax.lattices import Lattice, closest_point, lattice
+from hnlq_jax.packing import Packed, bits_per_block, pack, unpack
+from hnlq_jax.stats import BetaSearch, RateStats, calibrate_beta, rate_stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BetaSearch",
+    "Codes",
+    "HNLQConfig",
+    "Lattice",
+    "Packed",
+    "RateStats",
+    "bits_per_block",
+    "calibrate_beta",
+    "closest_point",
+    "codebook",
+    "decode",
+    "encode",
+    "from_blocks",
+    "lattice",
+    "pack",
+    "quantize",
+    "rate_stats",
+    "to_blocks",
+    "unpack",
+]

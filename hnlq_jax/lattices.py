@@ -8,6 +8,10 @@ integer arithmetic (SPEC §3):
 * ``E8``: doubled Cartesian coordinates (E8 contains half-integer points).
 * ``A2``: coordinates in the basis ``G``.
 
+Points are passed as *columns*: a list of ``d`` arrays of one common shape, coordinate ``i`` in
+``cols[i]``. All work is elementwise on those arrays, so XLA fuses a whole nearest-point search
+into one loop and a Pallas kernel can run the same code on per-column loads.
+
 Two nearest-point entry points share the same case analysis:
 
 * :func:`nearest_float` for real input (level 0): ``Q_L(y + eps)`` in the input's dtype, exact
@@ -109,13 +113,13 @@ class Lattice:
     def __hash__(self) -> int:
         return hash(self.name)
 
-    def cart_from_P(self, P):
-        """Cartesian coordinates ``[..., d]`` of points given in P coordinates."""
+    def cart_from_P(self, P: list) -> list:
+        """Cartesian coordinates of points given in P coordinates (columns)."""
         if self.kind == "E8":
-            return P * 0.5
+            return [c * 0.5 for c in P]
         if self.kind == "A2":
             return matvec(self.G, P)
-        return P
+        return list(P)
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,157 +176,191 @@ def lattice(name: str) -> Lattice:
     )
 
 
-def matvec(A: np.ndarray, v):
-    """``A @ v`` over the last axis for a small constant numpy matrix ``A``.
+def columns(x) -> list:
+    """Splits ``x[..., d]`` into its ``d`` columns."""
+    return [x[..., j] for j in range(x.shape[-1])]
 
-    Unrolled, summed in a fixed order (XLA does not reassociate it), with the entries as Python
-    scalars so that ``v``'s dtype is kept: integer arrays stay exact integer arithmetic.
+
+def matvec(A: np.ndarray, cols: list) -> list:
+    """``A @ v`` for a small constant numpy matrix ``A`` and ``v`` given as columns.
+
+    The sums are unrolled in a fixed order and the entries enter as Python scalars, so the
+    columns' dtype is kept: integer columns stay exact integer arithmetic.
     """
-    cast = int if jnp.issubdtype(v.dtype, jnp.integer) else float
-    cols = [v[..., j] for j in range(v.shape[-1])]
-    rows = []
+    cast = int if jnp.issubdtype(cols[0].dtype, jnp.integer) else float
+    out = []
     for i in range(A.shape[0]):
         acc = None
         for j, c in enumerate(cols):
             if A[i, j] != 0:
-                term = c * cast(A[i, j])
+                term = c if A[i, j] == 1 else c * cast(A[i, j])
                 acc = term if acc is None else acc + term
-        rows.append(jnp.zeros_like(cols[0]) if acc is None else acc)
-    return jnp.stack(rows, axis=-1)
+        out.append(jnp.zeros_like(cols[0]) if acc is None else acc)
+    return out
 
 
-def _sumsq(v):
-    """Squared norm over the last axis, summed in coordinate order."""
-    acc = v[..., 0] * v[..., 0]
-    for j in range(1, v.shape[-1]):
-        acc = acc + v[..., j] * v[..., j]
+def _sumsq(cols: list):
+    acc = cols[0] * cols[0]
+    for c in cols[1:]:
+        acc = acc + c * c
     return acc
 
 
-def _round_ties(N, D, u):
-    """Nearest integer to ``N / D`` per coordinate; exact halves go toward ``sign(u_i)``.
+def _round_ties(N, D, u_i: float):
+    """Nearest integer to ``N / D``; an exact half goes toward ``sign(u_i)``.
 
-    Works on integers (``D`` a positive int) and on floats (``D == 1``), exactly in both.
+    Exact on integers (``D`` a positive int) and on floats (``D == 1``).
 
     Returns:
       ``(f, rho)``: the rounded value and the residual numerator ``N - D f``.
     """
-    up = jnp.asarray(u > 0)
     if jnp.issubdtype(N.dtype, jnp.integer):
         t = 2 * N + D
         f = jnp.floor_divide(t, 2 * D)
-        tie = jnp.remainder(t, 2 * D) == 0  # N/D = f - 1/2: floor took the upper neighbour
-        f = f - (tie & ~up).astype(N.dtype)
+        if u_i < 0:  # N/D = f - 1/2 exactly: floor took the upper neighbour
+            f = f - (jnp.remainder(t, 2 * D) == 0).astype(N.dtype)
         return f, N - D * f
     r = jnp.round(N)  # half to even; y - round(y) is exact in floating point
     rho = N - r
-    r = r + ((rho == 0.5) & up).astype(N.dtype) - ((rho == -0.5) & ~up).astype(N.dtype)
+    r = jnp.where(rho == 0.5, r + 1, r) if u_i > 0 else jnp.where(rho == -0.5, r - 1, r)
     return r, N - r
 
 
-def _nearest_dn(N, D, u):
-    """``Q_{D_n}(N / D)`` (Conway & Sloane), with the tie rule. Returns ``(f, rho)``."""
-    f, rho = _round_ties(N, D, u)
-    odd = jnp.remainder(jnp.sum(f, axis=-1, keepdims=True), 2) != 0
-    uu = jnp.asarray(u, dtype=jnp.float32)
-    s = jnp.where(rho > 0, 1, jnp.where(rho < 0, -1, jnp.where(uu > 0, 1, -1)))
-    mag = jnp.abs(rho)
-    best = mag == jnp.max(mag, axis=-1, keepdims=True)
-    # Among the largest |rho_i| take the largest s*u_i: the |u_i| are distinct, so no tie is left.
-    score = jnp.where(best, s * uu, -2.0)
-    pick = jnp.argmax(score, axis=-1)[..., None] == jnp.arange(N.shape[-1])
-    step = jnp.where(odd & pick, s, 0).astype(f.dtype)
-    f = f + step
-    return f, rho - D * step
+def _nearest_dn(cols: list, D, u: np.ndarray):
+    """``Q_{D_n}(N / D)`` (Conway & Sloane) with the tie rule. Returns ``(f, rho)`` columns."""
+    fr = [_round_ties(c, D, float(ui)) for c, ui in zip(cols, u)]
+    f, rho = [a for a, _ in fr], [b for _, b in fr]
+    total = f[0]
+    for c in f[1:]:
+        total = total + c
+    odd = jnp.remainder(total, 2) != 0
+    # Flip the coordinate maximizing (|rho_i|, s_i u_i), s_i = sign(rho_i) or sign(u_i) if 0.
+    # The |u_i| are distinct, so the pick is unique.
+    best_mag = best_score = best_i = None
+    signs = []
+    for i, (r, ui) in enumerate(zip(rho, u)):
+        pos = (r > 0) | ((r == 0) & (ui > 0))
+        signs.append(pos)
+        mag, score = jnp.abs(r), jnp.where(pos, float(ui), -float(ui))
+        if best_mag is None:
+            best_mag, best_score, best_i = mag, score, jnp.zeros(mag.shape, jnp.int32)
+            continue
+        better = (mag > best_mag) | ((mag == best_mag) & (score > best_score))
+        best_mag = jnp.where(better, mag, best_mag)
+        best_score = jnp.where(better, score, best_score)
+        best_i = jnp.where(better, i, best_i)
+    out_f, out_rho = [], []
+    for i, (fi, ri, pos) in enumerate(zip(f, rho, signs)):
+        flip = odd & (best_i == i)
+        step = jnp.where(flip, jnp.where(pos, 1, -1), 0).astype(fi.dtype)
+        out_f.append(fi + step)
+        out_rho.append(ri - D * step)
+    return out_f, out_rho
 
 
-def _prefer(d_a, d_b, tie_b):
-    """True where candidate b wins: strictly nearer, or equally near and preferred by the rule."""
-    return (d_b < d_a) | ((d_b == d_a) & tie_b)
+def _u_dot(u: np.ndarray, cols: list):
+    """``<u, v>`` in float32 for small integer-valued columns (only its sign is used)."""
+    acc = None
+    for ui, c in zip(u, cols):
+        term = c.astype(jnp.float32) * float(ui)
+        acc = term if acc is None else acc + term
+    return acc
 
 
-def _ufloat(v, u):
-    """``<u, v>`` for a small integer or float vector ``v`` (only its sign is used)."""
-    return matvec(np.asarray(u)[None, :], v.astype(jnp.float32))[..., 0]
+def _pick(take_b, a: list, b: list) -> list:
+    return [jnp.where(take_b, cb, ca) for ca, cb in zip(a, b)]
 
 
-def nearest_int(N, D: int, lat: Lattice):
-    """``Q_L(N / D)`` for integer P coordinates ``N [..., d]``; returns int P coordinates.
+def nearest_int(cols: list, D: int, lat: Lattice) -> list:
+    """``Q_L(N / D)`` for integer P-coordinate columns ``N``; returns integer P columns.
 
     All comparisons are on integers, so ties are decided by the rule and never by rounding.
-    Magnitudes: callers keep ``|N| <= 2^23`` and ``D <= 2^12``, which fits int32.
+    Callers keep ``|N| <= 2^23`` and ``D <= 256``, which fits int32.
     """
     u = lat.u
     if lat.kind == "Z":
-        return _round_ties(N, D, u)[0]
+        return [_round_ties(c, D, float(ui))[0] for c, ui in zip(cols, u)]
     if lat.kind == "D":
-        return _nearest_dn(N, D, u)[0]
+        return _nearest_dn(cols, D, u)[0]
     if lat.kind == "E8":
         # Cartesian y = N / (2D). Candidates: Q_D8(y) and Q_D8(y - 1/2) + 1/2.
-        fa, ra = _nearest_dn(N, 2 * D, u)
-        fb, rb = _nearest_dn(N - D, 2 * D, u)
-        Pa, Pb = 2 * fa, 2 * fb + 1
-        take_b = _prefer(_sumsq(ra), _sumsq(rb), _ufloat(Pb - Pa, u) > 0)
-        return jnp.where(take_b[..., None], Pb, Pa)
+        fa, ra = _nearest_dn(cols, 2 * D, u)
+        fb, rb = _nearest_dn([c - D for c in cols], 2 * D, u)
+        Pa, Pb = [2 * c for c in fa], [2 * c + 1 for c in fb]
+        da, db = _sumsq(ra), _sumsq(rb)
+        tie_b = _u_dot(u, [cb - ca for ca, cb in zip(Pa, Pb)]) > 0
+        return _pick((db < da) | ((db == da) & tie_b), Pa, Pb)
     # A2 in basis coordinates: the nearest point is a corner of the cell floor(N/D) + {0,1}^2.
-    base = jnp.floor_divide(N, D)
-    v = N - D * base
-    return base + _a2_pick(
-        [(v0 * v0 + v0 * v1 + v1 * v1) for v0, v1 in _a2_offsets_residual(v, D)], lat
-    )
+    base = [jnp.floor_divide(c, D) for c in cols]
+    v0, v1 = (c - D * b for c, b in zip(cols, base))
+    dists = [
+        (v0 - D * o0) * (v0 - D * o0) + (v0 - D * o0) * (v1 - D * o1) + (v1 - D * o1) ** 2
+        for o0, o1 in _A2_OFFSETS
+    ]
+    o = _a2_pick(dists, lat)
+    return [base[0] + o[0], base[1] + o[1]]
 
 
 _A2_OFFSETS = ((0, 0), (1, 0), (0, 1), (1, 1))
 
 
-def _a2_offsets_residual(v, D):
-    for o0, o1 in _A2_OFFSETS:
-        yield v[..., 0] - D * o0, v[..., 1] - D * o1
-
-
-def _a2_pick(dists, lat: Lattice):
-    """Offsets ``[..., 2]`` of the nearest of the four A2 corner candidates.
+def _a2_pick(dists: list, lat: Lattice) -> list:
+    """Offset columns of the nearest of the four A2 corner candidates.
 
     Candidates are visited from the most to the least preferred by the tie rule (largest
-    ``<u, G c>`` first), and a later one replaces the current one only when strictly nearer.
+    ``<u, G c>`` first); a later one replaces the current one only when strictly nearer.
     """
     uG = lat.G.T @ lat.u
     order = sorted(range(4), key=lambda k: -float(uG @ np.array(_A2_OFFSETS[k])))
     best_d = dists[order[0]]
-    best_o = jnp.broadcast_to(jnp.array(_A2_OFFSETS[order[0]], jnp.int32), best_d.shape + (2,))
+    o0 = jnp.full(best_d.shape, _A2_OFFSETS[order[0]][0], jnp.int32)
+    o1 = jnp.full(best_d.shape, _A2_OFFSETS[order[0]][1], jnp.int32)
     for k in order[1:]:
         better = dists[k] < best_d
         best_d = jnp.where(better, dists[k], best_d)
-        best_o = jnp.where(better[..., None], jnp.array(_A2_OFFSETS[k], jnp.int32), best_o)
-    return best_o
+        o0 = jnp.where(better, _A2_OFFSETS[k][0], o0)
+        o1 = jnp.where(better, _A2_OFFSETS[k][1], o1)
+    return [o0, o1]
 
 
-def nearest_float(y, lat: Lattice):
-    """Level-0 nearest point ``Q_L(y + eps)`` in ``y``'s floating dtype.
+def nearest_float(cols: list, lat: Lattice) -> list:
+    """Level-0 nearest point in the columns' floating dtype.
+
+    float64: ``Q_L(y + eps)``, bit for bit the reference; exact ties that survive the addition
+    are resolved by the rule. float32: ``Q_L(y)`` with the rule applied to exact ties.
 
     Args:
-      y: ``[..., d]`` floating array.
+      cols: ``d`` floating columns of ``y``.
       lat: the lattice.
 
     Returns:
-      ``[..., d]`` P coordinates of the nearest point, as integer-valued floats of ``y.dtype``.
+      P-coordinate columns of the nearest point, as integer-valued floats.
     """
-    eps = jnp.asarray(lat.u * 2.0**-41, dtype=y.dtype)
-    y = y + eps
+    if cols[0].dtype == jnp.float64:
+        y = [c + np.float64(e) for c, e in zip(cols, lat.u * 2.0**-41)]
+    else:
+        # eps is below float32 resolution except on coordinates near 0, where adding it would
+        # mix eps with the exact rule on the others: apply the exact rule alone.
+        y = list(cols)
     u = lat.u
     if lat.kind == "Z":
-        return _round_ties(y, 1, u)[0]
+        return [_round_ties(c, 1, float(ui))[0] for c, ui in zip(y, u)]
     if lat.kind == "D":
         return _nearest_dn(y, 1, u)[0]
     if lat.kind == "E8":
         fa, ra = _nearest_dn(y, 1, u)
-        fb, _ = _nearest_dn(y - 0.5, 1, u)
-        Pa, Pb = 2 * fa, 2 * fb + 1
-        take_b = _prefer(_sumsq(ra), _sumsq(y - (fb + 0.5)), _ufloat(Pb - Pa, u) > 0)
-        return jnp.where(take_b[..., None], Pb, Pa)
-    base = jnp.floor(matvec(np.linalg.inv(lat.G), y))
-    dists = [_sumsq(y - matvec(lat.G, base + jnp.asarray(o, y.dtype))) for o in _A2_OFFSETS]
-    return base + _a2_pick(dists, lat).astype(y.dtype)
+        fb, _ = _nearest_dn([c - 0.5 for c in y], 1, u)
+        Pa, Pb = [2 * c for c in fa], [2 * c + 1 for c in fb]
+        da, db = _sumsq(ra), _sumsq([c - (f + 0.5) for c, f in zip(y, fb)])
+        tie_b = _u_dot(u, [cb - ca for ca, cb in zip(Pa, Pb)]) > 0
+        return _pick((db < da) | ((db == da) & tie_b), Pa, Pb)
+    base = [jnp.floor(c) for c in matvec(np.linalg.inv(lat.G), y)]
+    dists = []
+    for o0, o1 in _A2_OFFSETS:
+        cart = matvec(lat.G, [base[0] + o0, base[1] + o1])
+        dists.append(_sumsq([a - b for a, b in zip(y, cart)]))
+    o = _a2_pick(dists, lat)
+    return [base[0] + o[0].astype(y[0].dtype), base[1] + o[1].astype(y[0].dtype)]
 
 
 def closest_point(y, lat: Lattice | str):
@@ -345,4 +383,4 @@ def closest_point(y, lat: Lattice | str):
         raise TypeError(f"closest_point: expected a floating array, got {y.dtype}")
     if jnp.finfo(y.dtype).bits < 32:
         y = y.astype(jnp.float32)
-    return lat.cart_from_P(nearest_float(y, lat))
+    return jnp.stack(lat.cart_from_P(nearest_float(columns(y), lat)), axis=-1)

@@ -1,0 +1,136 @@
+"""Rate statistics of codes and the paper's beta grid search (SPEC §7)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hnlq_jax.codec import Codes, check_codes, check_x, decode_blocks, encode_blocks
+from hnlq_jax.config import HNLQConfig
+
+__all__ = ["RateStats", "rate_stats", "calibrate_beta", "BetaSearch"]
+
+
+class RateStats(NamedTuple):
+    """Statistics of the overload steps T of a batch of codes.
+
+    Attributes:
+      overload_rate: fraction of blocks with ``T > 0`` (rescaled at least once).
+      failure_rate: fraction of blocks with ``T = -1`` (not encodable).
+      histogram: ``[max_T + 1]`` counts of T = 0..max_T.
+      entropy_T: ``H(T)`` in bits per block (``T = -1`` counts as a symbol).
+      rate: effective rate ``M log2 q + H(T)/d`` in bits per dimension.
+    """
+
+    overload_rate: jax.Array
+    failure_rate: jax.Array
+    histogram: jax.Array
+    entropy_T: jax.Array
+    rate: jax.Array
+
+
+def _rate_stats(T, config: HNLQConfig) -> RateStats:
+    T = T.reshape(-1).astype(jnp.int32)
+    n = max(T.size, 1)
+    counts = jnp.bincount(T + 1, length=config.max_T + 2)  # index 0: T = -1
+    p = counts / n
+    H = -jnp.sum(jnp.where(p > 0, p * jnp.log2(jnp.where(p > 0, p, 1)), 0))
+    return RateStats(
+        overload_rate=jnp.sum(counts[2:]) / n,
+        failure_rate=counts[0] / n,
+        histogram=counts[1:],
+        entropy_T=H,
+        rate=config.rate + H / config.d,
+    )
+
+
+def rate_stats(codes: Codes, config: HNLQConfig) -> RateStats:
+    """Overload rate, histogram and entropy of T, and the effective rate.
+
+    Args:
+      codes: ``Codes(labels[..., M, d], T[...])`` over any leading shape.
+      config: the quantizer that made them.
+
+    Returns:
+      :class:`RateStats` (scalars and a ``[max_T + 1]`` histogram).
+    """
+    _, T = check_codes(codes, config, None, "rate_stats")
+    return jax.jit(_rate_stats, static_argnums=1)(T, config)
+
+
+class BetaSearch(NamedTuple):
+    """The table :func:`calibrate_beta` searched, one entry per beta on the grid (numpy).
+
+    Attributes:
+      beta, mse, entropy_T, rate, f, overload_rate: ``[num]`` float64 arrays; ``mse`` is per
+        dimension, ``f = mse * 2^(2 rate)`` (linear; ``10 log10 f`` is the distance in dB above
+        the Gaussian bound), ``rate`` includes ``H(T)/d``. A beta at which some block could not
+        be encoded has ``mse = f = inf``.
+      best: index of the chosen beta.
+    """
+
+    beta: np.ndarray
+    mse: np.ndarray
+    entropy_T: np.ndarray
+    rate: np.ndarray
+    f: np.ndarray
+    overload_rate: np.ndarray
+    best: int
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _search(x, config, betas):
+    def one(beta):
+        c = encode_blocks(x, config, beta)
+        xh = decode_blocks(c.labels, c.T, config, None, x.dtype, beta)
+        st = _rate_stats(c.T, config)
+        mse = jnp.mean((x - xh) ** 2)
+        mse = jnp.where(st.failure_rate > 0, jnp.inf, mse)
+        return mse, st.entropy_T, st.rate, mse * 2 ** (2 * st.rate), st.overload_rate
+
+    return jax.lax.map(one, betas, batch_size=8)
+
+
+def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
+                   step: float = 0.05) -> tuple[float, BetaSearch]:
+    """The paper's grid search for beta: ``beta_min (1 + step k)``, ``k < num`` (SPEC §7).
+
+    Every grid point encodes and decodes all of ``x``; the grid is mapped on device.
+
+    Args:
+      x: ``[..., d]`` sample of the data to quantize (e.g. 4000 iid N(0,1) d-vectors).
+      config: the quantizer (its ``beta`` is ignored).
+      criterion: ``"f"`` minimizes ``MSE 2^(2R)`` with R including ``H(T)/d`` (the paper's
+        figure of merit); ``"mse"`` minimizes the MSE alone.
+      num: number of grid points.
+      step: relative grid step.
+
+    Returns:
+      ``(beta, table)``: the chosen beta (a Python float, ready for
+      ``config.replace(beta=...)``) and the :class:`BetaSearch` table.
+
+    Raises:
+      ValueError: unknown criterion, bad grid, or invalid ``x`` (see :func:`hnlq_jax.encode`).
+    """
+    if criterion not in ("f", "mse"):
+        raise ValueError(f"calibrate_beta: criterion must be 'f' or 'mse', got {criterion!r}")
+    if not (isinstance(num, int) and num >= 1 and math.isfinite(step) and step > 0):
+        raise ValueError(f"calibrate_beta: need num >= 1 and step > 0, got {num}, {step}")
+    x = check_x(x, config, "calibrate_beta").reshape(-1, config.d)
+    if x.shape[0] == 0:
+        raise ValueError("calibrate_beta: x holds no block")
+    b0 = config.beta_min()
+    betas = np.array([b0 * (1 + step * k) for k in range(num)])
+    cols = [np.asarray(v, dtype=np.float64)
+            for v in _search(x, config, jnp.asarray(betas, x.dtype))]
+    key = cols[3] if criterion == "f" else cols[0]
+    best = int(np.argmin(key))
+    if not np.isfinite(key[best]):
+        raise ValueError("calibrate_beta: no beta on the grid encodes every block; raise max_T")
+    table = BetaSearch(betas, *cols, best=best)
+    return float(betas[best]), table

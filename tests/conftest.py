@@ -1,0 +1,47 @@
+"""Shared test set-up: 8 fake CPU devices (before any JAX op), golden files, hypothesis."""
+
+import pathlib
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+DATA = pathlib.Path(__file__).parent / "data"
+GOLDEN = sorted(p.name for p in DATA.glob("*.npz"))
+
+settings.register_profile(
+    "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("ci")
+
+
+def load_golden(name):
+    """Arrays of one golden file (a dict of numpy arrays)."""
+    with np.load(DATA / name) as z:
+        return {k: z[k] for k in z.files}
+
+
+def golden_config(g, **changes):
+    from hnlq_jax import HNLQConfig
+
+    kw = dict(
+        lattice=str(g["lattice"]),
+        q=int(g["q"]),
+        M=int(g["M"]),
+        beta=float(g["beta"]),
+        alpha=float(g["alpha"]),
+        max_T=int(g["max_scaling_iterations"]),
+        dither=tuple(g["dither"]) if bool(g["with_dither"]) else None,
+    )
+    kw.update(changes)
+    return HNLQConfig(**kw)
+
+
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield

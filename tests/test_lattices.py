@@ -1,0 +1,176 @@
+"""Nearest-point routines against an independent brute force with the exact tie rule."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hnlq_jax import closest_point, lattice
+from hnlq_jax.lattices import columns, nearest_int
+
+ALL = ["Z2", "A2", "D4", "E8", "Z3", "D3", "D5"]
+
+
+def brute_P(N, D, lat):
+    """Q_L(N/D) for integer P-coordinate numerators by enumeration, ties by max <u, x>.
+
+    Distances are integer quadratic forms of N - D*c, so the comparison is exact.
+    """
+    N = np.asarray(N, dtype=np.int64)
+    d = lat.d
+    if lat.kind == "A2":
+        base = np.floor_divide(N, D)
+        offs = np.array(list(itertools.product(range(-1, 3), repeat=2)))
+        cands = base[:, None, :] + offs[None]  # basis coordinates
+        v = N[:, None, :] - D * cands
+        dist = 2 * v[..., 0] ** 2 + 2 * v[..., 0] * v[..., 1] + 2 * v[..., 1] ** 2
+        cart = cands @ lat.G.T
+    else:
+        scale = 2 if lat.kind == "E8" else 1  # P = scale * Cartesian
+        y = N / (scale * D)
+        grids = []
+        for shift in ((0.0, 0.5) if lat.kind == "E8" else (0.0,)):
+            lo = np.floor(y - shift) - 1
+            offs = np.array(list(itertools.product(range(3), repeat=d)))
+            grids.append(lo[:, None, :] + offs[None] + shift)
+        cart = np.concatenate(grids, axis=1)
+        s = np.rint(2 * cart).astype(np.int64)  # doubled Cartesian
+        if lat.kind == "D":
+            ok = np.sum(cart, -1) % 2 == 0
+        elif lat.kind == "E8":
+            same = np.all(s % 2 == s[..., :1] % 2, -1)
+            ok = same & (np.sum(s, -1) % 4 == 0)
+        else:
+            ok = np.ones(cart.shape[:-1], bool)
+        cands = np.rint(cart * scale).astype(np.int64)
+        v = N[:, None, :] - D * cands
+        dist = np.where(ok, np.sum(v * v, -1), np.iinfo(np.int64).max)
+    best = dist == dist.min(axis=1, keepdims=True)
+    pref = np.where(best, cart @ lat.u, -np.inf)
+    return cands[np.arange(len(N)), np.argmax(pref, axis=1)]
+
+
+def to_cart(P, lat):
+    P = np.asarray(P, np.float64)
+    if lat.kind == "E8":
+        return P / 2
+    if lat.kind == "A2":
+        return P @ lat.G.T
+    return P
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("D", [1, 2, 3, 4, 8])
+def test_nearest_int_matches_brute_force(name, D):
+    lat = lattice(name)
+    rng = np.random.default_rng([D, lat.d, 3])
+    # Small numerators over a small denominator: exact ties on faces are frequent.
+    N = rng.integers(-4 * D, 4 * D + 1, size=(100 if lat.d > 5 else 400, lat.d))
+    got = np.stack([np.asarray(c) for c in nearest_int(columns(jnp.asarray(N, jnp.int32)), D,
+                                                        lat)], -1)
+    np.testing.assert_array_equal(got, brute_P(N, D, lat))
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if n != "A2"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("D", [2, 4, 8])
+def test_closest_point_exact_ties(name, dtype, D):
+    """Dyadic inputs sit exactly on faces; float32 and float64 (+eps) both obey the rule."""
+    lat = lattice(name)
+    scale = 2 if lat.kind == "E8" else 1
+    rng = np.random.default_rng([D, lat.d, 5])
+    N = rng.integers(-5 * D, 5 * D + 1, size=(100 if lat.d > 5 else 400, lat.d))
+    y = N / (scale * D)
+    with jax.enable_x64(dtype == "float64"):
+        got = np.asarray(closest_point(jnp.asarray(y, dtype), lat))
+    np.testing.assert_array_equal(got, to_cart(brute_P(N, D, lat), lat))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_closest_point_random_is_nearest(name, x64):
+    lat = lattice(name)
+    rng = np.random.default_rng(lat.d)
+    y = rng.normal(size=(100 if lat.d > 5 else 400, lat.d)) * 3
+    got = np.asarray(closest_point(y, lat))
+    # Compare distances with a brute force on a fine rational approximation of y.
+    D = 2**20
+    N = np.rint(y * D * (2 if lat.kind == "E8" else 1)).astype(np.int64)
+    if lat.kind == "A2":
+        N = np.rint((y @ np.linalg.inv(lat.G).T) * D).astype(np.int64)
+    ref = to_cart(brute_P(N, D, lat), lat)
+    dg = np.sum((got - y) ** 2, -1)
+    dr = np.sum((ref - y) ** 2, -1)
+    np.testing.assert_allclose(dg, dr, atol=1e-12)
+    # Points are in the lattice: integer basis coordinates.
+    k = got @ np.linalg.inv(lat.G).T
+    np.testing.assert_allclose(k, np.rint(k), atol=1e-9)
+
+
+@given(
+    name=st.sampled_from(ALL),
+    shift=st.lists(st.integers(-50, 50), min_size=8, max_size=8),
+    seed=st.integers(0, 2**31 - 1),
+    D=st.sampled_from([2, 3, 5, 7]),
+)
+def test_nearest_int_translation_equivariant(name, shift, seed, D):
+    """Q(N/D + lambda) = Q(N/D) + lambda for every lattice vector lambda."""
+    lat = lattice(name)
+    lam = lat.P_from_basis @ np.array(shift[: lat.d])
+    N = np.random.default_rng(seed).integers(-3 * D, 3 * D + 1, size=(64, lat.d))
+    f = lambda n: np.stack(nearest_int(columns(jnp.asarray(n, jnp.int32)), D, lat), -1)  # noqa
+    np.testing.assert_array_equal(f(N + D * lam), f(N) + lam)
+
+
+def test_generators_and_constants():
+    np.testing.assert_array_equal(
+        lattice("D4").G,
+        [[-1, 1, 0, 0], [-1, -1, 1, 0], [0, 0, -1, 1], [0, 0, 0, -1]],
+    )
+    assert lattice("E8").G[0, 0] == 2 and lattice("E8").G[7, 7] == 0.5
+    np.testing.assert_allclose(
+        lattice("D4").u,
+        [-0.21995767065481447, 0.5949816371721085, -0.6767255347849194, 0.3737084761122904],
+        rtol=0, atol=1e-15,
+    )
+    np.testing.assert_allclose(lattice("A2").u, [-0.34675160227191165, 0.9379569959874824],
+                               atol=1e-15)
+    assert lattice("Z7").d == 7 and lattice("D6").d == 6
+    assert lattice("D4") is lattice("D4")
+
+
+@pytest.mark.parametrize(
+    "name,sigma2", [("Z2", 1 / 12), ("A2", 5 / 72), ("D4", 13 / 120), ("E8", 929 / 12960),
+                    ("D3", 1 / 8), ("D5", 1 / 12 + 1 / 60)]
+)
+def test_second_moment_monte_carlo(name, sigma2):
+    """y - Q(y) is uniform on V for y uniform on a large box: E|e|^2/d = sigma^2."""
+    lat = lattice(name)
+    y = np.random.default_rng(1).uniform(-50, 50, size=(200_000, lat.d))
+    e = y - np.asarray(closest_point(jnp.asarray(y, jnp.float32), lat), np.float64)
+    assert math.isclose(np.mean(e**2), sigma2, rel_tol=0.01)
+    assert np.max(np.linalg.norm(e, axis=-1)) <= lat.covering_radius + 1e-4
+
+
+@pytest.mark.parametrize("bad", ["E7", "Z1", "D1", "X4", "z2", ""])
+def test_unknown_lattice(bad):
+    with pytest.raises(ValueError, match="unknown lattice"):
+        lattice(bad)
+
+
+def test_closest_point_bad_input():
+    with pytest.raises(ValueError, match="d=4"):
+        closest_point(jnp.zeros((3, 5)), "D4")
+    with pytest.raises(TypeError, match="floating"):
+        closest_point(jnp.zeros((3, 4), jnp.int32), "D4")
+
+
+def test_closest_point_half_precision():
+    y = jnp.asarray([[0.4, 1.6, -0.2, 0.9]], jnp.bfloat16)
+    out = closest_point(y, "D4")
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, closest_point(y.astype(jnp.float32), "D4"))

@@ -93,8 +93,9 @@ def encode_at(y: list, config: HNLQConfig):
       ``(labels, overload)``: ``labels[M, d, n]`` uint8 (coordinate-major) and ``overload[n]``.
     """
     lat = config.lat
-    # Norm bound first: a far block surely overloads, and zeroing it keeps int32 in range.
-    far = ~(_sumsq(y) <= (config.overload_radius * (1 + _NORM_SLACK)) ** 2)  # NaN -> far
+    # A block beyond the clamp radius surely overloads; zeroing it keeps int32 in range. Below
+    # it the labels are Algorithm 1's even for overloaded blocks.
+    far = ~(_sumsq(y) <= config.clamp_radius**2)  # NaN -> far
     y = [jnp.where(far, 0, c) for c in y]
     g0 = tuple(c.astype(jnp.int32) for c in nearest_float(y, lat))
 
@@ -235,12 +236,7 @@ def encode_blocks(x, config: HNLQConfig, beta) -> Codes:
     return Codes(jnp.transpose(st.labels, (2, 0, 1)), st.T.astype(jnp.int8))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _encode_jit(x, config):
-    flat = x.reshape(-1, config.d)
-    codes = encode_blocks(flat, config, config.beta)
-    return Codes(codes.labels.reshape(x.shape[:-1] + (config.M, config.d)),
-                 codes.T.reshape(x.shape[:-1]))
+_encode_jit = jax.jit(lambda x, config: encode_blocks(x, config, config.beta), static_argnums=1)
 
 
 def encode(x, config: HNLQConfig) -> Codes:
@@ -257,28 +253,59 @@ def encode(x, config: HNLQConfig) -> Codes:
       ValueError: wrong last-axis size, or NaN/Inf in a concrete input.
       TypeError: non-floating input.
     """
-    return _encode_jit(check_x(x, config, "encode"), config)
+    x = check_x(x, config, "encode")
+    codes = _encode_jit(x.reshape(-1, config.d), config)  # flat: one compile per block count
+    return Codes(codes.labels.reshape(x.shape[:-1] + (config.M, config.d)),
+                 codes.T.reshape(x.shape[:-1]))
 
 
-def lattice_sum(labels, config: HNLQConfig, levels: int | None = None):
+def lattice_sum(labels, config: HNLQConfig, levels: int | None = None, use_table=None):
     """``sum_m q^m r(b_m)`` over the top ``levels`` levels, in integer P coordinates.
 
     Args:
-      labels: ``[..., M, d]`` integer labels in ``0..q-1``.
+      labels: ``[..., M, d]`` integer labels in ``0..q-1`` (any integers for the computed path:
+        ``r`` depends on ``b mod q`` only).
       config: the quantizer.
       levels: how many of the coarsest levels to keep (default: all M).
+      use_table: look ``r(b)`` up in the ``q^d``-row codebook (default when ``q^d <= 2^16``)
+        instead of computing ``G b - q Q_L(G b / q)``. Both are exact and agree.
 
     Returns:
       ``d`` int32 P-coordinate columns of shape ``[...]`` (exact).
     """
-    lat, q, M = config.lat, config.q, config.M
+    lat, q, M, d = config.lat, config.q, config.M, config.d
     levels = M if levels is None else levels
+    if use_table is None:
+        use_table = q**d <= _TABLE_MAX
+    table = jnp.asarray(codebook_table(config.lattice, q)) if use_table else None
     total = None
     for m in range(M - levels, M):
-        Pb = matvec(lat.P_from_basis, columns(labels[..., m, :].astype(jnp.int32)))
-        r = [(p - q * c) * (q**m) for p, c in zip(Pb, nearest_int(Pb, q, lat))]
+        b = labels[..., m, :].astype(jnp.int32)
+        if use_table:
+            idx = b[..., 0]
+            for i in range(1, d):
+                idx = idx * q + b[..., i]
+            rows = table[idx]
+            r = [rows[..., i] for i in range(d)]
+        else:
+            Pb = matvec(lat.P_from_basis, columns(b))
+            r = [p - q * c for p, c in zip(Pb, nearest_int(Pb, q, lat))]
+        r = [c * (q**m) for c in r]
         total = r if total is None else [a + b for a, b in zip(total, r)]
     return total
+
+
+_TABLE_MAX = 2**16
+
+
+@functools.lru_cache(maxsize=None)
+def codebook_table(lattice: str, q: int) -> np.ndarray:
+    """``[q^d, d]`` int32 numpy codebook in P coordinates (SPEC §5 order), computed once."""
+    config = HNLQConfig(lattice, q, 1)
+    with jax.ensure_compile_time_eval():  # may be first needed while tracing decode
+        labels = jnp.asarray(all_labels(q, config.d)[:, None, :])
+        cols = jax.jit(lattice_sum, static_argnums=(1, 2, 3))(labels, config, None, False)
+        return np.stack([np.asarray(c) for c in cols], axis=-1)
 
 
 def check_codes(codes, config: HNLQConfig, levels, fn: str):
@@ -353,7 +380,10 @@ def decode(codes: Codes, config: HNLQConfig, levels: int | None = None, dtype=No
     dtype = jnp.dtype(default_float() if dtype is None else dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"decode: dtype must be floating, got {dtype}")
-    return _decode_jit(labels, T, config, levels, dtype)
+    compute = jnp.promote_types(dtype, jnp.float32)  # half precision: float32, then round
+    flat = _decode_jit(labels.reshape((-1, config.M, config.d)), T.reshape(-1), config, levels,
+                       compute)
+    return flat.reshape(T.shape + (config.d,)).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -409,20 +439,14 @@ def codebook(config: HNLQConfig, dtype=None):
             "directly instead"
         )
     dtype = jnp.dtype(default_float() if dtype is None else dtype)
-    P = columns(codebook_P(config).astype(dtype))
-    return jnp.stack(config.lat.cart_from_P(P), axis=-1)
+    P = codebook_table(config.lattice, q)
+    return jnp.stack(config.lat.cart_from_P(columns(jnp.asarray(P).astype(dtype))), axis=-1)
 
 
-def all_labels(q: int, d: int):
-    """``[q^d, d]`` int32: the k-th row is the k-th tuple of ``itertools.product(range(q), d)``."""
-    k = jnp.arange(q**d, dtype=jnp.int32)[:, None]
-    return (k // (q ** jnp.arange(d - 1, -1, -1, dtype=jnp.int32))) % q
-
-
-def codebook_P(config: HNLQConfig):
-    """The codebook in integer P coordinates, ``[q^d, d]`` int32."""
-    one = config.replace(M=1)
-    return jnp.stack(lattice_sum(all_labels(config.q, config.d)[:, None, :], one), axis=-1)
+def all_labels(q: int, d: int) -> np.ndarray:
+    """``[q^d, d]`` int32: row k is the k-th tuple of ``itertools.product(range(q), repeat=d)``."""
+    k = np.arange(q**d, dtype=np.int64)[:, None]
+    return ((k // q ** np.arange(d - 1, -1, -1)) % q).astype(np.int32)
 
 
 def to_blocks(x, d: int):

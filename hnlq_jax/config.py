@@ -58,6 +58,14 @@ class HNLQConfig:
                 f"HNLQConfig: q**M = {self.q}**{self.M} exceeds 2**20, the limit that keeps "
                 "the exact integer arithmetic inside int32"
             )
+        # Integer P coordinates up to ~2 * clamp radius (E8 doubles) times the label map must
+        # stay inside int32.
+        growth = 2 * np.abs(lat.basis_from_P).sum(axis=1).max() * (2 if lat.kind == "E8" else 1)
+        if self.clamp_radius * growth > 2**30:
+            raise ValueError(
+                f"HNLQConfig: q**M = {self.q**self.M} is too large for {lat.name}: the integer "
+                "arithmetic would leave int32"
+            )
         if not 0 <= self.max_T <= MAX_T_CAP:
             raise ValueError(f"HNLQConfig.max_T must be in 0..{MAX_T_CAP}, got {self.max_T}")
         for name in ("beta", "alpha"):
@@ -105,6 +113,11 @@ class HNLQConfig:
         """``(q^M (1 + r_{q,M}) + 1) r_cov``: a scaled input farther from 0 surely overloads."""
         r = (1 - self.q ** (1 - self.M)) / (self.q - 1)
         return (self.q**self.M * (1 + r) + 1) * self.lat.covering_radius
+
+    @property
+    def clamp_radius(self) -> float:
+        """Scaled inputs beyond this norm are marked overloaded without integer arithmetic."""
+        return max(self.overload_radius * (1 + 1e-3), 2.0**20)
 
     @property
     def dither_array(self) -> np.ndarray:

@@ -1,0 +1,337 @@
+"""The codec against the golden vectors, the identities of SPEC §6, and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GOLDEN, golden_config, load_golden
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hnlq_jax as hq
+from hnlq_jax.codec import encode_at, encoder_states, lattice_sum
+from hnlq_jax.lattices import columns
+
+
+def level_reps(labels, cfg):
+    """r(b_m) per level via the codebook, [..., M, d]."""
+    q, d = cfg.q, cfg.d
+    idx = np.sum(np.asarray(labels, np.int64) * q ** np.arange(d - 1, -1, -1), axis=-1)
+    return np.asarray(hq.codebook(cfg))[idx]
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_x64(name, x64):
+    g = load_golden(name)
+    cfg = golden_config(g)
+    codes = hq.encode(g["X"], cfg)
+    np.testing.assert_array_equal(codes.labels, g["labels"])
+    np.testing.assert_array_equal(codes.T, g["T"])
+    assert codes.labels.dtype == jnp.uint8 and codes.T.dtype == jnp.int8
+    np.testing.assert_array_equal(hq.decode(codes, cfg), g["decoded"])
+    for k in range(1, cfg.M + 1):
+        np.testing.assert_array_equal(hq.decode(codes, cfg, levels=k), g["decoded_depth"][:, k - 1])
+    np.testing.assert_array_equal(level_reps(codes.labels, cfg), g["level_reps"])
+    np.testing.assert_array_equal(hq.codebook(cfg), g["codebook"])
+    np.testing.assert_array_equal(hq.closest_point(g["X"], cfg.lattice), g["QL_X"])
+    # Algorithm 1 at T = 0, without the overload loop.
+    z = np.asarray(cfg.dither_array)
+    y0 = g["X"] / cfg.beta + z
+    labels0, over0 = _encode_at(jnp.asarray(y0), cfg)
+    np.testing.assert_array_equal(np.transpose(labels0, (2, 0, 1)), g["labels_T0"])
+    np.testing.assert_array_equal(over0, g["overload_T0"])
+    np.testing.assert_array_equal(hq.closest_point(y0, cfg.lattice), g["QL_T0"])
+    P0 = jnp.stack(lattice_sum(jnp.asarray(g["labels_T0"]), cfg), -1)
+    np.testing.assert_array_equal(P0, g["decoded_T0_lattice"])
+    # Encoder states at the final T.
+    yT = g["X"] / (cfg.beta * 2.0 ** (cfg.alpha * g["T"].astype(np.float64)))[:, None] + z
+    states = np.stack(_states(jnp.asarray(yT), cfg), axis=1)
+    np.testing.assert_array_equal(states, g["g_seq"])
+    # max_T = 0 marks exactly the rows that overload at T = 0.
+    c0 = hq.encode(g["X"], cfg.replace(max_T=0))
+    np.testing.assert_array_equal(np.asarray(c0.T) == -1, g["overload_T0"])
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_float32(name):
+    """Rows of kind 0/1 agree in float32: no such input sits within rounding of a face."""
+    g = load_golden(name)
+    cfg = golden_config(g)
+    rows = g["row_kind"] < 2
+    codes = hq.encode(g["X"][rows].astype(np.float32), cfg)
+    near_face = np.sum(np.any(np.asarray(codes.labels) != g["labels"][rows], axis=(1, 2))
+                       | (np.asarray(codes.T) != g["T"][rows]))
+    assert near_face == 0
+    out = hq.decode(codes, cfg)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, g["decoded"][rows], rtol=2e-6, atol=2e-6 * cfg.beta)
+
+
+# A fixed set of configs (each config is a static jit argument: a new one compiles anew).
+CONFIGS = st.sampled_from([
+    hq.HNLQConfig("Z2", 3, 2, beta=0.3),
+    hq.HNLQConfig("Z2", 8, 1, beta=0.7),
+    hq.HNLQConfig("A2", 4, 2, beta=0.25),
+    hq.HNLQConfig("A2", 5, 1, beta=1.1),
+    hq.HNLQConfig("D4", 4, 2, beta=0.2),
+    hq.HNLQConfig("D4", 3, 3, beta=0.15),
+    hq.HNLQConfig("E8", 2, 2, beta=0.5),
+    hq.HNLQConfig("E8", 4, 1, beta=0.9),
+])
+# Leading shapes of one size: encode and decode compile once per config (they flatten).
+SHAPES = st.sampled_from([(12,), (3, 4), (2, 3, 2), (1, 12)])
+_encode_at = jax.jit(lambda y, cfg: encode_at(columns(y), cfg), static_argnums=1)
+_states = jax.jit(encoder_states, static_argnums=1)
+
+
+def _data(cfg, seed, shape):
+    return np.random.default_rng(seed).normal(size=shape + (cfg.d,)) * cfg.q ** cfg.M * 0.3 * (
+        cfg.beta)
+
+
+@settings(max_examples=16)
+@given(cfg=CONFIGS, seed=st.integers(0, 2**31 - 1), shape=SHAPES)
+def test_identities(cfg, seed, shape):
+    """SPEC §6 (1)-(4): exact reconstruction, telescoping, no overload after the loop, labels."""
+    with jax.enable_x64(True):
+        _check_identities(cfg, _data(cfg, seed, shape), shape)
+
+
+def _check_identities(cfg, x, shape):
+    codes = hq.encode(x, cfg)
+    T = np.asarray(codes.T)
+    assert codes.labels.shape == shape + (cfg.M, cfg.d) and T.shape == shape
+    assert np.all(T >= 0)
+    assert np.all(np.asarray(codes.labels) < cfg.q)
+    scale = cfg.beta * 2.0 ** (cfg.alpha * T.astype(np.float64))
+    y = x / scale[..., None]
+    xhat = np.asarray(hq.decode(codes, cfg))
+    # (1) decode = beta_T * Q_L(x / beta_T) exactly (in lattice units: x_hat = g_0).
+    states = [np.asarray(s) for s in _states(jnp.asarray(y), cfg)]
+    np.testing.assert_array_equal(xhat, (cfg.beta * states[0]) * 2.0 ** (cfg.alpha * T[..., None]))
+    # (3) g_M = 0 after the loop; T is minimal: at T - 1 the block overloads.
+    assert np.all(states[-1] == 0)
+    prev = T > 0
+    if np.any(prev):
+        yp = x[prev] / (cfg.beta * 2.0 ** (cfg.alpha * (T[prev] - 1.0)))[:, None]
+        assert np.all(np.asarray(_encode_at(jnp.asarray(yp), cfg)[1]))
+    # (2) telescoping: sum_{m >= j} q^m r(b_m) = q^j g_j.
+    for j in range(cfg.M):
+        P = np.stack([np.asarray(c) for c in lattice_sum(codes.labels, cfg, cfg.M - j)], -1)
+        cart = P / 2 if cfg.lattice == "E8" else (P @ cfg.lat.G.T if cfg.lattice == "A2" else P)
+        np.testing.assert_allclose(cart, cfg.q**j * states[j], rtol=0, atol=1e-9)
+
+
+@given(cfg=CONFIGS)
+def test_codebook_identities(cfg):
+    """SPEC §6 (4)-(5): Q_L(r(b)/q) = 0, distinct representatives, coset consistency."""
+    cfg = cfg.replace(M=1, q=min(cfg.q, 4) if cfg.lattice == "E8" else cfg.q)
+    with jax.enable_x64(True):
+        cb = np.asarray(hq.codebook(cfg))
+        assert np.all(np.asarray(hq.closest_point(cb / cfg.q, cfg.lattice)) == 0)
+    assert len(np.unique(cb, axis=0)) == cfg.q**cfg.d
+    labels = np.random.default_rng(cfg.q).integers(0, cfg.q, size=(50, 1, cfg.d))
+    shifted = labels + cfg.q * np.random.default_rng(1).integers(-3, 4, size=labels.shape)
+    a = np.stack(lattice_sum(jnp.asarray(labels), cfg, use_table=False), -1)
+    b = np.stack(lattice_sum(jnp.asarray(shifted), cfg, use_table=False), -1)
+    np.testing.assert_array_equal(a, b)
+    # The table lookup of the decoder equals the computed representatives.
+    c = np.stack(lattice_sum(jnp.asarray(labels), cfg, use_table=True), -1)
+    np.testing.assert_array_equal(a, c)
+
+
+@settings(max_examples=12)
+@given(cfg=CONFIGS, seed=st.integers(0, 2**31 - 1))
+def test_idempotence(cfg, seed):
+    """SPEC §6 (5): re-encoding a decoded non-overloaded point (beta = 1) is a fixed point."""
+    with jax.enable_x64(True):
+        _check_idempotence(cfg.replace(beta=1.0), seed)
+
+
+def _check_idempotence(cfg, seed):
+    x = _data(cfg, seed, (12,))
+    c1 = hq.encode(x, cfg)
+    keep = np.asarray(c1.T) == 0
+    x1 = np.asarray(hq.decode(c1, cfg))[keep]
+    c2 = hq.encode(x1, cfg)
+    np.testing.assert_array_equal(c2.labels, np.asarray(c1.labels)[keep])
+    np.testing.assert_array_equal(c2.T, 0)
+
+
+@pytest.mark.parametrize("lat,q", [("Z2", 3), ("A2", 3), ("D4", 3), ("D4", 4), ("E8", 2)])
+def test_sandwich(lat, q, x64):
+    """SPEC §6 (6): lattice points well inside q^M(1-r)V are in the constellation; every
+    constellation point lies within q^M(1+r) covering radii."""
+    M = 2
+    cfg = hq.HNLQConfig(lat, q, M, beta=1.0, max_T=0)
+    r = (1 - q ** (1 - M)) / (q - 1)
+    L = cfg.lat
+    k = np.array(np.meshgrid(*[np.arange(-10, 11)] * L.d)).reshape(L.d, -1).T if L.d <= 4 else (
+        np.random.default_rng(0).integers(-6, 7, size=(20000, L.d)))
+    pts = k @ L.G.T
+    # Packing radius: half the minimal norm (Z2 1/2, A2 1/2, D4 sqrt2/2, E8 sqrt2/2).
+    rpack = {"Z2": 0.5, "A2": 0.5, "D4": 2**0.5 / 2, "E8": 2**0.5 / 2}[lat]
+    inner = pts[np.linalg.norm(pts, axis=1) < q**M * (1 - r) * rpack - 1e-9]
+    codes = hq.encode(inner, cfg)
+    assert np.all(np.asarray(codes.T) == 0)
+    np.testing.assert_allclose(hq.decode(codes, cfg), inner, atol=1e-12)
+    allcodes = np.array(np.meshgrid(*[np.arange(q)] * (M * L.d))).reshape(M * L.d, -1).T
+    allcodes = allcodes[:: max(1, len(allcodes) // 5000)].reshape(-1, M, L.d)
+    xs = np.asarray(hq.decode(hq.Codes(jnp.asarray(allcodes, jnp.uint8),
+                                       jnp.zeros(len(allcodes), jnp.int8)), cfg))
+    assert np.max(np.linalg.norm(xs, axis=1)) <= q**M * (1 + r) * L.covering_radius + 1e-9
+
+
+def test_batch_shape_independence():
+    """Same codes whatever the batch: large batches take the compacted T search."""
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    x = np.random.default_rng(0).normal(size=(20000, 4)).astype(np.float32)
+    big = hq.encode(x, cfg)
+    assert np.mean(np.asarray(big.T) > 0) > 0.15  # the compaction path is exercised
+    parts = [hq.encode(x[i : i + 997], cfg) for i in range(0, 20000, 997)]
+    np.testing.assert_array_equal(big.labels, np.concatenate([p.labels for p in parts]))
+    np.testing.assert_array_equal(big.T, np.concatenate([p.T for p in parts]))
+    one = hq.encode(x[123], cfg)
+    np.testing.assert_array_equal(one.labels, big.labels[123])
+    stacked = hq.encode(x.reshape(10, 50, 40, 4), cfg)
+    np.testing.assert_array_equal(stacked.T.reshape(-1), big.T)
+
+
+def test_jit_vmap_and_grad():
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(6, 5, 4)), jnp.float32)
+    ref = hq.encode(x, cfg)
+    jitted = jax.jit(hq.encode, static_argnums=1)(x, cfg)
+    vmapped = jax.vmap(lambda v: hq.encode(v, cfg))(x)
+    for c in (jitted, vmapped):
+        np.testing.assert_array_equal(c.labels, ref.labels)
+        np.testing.assert_array_equal(c.T, ref.T)
+    np.testing.assert_array_equal(jax.jit(hq.decode, static_argnums=1)(ref, cfg),
+                                  hq.decode(ref, cfg))
+    g = jax.grad(lambda v: jnp.sum(hq.quantize(v, cfg) * 3.0))(x)
+    np.testing.assert_array_equal(g, jnp.full_like(x, 3.0))
+    np.testing.assert_array_equal(hq.quantize(x, cfg), hq.decode(ref, cfg))
+
+
+def test_quantize_dtypes():
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(9, 4)), jnp.bfloat16)
+    out = hq.quantize(x, cfg)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, hq.quantize(x.astype(jnp.float32), cfg).astype(jnp.bfloat16))
+    assert hq.decode(hq.encode(x, cfg), cfg, dtype=jnp.float16).dtype == jnp.float16
+
+
+def test_dither_roundtrip(x64):
+    g = load_golden("D4_q4_M2_dither.npz")
+    cfg = golden_config(g)
+    assert cfg.dither is not None
+    codes = hq.encode(g["X"], cfg)
+    np.testing.assert_array_equal(hq.decode(codes, cfg), g["decoded"])
+
+
+def test_blocks_helpers():
+    x = jnp.arange(2 * 3 * 10, dtype=jnp.float32).reshape(2, 3, 10)
+    b = hq.to_blocks(x, 4)
+    assert b.shape == (2, 3, 3, 4)
+    np.testing.assert_array_equal(b[..., -1, 2:], 0)
+    np.testing.assert_array_equal(hq.from_blocks(b, 10), x)
+    np.testing.assert_array_equal(hq.to_blocks(x, 5).reshape(2, 3, 10), x)
+    with pytest.raises(ValueError, match="does not match"):
+        hq.from_blocks(b, 13)
+    cfg = hq.HNLQConfig("E8", 2, 2, beta=0.3)
+    v = np.random.default_rng(0).normal(size=(3, 21)).astype(np.float32)
+    out = hq.from_blocks(hq.quantize(hq.to_blocks(v, 8), cfg), 21)
+    assert out.shape == (3, 21)
+
+
+# ---------------------------------------------------------------- bad input and marking
+
+
+def test_nonfinite_eager_error_and_jit_marking():
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    x = np.random.default_rng(0).normal(size=(5, 4)).astype(np.float32)
+    x[1, 2] = np.nan
+    x[3, 0] = np.inf
+    with pytest.raises(ValueError, match="NaN or Inf in 2 block"):
+        hq.encode(x, cfg)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        hq.quantize(x, cfg)
+    codes = jax.jit(hq.encode, static_argnums=1)(x, cfg)
+    np.testing.assert_array_equal(np.asarray(codes.T) == -1, [False, True, False, True, False])
+    out = np.asarray(hq.decode(codes, cfg))
+    assert np.all(np.isnan(out[[1, 3]])) and np.all(np.isfinite(out[[0, 2, 4]]))
+
+
+def test_overload_beyond_cap_is_marked():
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2, max_T=3)
+    x = np.array([[0.1, 0.2, 0.3, 0.4], [1e4, -1e4, 3e3, 0.0], [300.0, 0, 0, 0]], np.float32)
+    codes = hq.encode(x, cfg)
+    np.testing.assert_array_equal(codes.T, [0, -1, -1])
+    out = np.asarray(hq.decode(codes, cfg))
+    assert np.all(np.isnan(out[1:])) and np.all(np.isfinite(out[0]))
+    assert float(hq.rate_stats(codes, cfg).failure_rate) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize(
+    "kw,err,msg",
+    [
+        (dict(q=1), ValueError, "q must be in 2..256"),
+        (dict(q=300), ValueError, "q must be in 2..256"),
+        (dict(q=2.0), TypeError, "q must be an int"),
+        (dict(M=0), ValueError, "M must be >= 1"),
+        (dict(beta=0.0), ValueError, "beta must be finite and > 0"),
+        (dict(beta=-1.0), ValueError, "beta must be finite and > 0"),
+        (dict(beta=float("nan")), ValueError, "beta must be finite"),
+        (dict(alpha=0.0), ValueError, "alpha must be finite and > 0"),
+        (dict(lattice="E7"), ValueError, "unknown lattice"),
+        (dict(max_T=-1), ValueError, "max_T must be in 0..127"),
+        (dict(max_T=200), ValueError, "max_T must be in 0..127"),
+        (dict(q=256, M=3), ValueError, "exceeds 2\\*\\*20"),
+        (dict(dither=(0.1, 0.2)), ValueError, "length d=4"),
+        (dict(dither=(0.9, 0.9, 0.0, 0.0)), ValueError, "outside the Voronoi cell"),
+    ],
+)
+def test_invalid_config(kw, err, msg):
+    with pytest.raises(err, match=msg):
+        hq.HNLQConfig(**kw)
+
+
+def test_config_hashable_static():
+    a = hq.HNLQConfig("D4", 4, 2, beta=0.2, dither=[0.1, 0.0, 0.0, 0.0])
+    b = hq.HNLQConfig("D4", 4, 2, beta=0.2, dither=(0.1, 0.0, 0.0, 0.0))
+    assert a == b and hash(a) == hash(b)
+    assert a.replace(q=3).q == 3
+    with pytest.raises(Exception):
+        a.q = 5  # frozen
+
+
+def test_encode_bad_input():
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    with pytest.raises(ValueError, match="d=4 for D4.*to_blocks"):
+        hq.encode(np.zeros((3, 5), np.float32), cfg)
+    with pytest.raises(ValueError, match="d=4"):
+        hq.encode(np.float32(1.0), cfg)
+    with pytest.raises(TypeError, match="floating"):
+        hq.encode(np.zeros((3, 4), np.int32), cfg)
+    with pytest.raises(TypeError, match="HNLQConfig"):
+        hq.encode(np.zeros((3, 4), np.float32), "D4")
+
+
+def test_decode_bad_input():
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    codes = hq.encode(np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32), cfg)
+    bad = codes.labels.at[0, 0, 0].set(4)
+    with pytest.raises(ValueError, match="labels must be in 0..q-1 = 0..3"):
+        hq.decode(hq.Codes(bad, codes.T), cfg)
+    with pytest.raises(ValueError, match="T must be in -1..max_T"):
+        hq.decode(hq.Codes(codes.labels, codes.T.at[0].set(-3)), cfg)
+    with pytest.raises(ValueError, match=r"labels \[..., M=3, d=4\]"):
+        hq.decode(codes, cfg.replace(M=3))
+    with pytest.raises(ValueError, match="levels must be"):
+        hq.decode(codes, cfg, levels=3)
+    with pytest.raises(TypeError, match="integer"):
+        hq.decode(hq.Codes(codes.labels.astype(jnp.float32), codes.T), cfg)
+    # Under jit the values are not known: an out-of-range block decodes to NaN.
+    out = jax.jit(hq.decode, static_argnums=1)(hq.Codes(bad, codes.T), cfg)
+    assert np.all(np.isnan(out[0])) and np.all(np.isfinite(out[1:]))

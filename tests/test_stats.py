@@ -1,0 +1,79 @@
+"""Rate statistics and the beta grid search against the reference's search."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import golden_config, load_golden
+
+import hnlq_jax as hq
+
+
+def test_rate_stats_by_hand():
+    cfg = hq.HNLQConfig("D4", 4, 2, max_T=5)
+    T = jnp.asarray([[0, 0, 1, 1], [0, 0, 2, -1]], jnp.int8)
+    codes = hq.Codes(jnp.zeros((2, 4, 2, 4), jnp.uint8), T)
+    s = hq.rate_stats(codes, cfg)
+    p = np.array([1, 4, 2, 1]) / 8  # T = -1, 0, 1, 2
+    H = -np.sum(p * np.log2(p))
+    assert float(s.entropy_T) == pytest.approx(H)
+    assert float(s.rate) == pytest.approx(4 + H / 4)
+    assert float(s.overload_rate) == pytest.approx(3 / 8)
+    assert float(s.failure_rate) == pytest.approx(1 / 8)
+    np.testing.assert_array_equal(s.histogram, [4, 2, 1, 0, 0, 0])
+
+
+def test_rate_stats_no_overload_is_nominal_rate():
+    cfg = hq.HNLQConfig("E8", 4, 2)
+    s = hq.rate_stats(hq.Codes(jnp.zeros((7, 2, 8), jnp.uint8), jnp.zeros(7, jnp.int8)), cfg)
+    assert float(s.entropy_T) == 0 and float(s.rate) == 4.0
+
+
+@pytest.mark.parametrize("name", ["D4_q4_M2.npz", "Z2_q3_M2.npz", "D4_q8_M1.npz"])
+def test_calibrate_beta_reproduces_reference(name, x64):
+    """The paper's grid search on default_rng(0) data picks the reference's beta and numbers."""
+    g = load_golden(name)
+    cfg = golden_config(g)
+    x = np.random.default_rng(0).standard_normal((4000, cfg.d))
+    assert cfg.beta_min() == pytest.approx(float(g["beta_min"]), rel=1e-15)
+    beta, table = hq.calibrate_beta(x, cfg)
+    b, mse, H, R, f, p = g["beta_search_best"]
+    assert beta == pytest.approx(b, rel=1e-12)
+    i = table.best
+    np.testing.assert_allclose([table.mse[i], table.entropy_T[i], table.rate[i], table.f[i],
+                                table.overload_rate[i]], [mse, H, R, f, p], rtol=1e-9)
+    assert table.beta.shape == (40,) and np.all(np.diff(table.beta) > 0)
+
+
+def test_calibrate_beta_mse_criterion():
+    cfg = hq.HNLQConfig("D4", 4, 2)
+    x = np.random.default_rng(3).standard_normal((2000, 4)).astype(np.float32)
+    beta, table = hq.calibrate_beta(x, cfg, criterion="mse", num=12, step=0.1)
+    assert table.best == int(np.argmin(table.mse)) and beta == table.beta[table.best]
+    beta_f, table_f = hq.calibrate_beta(x, cfg, num=12, step=0.1)
+    assert table_f.best == int(np.argmin(table_f.f))
+    # Calibrated beta gives a sensible quantizer: a few dB above the Gaussian bound.
+    f_db = 10 * np.log10(table_f.f[table_f.best])
+    assert 1.5 < f_db < 4.5
+
+
+def test_calibrate_beta_bad_input():
+    cfg = hq.HNLQConfig("D4", 4, 2)
+    x = np.zeros((10, 4), np.float32)
+    with pytest.raises(ValueError, match="criterion"):
+        hq.calibrate_beta(x, cfg, criterion="snr")
+    with pytest.raises(ValueError, match="num >= 1"):
+        hq.calibrate_beta(x, cfg, num=0)
+    with pytest.raises(ValueError, match="d=4"):
+        hq.calibrate_beta(np.zeros((10, 3), np.float32), cfg)
+    with pytest.raises(ValueError, match="no block"):
+        hq.calibrate_beta(np.zeros((0, 4), np.float32), cfg)
+    with pytest.raises(ValueError, match="raise max_T"):
+        hq.calibrate_beta(np.full((10, 4), 1e6, np.float32), cfg.replace(max_T=2), num=3)
+
+
+def test_rate_stats_under_jit():
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(500, 4)), jnp.float32)
+    f = jax.jit(lambda x: hq.rate_stats(hq.encode(x, cfg), cfg).rate)
+    assert 4.0 <= float(f(x)) < 5.0

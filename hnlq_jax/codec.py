@@ -168,15 +168,15 @@ def _attempt(st: _Search, config: HNLQConfig, scales, z) -> _Search:
 _COMPACT_MIN = 4096
 
 
-def _search(st: _Search, config: HNLQConfig, scales, z, shrink: int = 4) -> _Search:
+def _search(st: _Search, config: HNLQConfig, scales, z, top: bool = True) -> _Search:
     """Resolves T for every active block.
 
-    One attempt over all n blocks; those still active are gathered into a buffer of n/shrink
-    and solved there recursively (buffers n, n/4, n/8, n/16, ...: about 1.5 passes of work for
-    Gaussian data at a calibrated beta, where a quarter of the blocks need T > 0, against one
-    full pass per rescaling step for a plain loop). If more remain than the buffer holds, the
-    search iterates over all n. A block's result depends on its own data only, so codes do
-    not depend on batching.
+    One attempt over all n blocks; those still active are gathered into a smaller buffer and
+    solved there recursively: n/4 (or n/2 when more remain) at the top, then halving. For
+    Gaussian data at a calibrated beta, where a quarter to a half of the blocks need T > 0,
+    that is 1.5-2 passes of work, against one full pass per rescaling step for a plain loop,
+    which is what runs when even n/2 is too small. A block's result depends on its own data
+    only, so codes do not depend on batching.
     """
     n = st.x.shape[1]
 
@@ -188,14 +188,13 @@ def _search(st: _Search, config: HNLQConfig, scales, z, shrink: int = 4) -> _Sea
     if n <= _COMPACT_MIN:
         return loop(st)
     st = _attempt(st, config, scales, z)
-    cap = n // shrink
 
-    def compact(s):
+    def compact(s, cap):
         idx = jnp.nonzero(s.active, size=cap, fill_value=n)[0]
         take = jnp.minimum(idx, n - 1)
         sub = _Search(s.x[:, take], s.t[take], s.active[take] & (idx < n), s.labels[..., take],
                       s.T[take])
-        sub = _search(sub, config, scales, z, shrink=2)
+        sub = _search(sub, config, scales, z, top=False)
         return _Search(
             s.x, s.t.at[idx].set(sub.t, mode="drop"),
             jnp.zeros_like(s.active), s.labels.at[..., idx].set(sub.labels, mode="drop"),
@@ -203,7 +202,12 @@ def _search(st: _Search, config: HNLQConfig, scales, z, shrink: int = 4) -> _Sea
         )
 
     def rest(s):
-        return jax.lax.cond(jnp.sum(s.active) <= cap, compact, loop, s)
+        count = jnp.sum(s.active)
+        half = functools.partial(compact, cap=n // 2)
+        if top:
+            half = functools.partial(jax.lax.cond, count <= n // 2, half, loop)
+            return jax.lax.cond(count <= n // 4, functools.partial(compact, cap=n // 4), half, s)
+        return jax.lax.cond(count <= n // 2, half, loop, s)
 
     return jax.lax.cond(jnp.any(st.active), rest, lambda s: s, st)
 

@@ -1,0 +1,47 @@
+"""The command line and the README's quickstart run as documented."""
+
+import pathlib
+import re
+
+import pytest
+
+from hnlq_jax.__main__ import main
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "jax" in out and "backend" in out and "E8" in out
+
+
+def test_demo_small(capsys):
+    assert main(["demo", "--lattice", "Z2", "--q", "3", "--n", "3000"]) == 0
+    out = capsys.readouterr().out
+    assert "dB above D(R)" in out and "overload" in out and "vec/s" in out
+    db = float(re.search(r"([0-9.]+) dB above", out).group(1))
+    assert 1.0 < db < 6.0
+
+
+def test_demo_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--q", "1", "--n", "10"])
+    assert e.value.code == 2
+    assert "q must be in 2..256" in capsys.readouterr().err
+
+
+def test_readme_quickstart_runs():
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"## Quickstart\n\n```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, "README quickstart", "exec"), {})
+
+
+def test_readme_top_commands():
+    """The README opens with exactly the two documented install-and-run commands."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text.split("## Quickstart")[0], re.S)
+    assert len(blocks) == 2
+    assert blocks[0].strip().endswith("python -m hnlq_jax demo")
+    assert blocks[1].strip().endswith("python -m pytest -q")
+    assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()

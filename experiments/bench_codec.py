@@ -13,28 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import hnlq_jax as hq
+from hnlq_jax.timing import best_time
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-
-
-def best_time(fn, *args, repeat: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = math.inf
-    for _ in range(repeat):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 @jax.jit

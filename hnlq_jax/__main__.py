@@ -20,16 +20,7 @@ import numpy as np
 
 import hnlq_jax as hq
 from hnlq_jax.lattices import LATTICE_NAMES
-
-
-def _best_time(fn, *args, repeat: int = 3) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    best = math.inf
-    for _ in range(repeat):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
+from hnlq_jax.timing import best_time
 
 
 def demo(args) -> dict:
@@ -48,8 +39,8 @@ def demo(args) -> dict:
     stats = hq.rate_stats(codes, cfg)
     mse = float(jnp.mean((x - xhat) ** 2))
     rate = float(stats.rate)
-    t_enc = _best_time(enc, x, cfg)
-    t_dec = _best_time(dec, codes, cfg)
+    t_enc = best_time(enc, x, cfg)
+    t_dec = best_time(dec, codes, cfg)
     packed = hq.pack(codes, cfg)
     out = {
         "config": f"{cfg.lattice} q={cfg.q} M={cfg.M} alpha={cfg.alpha:.4g} max_T={cfg.max_T}",

@@ -193,6 +193,8 @@ def _attempt(st: _Search, config: HNLQConfig, scales, z) -> _Search:
 
 # Below this many blocks the search just iterates over all of them.
 _COMPACT_MIN = 4096
+# Larger inputs are encoded in chunks of this many blocks.
+_CHUNK = 2**16
 
 
 def _search(st: _Search, config: HNLQConfig, scales, z, top: bool = True) -> _Search:
@@ -250,8 +252,16 @@ def encode_blocks(x, config: HNLQConfig, beta) -> Codes:
     Returns:
       ``Codes`` with ``labels[N, M, d]`` uint8 and ``T[N]`` int8.
     """
-    dtype = x.dtype
     N = x.shape[0]
+    if N > 2 * _CHUNK:
+        # Chunks small enough for the cache, one after another: the search makes several
+        # passes over its arrays, which at 10^6 blocks would each go to memory.
+        nc = -(-N // _CHUNK)
+        xc = jnp.pad(x, ((0, nc * _CHUNK - N), (0, 0))).reshape(nc, _CHUNK, x.shape[1])
+        c = jax.lax.map(lambda xi: encode_blocks(xi, config, beta), xc)
+        return Codes(c.labels.reshape((nc * _CHUNK,) + c.labels.shape[2:])[:N],
+                     c.T.reshape(-1)[:N])
+    dtype = x.dtype
     scales = jnp.asarray(beta, dtype) * jnp.asarray(pow2_table(config.alpha, config.max_T), dtype)
     z = [dtype.type(v) for v in config.dither_array]
     finite = jnp.all(jnp.isfinite(x), axis=-1)

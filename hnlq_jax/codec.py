@@ -5,9 +5,9 @@ Shapes: only the last axis is the lattice axis; every leading axis is a batch ax
 * ``encode(x[..., d]) -> Codes(labels[..., M, d] uint8, T[...] int8)``
 * ``decode(Codes) -> x_hat[..., d]``
 
-Exactness (SPEC §3): level 0 is ``Q_L(y + eps)`` in the input's dtype; every later level and the
-decoder run on integer lattice coordinates, so ties there are decided by the rule, never by
-rounding. A block that is non-finite or still overloaded at ``max_T`` gets ``T = -1`` and
+Exactness (SPEC §3): level 0 is the nearest point of the real input in its own dtype
+(``Q_L(y + eps)`` in float64, bit for bit the reference); every later level and the decoder run
+on integer lattice coordinates, so ties there are decided by the rule, never by rounding. A block that is non-finite or still overloaded at ``max_T`` gets ``T = -1`` and
 decodes to NaN.
 """
 
@@ -20,14 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax.config import HNLQConfig, pow2_table
-from hnlq_jax.lattices import columns, matvec, nearest_float, nearest_int
+from hnlq_jax.config import NORM_SLACK, HNLQConfig, pow2_table
+from hnlq_jax.lattices import columns, matvec, nearest_float, nearest_int, sumsq
 
 __all__ = ["Codes", "encode", "decode", "quantize", "codebook", "to_blocks", "from_blocks"]
 
-# Relative slack on norm bounds: float rounding of a norm is far below it, so "norm > bound *
-# (1 + slack)" proves overload, and skipping such t's never changes T.
-_NORM_SLACK = 1e-3
 MAX_CODEBOOK = 2**22
 
 
@@ -95,7 +92,7 @@ def encode_at(y: list, config: HNLQConfig):
     lat = config.lat
     # A block beyond the clamp radius surely overloads; zeroing it keeps int32 in range. Below
     # it the labels are Algorithm 1's even for overloaded blocks.
-    far = ~(_sumsq(y) <= config.clamp_radius**2)  # NaN -> far
+    far = ~(sumsq(y) <= config.clamp_radius**2)  # NaN -> far
     y = [jnp.where(far, 0, c) for c in y]
     g0 = tuple(c.astype(jnp.int32) for c in nearest_float(y, lat))
 
@@ -157,13 +154,6 @@ def encoder_states(y, config: HNLQConfig) -> list:
         g = nearest_int(g, config.q, lat)
         states.append(g)
     return [jnp.stack(lat.cart_from_P([c.astype(y.dtype) for c in s]), axis=-1) for s in states]
-
-
-def _sumsq(cols: list):
-    acc = cols[0] * cols[0]
-    for c in cols[1:]:
-        acc = acc + c * c
-    return acc
 
 
 class _Search(NamedTuple):
@@ -267,9 +257,9 @@ def encode_blocks(x, config: HNLQConfig, beta) -> Codes:
     finite = jnp.all(jnp.isfinite(x), axis=-1)
     # Lower bound on T (SPEC §3): t is surely overloaded while |x|/s_t - |z| > radius.
     znorm = float(np.linalg.norm(config.dither_array))
-    thresholds = scales * (config.overload_radius * (1 + _NORM_SLACK) + znorm)
+    thresholds = scales * (config.overload_radius * (1 + NORM_SLACK) + znorm)
     xt = x.T
-    norms = jnp.sqrt(_sumsq([jnp.where(finite, xt[j], 0) for j in range(config.d)]))
+    norms = jnp.sqrt(sumsq([jnp.where(finite, xt[j], 0) for j in range(config.d)]))
     t0 = jnp.searchsorted(thresholds, norms, method="scan_unrolled").astype(jnp.int32)
     st = _Search(xt, t0, finite & (t0 <= config.max_T),
                  jnp.zeros((config.M, config.d, N), jnp.uint8), jnp.full((N,), -1, jnp.int32))

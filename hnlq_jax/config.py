@@ -14,6 +14,9 @@ __all__ = ["HNLQConfig"]
 
 MAX_Q_POW_M = 2**20  # keeps every integer of the encoder and decoder inside int32 (SPEC §3)
 MAX_T_CAP = 127  # T is stored as int8
+# Relative slack on norm bounds: float rounding of a norm is far below it, so "norm > bound *
+# (1 + slack)" proves overload, and skipping such t's never changes T.
+NORM_SLACK = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +120,7 @@ class HNLQConfig:
     @property
     def clamp_radius(self) -> float:
         """Scaled inputs beyond this norm are marked overloaded without integer arithmetic."""
-        return max(self.overload_radius * (1 + 1e-3), 2.0**20)
+        return max(self.overload_radius * (1 + NORM_SLACK), 2.0**20)
 
     @property
     def dither_array(self) -> np.ndarray:

@@ -200,7 +200,8 @@ def matvec(A: np.ndarray, cols: list) -> list:
     return out
 
 
-def _sumsq(cols: list):
+def sumsq(cols: list):
+    """Squared norm of column vectors, summed in coordinate order."""
     acc = cols[0] * cols[0]
     for c in cols[1:]:
         acc = acc + c * c
@@ -277,7 +278,7 @@ def _nearest_e8(a: list, b: list, D, u: np.ndarray) -> list:
     f, rho = _nearest_dn([jnp.stack([ca, cb]) for ca, cb in zip(a, b)], D, u)
     Pa, Pb = [2 * c[0] for c in f], [2 * c[1] + 1 for c in f]
     # Residuals are exact: integers, or (float) y - round(y) for y and y - 1/2.
-    da, db = _sumsq([r[0] for r in rho]), _sumsq([r[1] for r in rho])
+    da, db = sumsq([r[0] for r in rho]), sumsq([r[1] for r in rho])
     tie_b = _u_dot(u, [cb - ca for ca, cb in zip(Pa, Pb)]) > 0
     take_b = (db < da) | ((db == da) & tie_b)
     return [jnp.where(take_b, cb, ca) for ca, cb in zip(Pa, Pb)]
@@ -360,7 +361,7 @@ def nearest_float(cols: list, lat: Lattice) -> list:
     dists = []
     for o0, o1 in _A2_OFFSETS:
         cart = matvec(lat.G, [base[0] + o0, base[1] + o1])
-        dists.append(_sumsq([a - b for a, b in zip(y, cart)]))
+        dists.append(sumsq([a - b for a, b in zip(y, cart)]))
     o = _a2_pick(dists, lat)
     return [base[0] + o[0].astype(y[0].dtype), base[1] + o[1].astype(y[0].dtype)]
 

@@ -84,7 +84,7 @@ class BetaSearch(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _search(x, config, betas):
+def _beta_grid(x, config, betas):
     def one(beta):
         c = encode_blocks(x, config, beta)
         xh = decode_blocks(c.labels, c.T, config, None, x.dtype, beta)
@@ -127,7 +127,7 @@ def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
     b0 = config.beta_min()
     betas = np.array([b0 * (1 + step * k) for k in range(num)])
     cols = [np.asarray(v, dtype=np.float64)
-            for v in _search(x, config, jnp.asarray(betas, x.dtype))]
+            for v in _beta_grid(x, config, jnp.asarray(betas, x.dtype))]
     key = cols[3] if criterion == "f" else cols[0]
     best = int(np.argmin(key))
     if not np.isfinite(key[best]):

@@ -205,9 +205,9 @@ def test_chunked_encode_matches(monkeypatch):
     cfg = hq.HNLQConfig("E8", 4, 2, beta=0.23)  # a config of its own: traced anew
     x = np.random.default_rng(5).normal(size=(9000, 8)).astype(np.float32)
     x[17] = np.nan
-    big = jax.jit(codec.encode_blocks, static_argnums=1)(jnp.asarray(x), cfg, cfg.beta)
-    parts = [codec.encode_blocks(jnp.asarray(x[i : i + 1000]), cfg, cfg.beta)
-             for i in range(0, 9000, 1000)]
+    enc = jax.jit(codec.encode_blocks, static_argnums=1)
+    big = enc(jnp.asarray(x), cfg, cfg.beta)
+    parts = [enc(jnp.asarray(x[i : i + 1000]), cfg, cfg.beta) for i in range(0, 9000, 1000)]
     np.testing.assert_array_equal(big.labels, np.concatenate([p.labels for p in parts]))
     np.testing.assert_array_equal(big.T, np.concatenate([p.T for p in parts]))
     assert int(big.T[17]) == -1 and np.mean(np.asarray(big.T) > 0) > 0.3

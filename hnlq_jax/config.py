@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from hnlq_jax.lattices import Lattice, lattice
+from hnlq_jax.lattices import Lattice, closest_point, lattice
 
 __all__ = ["HNLQConfig"]
 
@@ -87,8 +87,6 @@ class HNLQConfig:
                 )
             if not np.all(np.isfinite(z)):
                 raise ValueError("HNLQConfig.dither must be finite")
-            from hnlq_jax.lattices import closest_point  # local: jax work only when needed
-
             if np.any(np.asarray(closest_point(z, lat)) != 0):
                 raise ValueError(
                     f"HNLQConfig.dither {z.tolist()} is outside the Voronoi cell of 0 of "

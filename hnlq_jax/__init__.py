@@ -9,8 +9,12 @@ The public API, re-exported here:
 * packing: :func:`pack`, :func:`unpack`, :class:`Packed`, :func:`bits_per_block`
 * statistics: :func:`rate_stats`, :class:`RateStats`, :func:`calibrate_beta`,
   :class:`BetaSearch`
+
+Submodules: :mod:`hnlq_jax.lut` (lookup-table inner products and matrix products) and
+:mod:`hnlq_jax.modq` (mod-q sums of codes).
 """
 
+from hnlq_jax import lut, modq
 from hnlq_jax.codec import Codes, codebook, decode, encode, from_blocks, quantize, to_blocks
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.lattices import Lattice, closest_point, lattice
@@ -34,6 +38,8 @@ __all__ = [
     "encode",
     "from_blocks",
     "lattice",
+    "lut",
+    "modq",
     "pack",
     "quantize",
     "rate_stats",

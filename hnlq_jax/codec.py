@@ -129,12 +129,18 @@ def _next_state(g: list, b: list, config: HNLQConfig) -> list:
     return [jnp.floor_divide(gi - ri, q) for gi, ri in zip(g, r)]
 
 
+def flat_index(b: list, q: int):
+    """Codebook row ``k = sum_i b_i q^(d-1-i)`` of label columns ``b`` (SPEC §5 order)."""
+    idx = b[0].astype(jnp.int32)
+    for c in b[1:]:
+        idx = idx * q + c.astype(jnp.int32)
+    return idx
+
+
 def _lookup(b: list, config: HNLQConfig) -> list:
     """Codebook columns ``r(b)`` (P coordinates) for label columns ``b``."""
     q = config.q
-    idx = b[0]
-    for c in b[1:]:
-        idx = idx * q + c
+    idx = flat_index(b, q)
     table = codebook_table(config.lattice, q)
     return [jnp.asarray(table[:, i])[idx] for i in range(config.d)]
 
@@ -370,14 +376,24 @@ def decode_blocks(labels, T, config: HNLQConfig, levels, dtype, beta):
         lat.cart_from_P([c.astype(dtype) for c in lattice_sum(labels, config, levels)]), axis=-1
     )
     z = jnp.asarray(config.dither_array, dtype)
-    pow2 = jnp.asarray(pow2_table(config.alpha, config.max_T), dtype)
-    T = T.astype(jnp.int32)
-    valid = (T >= 0) & (T <= config.max_T) & jnp.all((labels >= 0) & (labels < config.q), axis=(-2, -1))
     # The reference rounds beta * (x_hat - z) first; the barrier stops XLA from reassociating
     # the two broadcast multiplies into x_hat * (beta * 2^(alpha T)), which rounds differently.
     scaled = jax.lax.optimization_barrier(jnp.asarray(beta, dtype) * (xhat - z))
-    out = scaled * pow2[jnp.clip(T, 0, config.max_T)][..., None]
-    return jnp.where(valid[..., None], out, jnp.nan)
+    out = scaled * overload_scale(T, config, dtype)[..., None]
+    return jnp.where(valid_blocks(labels, T, config)[..., None], out, jnp.nan)
+
+
+def overload_scale(T, config: HNLQConfig, dtype):
+    """``2^(alpha T)`` per block (from the reference's table; T outside 0..max_T clipped)."""
+    pow2 = jnp.asarray(pow2_table(config.alpha, config.max_T), dtype)
+    return pow2[jnp.clip(T.astype(jnp.int32), 0, config.max_T)]
+
+
+def valid_blocks(labels, T, config: HNLQConfig):
+    """``[...]`` bool: T in ``0..max_T`` and every label of ``labels[..., M, d]`` in ``0..q-1``."""
+    T = T.astype(jnp.int32)
+    in_range = (labels >= 0) & (labels < config.q)
+    return (T >= 0) & (T <= config.max_T) & jnp.all(in_range, axis=(-2, -1))
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))

@@ -1,0 +1,164 @@
+"""Mod-q arithmetic on HNLQ labels: compressed-domain sums and when they are right (SPEC §5).
+
+Labels add componentwise mod q, level by level: ``r((b + b') mod q) = r(b) + r(b') mod qL``, so
+the sum of two level-m labels is the sum of their lattice points modulo ``qL``. What the
+level-wise sum loses is the carry: ``r(b) + r(b') - r(b + b')`` is a point of ``qL`` that
+belongs to level ``m + 1`` and is dropped, and the top level's carry leaves the constellation.
+Hence ``decode(accumulate(codes))`` equals the sum of the decoded codes only for some blocks;
+:func:`validate` says which, and :func:`sum_with_fallback` returns the true sum, taking the
+decoded path where the mod-q one is wrong.
+
+All summands of a block must share the same scale (``beta`` and T): blocks whose T differ along
+the summed axis, or are invalid (``T = -1``), get ``T = -1`` in the result. Dithered configs
+are rejected: each dithered code decodes with ``-z``, so a sum of K codes would need ``-K z``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from hnlq_jax.codec import (
+    Codes,
+    check_codes,
+    decode_blocks,
+    default_float,
+    lattice_sum,
+)
+from hnlq_jax.config import HNLQConfig
+
+__all__ = ["add", "accumulate", "validate", "sum_with_fallback"]
+
+
+def _check(codes, config, fn: str):
+    labels, T = check_codes(codes, config, None, fn)
+    if config.dither is not None:
+        raise ValueError(
+            f"{fn}: mod-q sums need a config without dither (each dithered code decodes with "
+            "-z, a sum of K codes would need -K z)"
+        )
+    return labels, T
+
+
+def _axis(axis, T, fn: str) -> int:
+    if not isinstance(axis, int) or not -T.ndim <= axis < T.ndim:
+        raise ValueError(
+            f"{fn}: axis must be an int indexing the leading (block) axes of shape {T.shape}, "
+            f"got {axis!r}"
+        )
+    return axis % T.ndim
+
+
+def _same_T(T, axis: int):
+    """T along ``axis`` when all equal and valid, else -1 (the block has no common scale)."""
+    first = jnp.take(T, 0, axis=axis)
+    ok = jnp.all(T == jnp.expand_dims(first, axis), axis=axis) & (first >= 0)
+    return jnp.where(ok, first, -1).astype(jnp.int8)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _accumulate(labels, T, config, axis):
+    s = jnp.sum(labels.astype(jnp.int32), axis=axis)
+    return Codes(jnp.remainder(s, config.q).astype(jnp.uint8), _same_T(T, axis))
+
+
+def add(codes_a: Codes, codes_b: Codes, config: HNLQConfig) -> Codes:
+    """Label-wise sum mod q of two codes, per level.
+
+    Args:
+      codes_a, codes_b: ``Codes(labels[..., M, d], T[...])`` with broadcastable leading shapes.
+      config: the quantizer that made both (without dither).
+
+    Returns:
+      ``Codes`` of the broadcast shape; T is the common T, or -1 where the two differ.
+    """
+    la, Ta = _check(codes_a, config, "add")
+    lb, Tb = _check(codes_b, config, "add")
+    try:
+        shape = jnp.broadcast_shapes(Ta.shape, Tb.shape)
+    except ValueError:
+        raise ValueError(f"add: leading shapes {Ta.shape} and {Tb.shape} do not broadcast") from None
+    lab = jnp.stack([jnp.broadcast_to(la, shape + la.shape[-2:]),
+                     jnp.broadcast_to(lb, shape + lb.shape[-2:])])
+    return _accumulate(lab, jnp.stack([jnp.broadcast_to(Ta, shape), jnp.broadcast_to(Tb, shape)]),
+                       config, 0)
+
+
+def accumulate(codes: Codes, config: HNLQConfig, axis: int = 0) -> Codes:
+    """Label-wise sum mod q along a leading axis: the compressed-domain sum.
+
+    Args:
+      codes: ``Codes(labels[..., M, d], T[...])``.
+      config: the quantizer that made them (without dither).
+      axis: the leading axis to sum over (an axis of ``T``).
+
+    Returns:
+      ``Codes`` with ``axis`` removed; T is the common T of the summands, or -1 where they
+      differ. Decoding it gives the true sum only where :func:`validate` says so.
+    """
+    labels, T = _check(codes, config, "accumulate")
+    axis = _axis(axis, T, "accumulate")
+    return _accumulate(labels, T, config, axis)
+
+
+def _lattice_points(labels, config):
+    return jnp.stack(lattice_sum(labels, config), axis=-1)  # [..., d] int32 P coordinates
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _validate(labels, T, config, axis):
+    acc = _accumulate(labels, T, config, axis)
+    modq = _lattice_points(acc.labels, config)
+    true = jnp.sum(_lattice_points(labels, config), axis=axis)
+    return acc, (acc.T >= 0) & jnp.all(modq == true, axis=-1)
+
+
+def validate(codes: Codes, config: HNLQConfig, axis: int = 0):
+    """Per block: does the decoded mod-q sum equal the sum of the decoded summands?
+
+    Compared exactly, on the integer lattice points. True iff the summands share one T and
+    ``sum_m q^m r(b'_m) = sum_i sum_m q^m r(b_{i,m})`` for the accumulated labels ``b'``.
+
+    Args:
+      codes: ``Codes(labels[..., M, d], T[...])``.
+      config: the quantizer that made them (without dither).
+      axis: the leading axis summed over.
+
+    Returns:
+      ``[...]`` bool (``axis`` removed).
+    """
+    labels, T = _check(codes, config, "validate")
+    axis = _axis(axis, T, "validate")
+    return _validate(labels, T, config, axis)[1]
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _sum_with_fallback(labels, T, config, axis):
+    acc, exact = _validate(labels, T, config, axis)
+    dtype = default_float()
+    from_modq = decode_blocks(acc.labels, acc.T, config, None, dtype, config.beta)
+    decoded = decode_blocks(labels, T, config, None, dtype, config.beta)
+    return jnp.where(exact[..., None], from_modq, jnp.sum(decoded, axis=axis)), exact
+
+
+def sum_with_fallback(codes: Codes, config: HNLQConfig, axis: int = 0):
+    """The sum of the decoded codes along ``axis``, through the mod-q sum where it is exact.
+
+    Blocks where :func:`validate` is true decode the accumulated labels once; the others fall
+    back to decoding every summand and adding the results. Both give the same value up to float
+    rounding; the fallback keeps the answer right when carries are lost.
+
+    Args:
+      codes: ``Codes(labels[..., M, d], T[...])``.
+      config: the quantizer that made them (without dither).
+      axis: the leading axis summed over.
+
+    Returns:
+      ``(x, exact)``: ``x[..., d]`` the sum (float64 under x64, else float32; NaN for blocks
+      with a ``T = -1`` summand) and ``exact[...]`` the mask of blocks taken from the mod-q sum.
+    """
+    labels, T = _check(codes, config, "sum_with_fallback")
+    axis = _axis(axis, T, "sum_with_fallback")
+    return _sum_with_fallback(labels, T, config, axis)

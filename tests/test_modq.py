@@ -1,0 +1,140 @@
+"""Mod-q sums: the coset identity, when they decode to the true sum, and the fallback."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hnlq_jax as hq
+from hnlq_jax import modq
+from hnlq_jax.codec import all_labels, codebook_table
+from hnlq_jax.lattices import columns, nearest_int
+
+CONFIGS = [
+    hq.HNLQConfig("Z2", 5, 1, beta=0.5),
+    hq.HNLQConfig("A2", 4, 2, beta=0.25),
+    hq.HNLQConfig("D4", 4, 2, beta=0.2),
+    hq.HNLQConfig("E8", 2, 3, beta=0.5),
+]
+IDS = [f"{c.lattice}q{c.q}M{c.M}" for c in CONFIGS]
+
+
+def _points(codes, cfg):
+    """Exact lattice points ``sum_m q^m r(b_m)`` in P coordinates, int64 ``[..., d]``."""
+    P = codebook_table(cfg.lattice, cfg.q).astype(np.int64)
+    idx = np.sum(np.asarray(codes.labels, np.int64) * cfg.q ** np.arange(cfg.d - 1, -1, -1), -1)
+    return np.sum(P[idx] * (cfg.q ** np.arange(cfg.M))[:, None], axis=-2)
+
+
+def _random_codes(cfg, shape, seed, T=0):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, cfg.q, size=shape + (cfg.M, cfg.d)).astype(np.uint8)
+    return hq.Codes(jnp.asarray(labels), jnp.full(shape, T, jnp.int8))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_label_sum_is_lattice_sum_mod_qL(cfg):
+    """r((a + b) mod q) - r(a) - r(b) is in qL, for every pair of labels (one level)."""
+    q, d = cfg.q, cfg.d
+    labels = all_labels(q, d)
+    rng = np.random.default_rng(0)
+    a = labels if len(labels) <= 4096 else labels[rng.choice(len(labels), 4096, replace=False)]
+    a, b = np.repeat(a, 16, axis=0), labels[rng.integers(0, len(labels), len(a) * 16)]
+    one = cfg.replace(M=1)
+    s = modq.add(hq.Codes(jnp.asarray(a[:, None].astype(np.uint8)), jnp.zeros(len(a), jnp.int8)),
+                 hq.Codes(jnp.asarray(b[:, None].astype(np.uint8)), jnp.zeros(len(b), jnp.int8)),
+                 one)
+    P = codebook_table(cfg.lattice, q).astype(np.int64)
+    k = q ** np.arange(d - 1, -1, -1)
+    carry = P[np.asarray(s.labels[:, 0], np.int64) @ k] - P[a @ k] - P[b @ k]
+    back = jnp.stack(nearest_int(columns(jnp.asarray(carry, jnp.int32)), q, cfg.lat), -1)
+    np.testing.assert_array_equal(q * np.asarray(back), carry)  # carry / q is a lattice point
+    np.testing.assert_array_equal(s.labels[:, 0], (a + b) % q)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_validate_against_exact_sums(cfg, x64):
+    """validate is true exactly where the accumulated labels decode to the true sum."""
+    codes = _random_codes(cfg, (2, 2000), 1)
+    acc = modq.accumulate(codes, cfg, axis=0)
+    ok = np.asarray(modq.validate(codes, cfg, axis=0))
+    expect = np.all(_points(acc, cfg) == _points(codes, cfg).sum(0), axis=-1)
+    np.testing.assert_array_equal(ok, expect)
+    assert ok.any() and not ok.all()  # both cases occur for uniform labels
+    if cfg.lattice == "A2":
+        return  # A2's Cartesian coordinates are not dyadic: the float check below needs exactness
+    # Decoded (beta = 1, T = 0: exact floats): equal sums exactly where validate says so.
+    one = cfg.replace(beta=1.0)
+    dec = np.asarray(hq.decode(acc, one))
+    total = np.asarray(hq.decode(codes, one)).sum(0)
+    np.testing.assert_array_equal(np.all(dec == total, axis=-1), ok)
+
+
+def test_single_level_small_sums_are_exact(x64):
+    """M = 1 and summands well inside the cell: no carry leaves the constellation."""
+    cfg = hq.HNLQConfig("D4", 8, 1, beta=1.0)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(2, 300, 4))
+    codes = hq.encode(x, cfg)
+    assert np.all(np.asarray(modq.validate(codes, cfg)))
+    np.testing.assert_array_equal(hq.decode(modq.accumulate(codes, cfg), cfg),
+                                  np.asarray(hq.decode(codes, cfg)).sum(0))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[1:3], ids=IDS[1:3])
+def test_sum_with_fallback(cfg, x64):
+    codes = _random_codes(cfg, (4, 200), 3, T=2)
+    x, exact = modq.sum_with_fallback(codes, cfg, axis=0)
+    np.testing.assert_array_equal(exact, modq.validate(codes, cfg, axis=0))
+    assert not np.all(exact)
+    np.testing.assert_allclose(x, np.asarray(hq.decode(codes, cfg)).sum(0), rtol=1e-13, atol=1e-13)
+
+
+def test_differing_T_is_marked_not_summed():
+    cfg = CONFIGS[2]
+    a, b = _random_codes(cfg, (6,), 4), _random_codes(cfg, (6,), 5)
+    b = hq.Codes(b.labels, b.T.at[2].set(1).at[4].set(-1))
+    s = modq.add(a, b, cfg)
+    np.testing.assert_array_equal(s.T, [0, 0, -1, 0, -1, 0])
+    stacked = hq.Codes(jnp.stack([a.labels, b.labels]), jnp.stack([a.T, b.T]))
+    assert not np.any(np.asarray(modq.validate(stacked, cfg))[[2, 4]])
+    x, _ = modq.sum_with_fallback(stacked, cfg)
+    assert np.isnan(np.asarray(x)[4]).all() and np.isfinite(np.asarray(x)[2]).all()
+
+
+@settings(max_examples=15)
+@given(seed=st.integers(0, 2**31 - 1), axis=st.sampled_from([0, 1, -1]))
+def test_accumulate_is_repeated_add(seed, axis):
+    cfg = CONFIGS[1]
+    codes = _random_codes(cfg, (3, 3), seed)
+    acc = modq.accumulate(codes, cfg, axis=axis)
+    take = [hq.Codes(jnp.take(codes.labels, i, axis=axis % 2), jnp.take(codes.T, i, axis=axis % 2))
+            for i in range(3)]
+    rep = modq.add(modq.add(take[0], take[1], cfg), take[2], cfg)
+    np.testing.assert_array_equal(acc.labels, rep.labels)
+    np.testing.assert_array_equal(acc.T, rep.T)
+    assert acc.labels.dtype == jnp.uint8 and acc.T.dtype == jnp.int8
+
+
+def test_jit():
+    cfg = CONFIGS[2]
+    codes = _random_codes(cfg, (2, 5), 6)
+    f = jax.jit(lambda c: modq.accumulate(c, cfg, axis=1))
+    np.testing.assert_array_equal(f(codes).labels, modq.accumulate(codes, cfg, axis=1).labels)
+
+
+def test_bad_input():
+    cfg = CONFIGS[2]
+    codes = _random_codes(cfg, (2, 5), 7)
+    with pytest.raises(ValueError, match="without dither"):
+        modq.accumulate(codes, cfg.replace(dither=(0.1, 0, 0, 0)))
+    with pytest.raises(ValueError, match="axis must be an int"):
+        modq.accumulate(codes, cfg, axis=2)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        modq.add(codes, _random_codes(cfg, (3,), 8), cfg)
+    with pytest.raises(ValueError, match="labels must be in 0..q-1"):
+        modq.validate(hq.Codes(codes.labels + 4, codes.T), cfg)
+    with pytest.raises(ValueError, match=r"labels \[..., M=2, d=4\]"):
+        modq.sum_with_fallback(hq.Codes(codes.labels[..., :2], codes.T), cfg)

@@ -2,6 +2,8 @@
 
 * ``demo`` (the default): quantizes iid Gaussian data at a calibrated beta and prints rate,
   MSE, distance to the Gaussian bound, overload rate and throughput.
+* ``rd``: the paper's rate-distortion table (beta grid search, f in dB above D(R)) for chosen
+  lattices, q and M; ``--plot`` saves f versus R, ``--json`` the table.
 * ``info``: versions, backend, devices and the lattices.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import math
 import platform
 import sys
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hnlq_jax as hq
+from hnlq_jax import rd
 from hnlq_jax.lattices import LATTICE_NAMES
 from hnlq_jax.timing import best_time
 
@@ -74,6 +78,24 @@ def demo(args) -> dict:
     return out
 
 
+def rate_distortion(args) -> list:
+    """Runs and prints the rate-distortion table; saves the plot and JSON when asked."""
+    print(f"beta grid search on {args.n} iid N(0,1) vectors (seed {args.seed}), float64")
+    print(rd.format_table([]))
+    points = rd.rate_distortion(args.lattices, args.q, args.M, n=args.n, seed=args.seed,
+                                voronoi=not args.no_voronoi,
+                                callback=lambda p: print(rd.format_table([p]).split("\n")[1],
+                                                         flush=True))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([p._asdict() for p in points], f, indent=1)
+        print(f"table written to {args.json}")
+    if args.plot:
+        rd.plot(points, args.plot)
+        print(f"plot written to {args.plot}")
+    return points
+
+
 def _version(pkg: str) -> str:
     try:
         return importlib.metadata.version(pkg)
@@ -108,6 +130,15 @@ def main(argv=None) -> int:
     p.add_argument("--M", type=int, default=2, help="levels (default 2)")
     p.add_argument("--n", type=int, default=1_000_000, help="vectors to quantize (default 1e6)")
     p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("rd", help="the paper's rate-distortion table")
+    p.add_argument("--lattices", nargs="+", default=["Z2", "A2", "D4", "E8"])
+    p.add_argument("--q", nargs="+", type=int, default=[3, 4, 8])
+    p.add_argument("--M", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--n", type=int, default=4000, help="sample size (default 4000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-voronoi", action="store_true", help="skip the q^2 Voronoi codes")
+    p.add_argument("--plot", help="save f versus R to this PNG")
+    p.add_argument("--json", help="save the table to this JSON file")
     sub.add_parser("info", help="versions, backend, devices, lattices")
     args = parser.parse_args(argv)
     if args.command in (None, "demo"):
@@ -117,6 +148,13 @@ def main(argv=None) -> int:
             parser.error("--n must be >= 1")
         try:
             demo(args)
+        except (ValueError, TypeError) as e:
+            parser.error(str(e))
+    elif args.command == "rd":
+        if args.n < 1:
+            parser.error("--n must be >= 1")
+        try:
+            rate_distortion(args)
         except (ValueError, TypeError) as e:
             parser.error(str(e))
     else:

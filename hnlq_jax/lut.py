@@ -257,7 +257,8 @@ def one_sided(y, config: HNLQConfig):
       config: the quantizer (only lattice and q matter).
 
     Returns:
-      ``[..., nb, q^d]`` in y's dtype (at least float32), rows in SPEC §5 order.
+      ``[..., nb, q^d]`` in y's dtype (at least float32), rows in SPEC §5 order: ``q^d / d``
+      numbers per entry of y (64 for D4 q=4, 8192 for E8 q=4), so batch large products.
 
     Raises:
       ValueError: more than :data:`MAX_ONE_SIDED` entries per block, NaN/Inf in y.

@@ -10,11 +10,13 @@ The public API, re-exported here:
 * statistics: :func:`rate_stats`, :class:`RateStats`, :func:`calibrate_beta`,
   :class:`BetaSearch`
 
-Submodules: :mod:`hnlq_jax.lut` (lookup-table inner products and matrix products) and
-:mod:`hnlq_jax.modq` (mod-q sums of codes).
+Submodules: :mod:`hnlq_jax.lut` (lookup-table inner products and matrix products),
+:mod:`hnlq_jax.modq` (mod-q sums of codes), :mod:`hnlq_jax.rd` (the paper's rate-distortion
+experiment) and, with the ``flax`` extra, :mod:`hnlq_jax.flax` (``QDense``,
+``QuantDotGeneral``; import it explicitly).
 """
 
-from hnlq_jax import lut, modq
+from hnlq_jax import lut, modq, rd
 from hnlq_jax.codec import Codes, codebook, decode, encode, from_blocks, quantize, to_blocks
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.lattices import Lattice, closest_point, lattice
@@ -40,6 +42,7 @@ __all__ = [
     "lattice",
     "lut",
     "modq",
+    "rd",
     "pack",
     "quantize",
     "rate_stats",

@@ -13,7 +13,7 @@ import numpy as np
 from hnlq_jax.codec import Codes, check_codes, check_x, decode_blocks, encode_blocks
 from hnlq_jax.config import HNLQConfig
 
-__all__ = ["RateStats", "rate_stats", "calibrate_beta", "BetaSearch"]
+__all__ = ["RateStats", "rate_stats", "calibrate_beta", "search_beta", "BetaSearch"]
 
 
 class RateStats(NamedTuple):
@@ -117,15 +117,7 @@ def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
     Raises:
       ValueError: unknown criterion, bad grid, or invalid ``x`` (see :func:`hnlq_jax.encode`).
     """
-    if criterion not in ("f", "mse"):
-        raise ValueError(f"calibrate_beta: criterion must be 'f' or 'mse', got {criterion!r}")
-    if not (isinstance(num, int) and num >= 1 and math.isfinite(step) and step > 0):
-        raise ValueError(f"calibrate_beta: need num >= 1 and step > 0, got {num}, {step}")
-    x = check_x(x, config, "calibrate_beta").reshape(-1, config.d)
-    if x.shape[0] == 0:
-        raise ValueError("calibrate_beta: x holds no block")
-    b0 = config.beta_min()
-    betas = np.array([b0 * (1 + step * k) for k in range(num)])
+    x, betas = _grid_args(x, config, criterion, num, step, "calibrate_beta")
     cols = [np.asarray(v, dtype=np.float64)
             for v in _beta_grid(x, config, jnp.asarray(betas, x.dtype))]
     key = cols[3] if criterion == "f" else cols[0]
@@ -134,3 +126,35 @@ def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
         raise ValueError("calibrate_beta: no beta on the grid encodes every block; raise max_T")
     table = BetaSearch(betas, *cols, best=best)
     return float(betas[best]), table
+
+
+def _grid_args(x, config, criterion, num, step, fn: str):
+    """Validates the grid search's arguments; returns the blocks ``[N, d]`` and the grid."""
+    if criterion not in ("f", "mse"):
+        raise ValueError(f"{fn}: criterion must be 'f' or 'mse', got {criterion!r}")
+    if not (isinstance(num, int) and num >= 1 and math.isfinite(step) and step > 0):
+        raise ValueError(f"{fn}: need num >= 1 and step > 0, got {num}, {step}")
+    x = check_x(x, config, fn).reshape(-1, config.d)
+    if x.shape[0] == 0:
+        raise ValueError(f"{fn}: x holds no block")
+    b0 = config.beta_min()
+    return x, np.array([b0 * (1 + step * k) for k in range(num)])
+
+
+def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step: float = 0.05):
+    """:func:`calibrate_beta` as a traceable function: the chosen beta as a 0-d array.
+
+    Usable under ``jit`` and inside ``flax`` initializers, where ``x`` is traced. Where no
+    beta on the grid encodes every block, the last one is returned (the largest).
+
+    Args:
+      x, config, criterion, num, step: as :func:`calibrate_beta`.
+
+    Returns:
+      ``[]`` array in x's dtype (at least float32).
+    """
+    x, betas = _grid_args(x, config, criterion, num, step, "search_beta")
+    betas = jnp.asarray(betas, x.dtype)
+    mse, _, _, f, _ = _beta_grid(x, config, betas)
+    key = f if criterion == "f" else mse
+    return jnp.where(jnp.isfinite(jnp.min(key)), betas[jnp.argmin(key)], betas[-1])

@@ -7,9 +7,11 @@ An MLP 64-256-256-10 trained with optax Adam (batch 64, 40 epochs, several seeds
 * QAT, weights + activations (per-token activation quantization, same config);
 * PTQ: the float32 model's weights quantized after training (no retraining).
 
-Reports test accuracy (mean, min, max over seeds), loss curves (PNG), model sizes (float32 vs
+Reports test accuracy (mean, min, max over seeds), test loss, agreement of the predictions
+with float32's, loss curves (PNG), model sizes (float32 vs
 exported packed codes) and the time of one jitted training step (QAT at quantize_every = 1, 8
-and 32, against float32, same process). Accuracy runs use quantize_every = 1. Writes results/qat_digits.{json,png}.
+and 32, and with quantize_every = 0 plus refresh_codes from the loop every 8 and 32 steps,
+against float32, same process). Accuracy runs use quantize_every = 1. Writes results/qat_digits.{json,png}.
 
 Usage: python experiments/qat_digits.py [--seeds 0 1 2] [--epochs 40]
 """
@@ -81,9 +83,13 @@ def make_step(model, opt):
     return step
 
 
-def accuracy(model, v, x, y):
+def evaluate(model, v, x, y):
+    """``(accuracy, mean test cross-entropy, predictions)``."""
     kw = {} if model.kind == "float" else {"deterministic": True}
-    return float(jnp.mean(jnp.argmax(model.apply(v, x, **kw), -1) == y))
+    logits = model.apply(v, x, **kw)
+    pred = jnp.argmax(logits, -1)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return float(jnp.mean(pred == y)), float(loss), np.asarray(pred)
 
 
 def train(kind, seed, epochs, xtr, ytr, quantize_every=1):
@@ -115,7 +121,9 @@ def ptq(float_model_vars, xtr):
     return q, refresh_codes(v, CFG)
 
 
-def step_time(kind, quantize_every, xtr, ytr, iters=300):
+def step_time(kind, quantize_every, xtr, ytr, iters=320, manual_every=None):
+    """Best mean seconds per training step; ``manual_every``: quantize_every=0 and a
+    ``refresh_codes`` call from the loop every that many steps (included in the time)."""
     model = MLP(kind, quantize_every)
     v = dict(model.init(jax.random.key(0), xtr[:1]))
     opt = optax.adam(1e-3)
@@ -123,13 +131,16 @@ def step_time(kind, quantize_every, xtr, ytr, iters=300):
     step = make_step(model, opt)
     x, y = xtr[:BATCH], ytr[:BATCH]
     v, state, l = step(v, state, x, y)
-    jax.block_until_ready(l)
+    v = refresh_codes(v, CFG) if manual_every else v
+    jax.block_until_ready((l, v))
     best = np.inf
     for _ in range(3):
         t = time.perf_counter()
-        for _ in range(iters):
+        for i in range(iters):
             v, state, l = step(v, state, x, y)
-        jax.block_until_ready(l)
+            if manual_every and i % manual_every == manual_every - 1:
+                v = refresh_codes(v, CFG)
+        jax.block_until_ready((l, v))
         best = min(best, (time.perf_counter() - t) / iters)
     return best
 
@@ -141,6 +152,8 @@ def main():
     args = ap.parse_args()
     xtr, xte, ytr, yte = data()
     acc = {k: [] for k in ("float32", "QAT weights", "QAT weights+acts", "PTQ weights")}
+    test_loss = {k: [] for k in acc}
+    agree = {k: [] for k in acc}  # fraction of test predictions equal to float32's
     curves = {k: [] for k in ("float32", "QAT weights", "QAT weights+acts")}
     sizes = None
     for seed in tqdm(args.seeds, desc="seeds"):
@@ -148,10 +161,13 @@ def main():
         wm, wv, wl = train("qat_w", seed, args.epochs, xtr, ytr)
         am, av, al = train("qat_wa", seed, args.epochs, xtr, ytr)
         pm, pv = ptq(fv, xtr)
-        acc["float32"].append(accuracy(fm, fv, xte, yte))
-        acc["QAT weights"].append(accuracy(wm, wv, xte, yte))
-        acc["QAT weights+acts"].append(accuracy(am, av, xte, yte))
-        acc["PTQ weights"].append(accuracy(pm, pv, xte, yte))
+        ref = None
+        for name, (m, v) in zip(acc, ((fm, fv), (wm, wv), (am, av), (pm, pv))):
+            a, loss, pred = evaluate(m, v, xte, yte)
+            ref = pred if ref is None else ref
+            acc[name].append(a)
+            test_loss[name].append(loss)
+            agree[name].append(float(np.mean(pred == ref)))
         for k, c in zip(curves, (fl, wl, al)):
             curves[k].append(c)
         if sizes is None:
@@ -159,15 +175,20 @@ def main():
     times = {"float32": step_time("float", 1, xtr, ytr)}
     for every in (1, 8, 32):
         times[f"QAT weights, quantize_every={every}"] = step_time("qat_w", every, xtr, ytr)
+    for every in (8, 32):
+        times[f"QAT weights, quantize_every=0 + refresh_codes every {every}"] = step_time(
+            "qat_w", 0, xtr, ytr, manual_every=every)
     for every in (1, 32):
         times[f"QAT weights+acts, quantize_every={every}"] = step_time("qat_wa", every, xtr, ytr)
 
     print(f"\nMLP 64-256-256-10, D4 q=4 M=2, {args.epochs} epochs, seeds {args.seeds}\n")
-    print("| model | test accuracy mean (min–max) | vs float32 (pp) |\n|---|---|---|")
+    print("| model | test accuracy mean (min–max) | vs float32 (pp) | test loss | same "
+          "prediction as float32 |\n|---|---|---|---|---|")
     base = np.mean(acc["float32"])
     for k, a in acc.items():
         print(f"| {k} | {100 * np.mean(a):.2f} % ({100 * min(a):.2f}–{100 * max(a):.2f}) | "
-              f"{100 * (np.mean(a) - base):+.2f} |")
+              f"{100 * (np.mean(a) - base):+.2f} | {np.mean(test_loss[k]):.4f} | "
+              f"{100 * np.mean(agree[k]):.1f} % |")
     print("\n| training step (batch 64) | ms | vs float32 |\n|---|---|---|")
     for k, t in times.items():
         print(f"| {k} | {1e3 * t:.3f} | {t / times['float32']:.2f}x |")
@@ -188,7 +209,8 @@ def main():
     fig.tight_layout()
     fig.savefig(RESULTS / "qat_digits.png", dpi=120)
     out = {"config": "D4 q=4 M=2", "epochs": args.epochs, "seeds": args.seeds, "batch": BATCH,
-           "accuracy": acc, "step_seconds": times, "sizes": sizes, "loss_curves": curves,
+           "accuracy": acc, "test_loss": test_loss, "agreement_with_float32": agree,
+           "step_seconds": times, "sizes": sizes, "loss_curves": curves,
            "jax": jax.__version__, "backend": jax.default_backend()}
     (RESULTS / "qat_digits.json").write_text(json.dumps(out, indent=1))
     print(f"wrote {RESULTS / 'qat_digits.json'} and .png")

@@ -74,8 +74,8 @@ def _check_knobs(config, ste, compute, quantize_every, where: str):
         hint = (" (the fused Pallas decode-matmul is not part of this release)"
                 if compute == "kernel" else "")
         raise ValueError(f"{where}: compute must be one of {COMPUTE_MODES}, got {compute!r}{hint}")
-    if isinstance(quantize_every, bool) or not isinstance(quantize_every, int) or quantize_every < 1:
-        raise ValueError(f"{where}: quantize_every must be an int >= 1, got {quantize_every!r}")
+    if isinstance(quantize_every, bool) or not isinstance(quantize_every, int) or quantize_every < 0:
+        raise ValueError(f"{where}: quantize_every must be an int >= 0, got {quantize_every!r}")
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -176,6 +176,9 @@ def _fresh(kernel, config, beta):
     return codes, c, _rows_decode(codes, c, config, kernel.shape[0], kernel.dtype).T
 
 
+_fresh_jit = jax.jit(_fresh, static_argnums=1)
+
+
 def _forward(x, kernel, w_hat, codes, c, config, ste, compute, act_beta, quantize_activations,
              precision):
     k = kernel.shape[0]
@@ -246,8 +249,11 @@ class QDense(nn.Module):
       ste: straight-through variant, ``"identity"`` or ``"clipped"`` (zero gradient in blocks
         that overloaded).
       quantize_every: re-quantize the kernel every N training calls; the codes are cached in
-        the ``hnlq`` collection between refreshes (apply with ``mutable=["hnlq"]``). Calls with
-        ``deterministic=True`` always use the cached codes and never re-quantize.
+        the ``hnlq`` collection between refreshes (apply with ``mutable=["hnlq"]``). ``0``:
+        training calls use the cache too, and the loop refreshes it with :func:`refresh_codes`
+        (a separate program; in-step refreshes cost a conditional that slows every step on
+        XLA:CPU). Calls with ``deterministic=True`` always use the cached codes and never
+        re-quantize.
       compute: ``"decode"`` (decode then matmul) or ``"lut"`` (one-sided lookup tables); the
         outputs agree to float rounding.
       calibrate: at initialization, choose beta by the paper's grid search on this layer's
@@ -321,7 +327,7 @@ class QDense(nn.Module):
 
         if self.is_initializing():
             codes, c, w_hat = fresh()
-        elif deterministic:
+        elif deterministic or self.quantize_every == 0:
             codes, c, w_hat = cached()
         elif self.is_mutable_collection(COLLECTION):
             refresh = step.value % self.quantize_every == 0
@@ -334,7 +340,8 @@ class QDense(nn.Module):
                 f"QDense: quantize_every={self.quantize_every} caches codes between training "
                 "calls: apply with mutable=['hnlq'] (or deterministic=True to use the cache)"
             )
-        if self.is_mutable_collection(COLLECTION):
+        training = self.is_mutable_collection(COLLECTION) and not deterministic
+        if self.is_initializing() or (training and self.quantize_every):
             for name, value in zip(("labels", "T", "scale", "w_hat"), (*codes, c, w_hat)):
                 cache[name].value = value
         act_beta = None
@@ -374,7 +381,7 @@ def _check_config(config):
 
 
 def refresh_codes(variables, config: HNLQConfig):
-    """Re-quantizes every QDense kernel now (after training with ``quantize_every > 1``).
+    """Re-quantizes every QDense kernel now (``quantize_every=0`` training, or after training).
 
     Args:
       variables: ``{"params": ..., "hnlq": ...}`` of a model with QDense layers that share
@@ -388,7 +395,7 @@ def refresh_codes(variables, config: HNLQConfig):
     flat = traverse_util.flatten_dict(variables[COLLECTION]) if COLLECTION in variables else {}
     for path in _layer_paths(variables):
         kernel = _get(variables["params"], path)["kernel"]
-        codes, c, w_hat = jax.jit(_fresh, static_argnums=1)(kernel, config, flat[path + ("beta",)])
+        codes, c, w_hat = _fresh_jit(kernel, config, flat[path + ("beta",)])
         flat[path + ("labels",)], flat[path + ("T",)] = codes.labels, codes.T
         flat[path + ("scale",)], flat[path + ("w_hat",)] = c.astype(jnp.float32), w_hat
     return {**variables, COLLECTION: traverse_util.unflatten_dict(flat)}

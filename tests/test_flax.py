@@ -144,6 +144,23 @@ def test_quantize_every(variables):
                                hf._kernel_codes(kernels[-1], CFG, v["hnlq"]["beta"])[1], rtol=1e-6)
 
 
+def test_quantize_every_zero_is_manual(variables):
+    """quantize_every=0: training calls use the cache (gradients still flow); refresh_codes
+    from the loop updates it."""
+    m = QDense(16, CFG, quantize_every=0)
+    moved = {**variables, "params": {**variables["params"],
+                                     "kernel": variables["params"]["kernel"] * 2.0}}
+    y, upd = m.apply(moved, X, mutable=["hnlq"])
+    for name in ("labels", "T", "scale", "w_hat"):
+        np.testing.assert_array_equal(upd["hnlq"][name], variables["hnlq"][name])
+    np.testing.assert_array_equal(y, m.apply(variables, X, deterministic=True))
+    g = jax.grad(_loss(m, moved, X, mutable=["hnlq"]))(moved["params"])
+    assert float(jnp.abs(g["kernel"]).sum()) > 0
+    fresh = hf.refresh_codes(moved, CFG)["hnlq"]
+    np.testing.assert_allclose(fresh["scale"], 2.0 * np.asarray(variables["hnlq"]["scale"]),
+                               rtol=1e-6)
+
+
 def test_jit_and_vmap(variables):
     m = QDense(16, CFG, quantize_activations=True)
     f = jax.jit(functools.partial(m.apply, deterministic=True))
@@ -228,7 +245,7 @@ def test_bad_knobs():
     for kw, msg in (({"ste": "round"}, "ste must be one of"),
                     ({"compute": "kernel"}, "Pallas decode-matmul is not part"),
                     ({"compute": "fast"}, "compute must be one of"),
-                    ({"quantize_every": 0}, "quantize_every must be an int >= 1")):
+                    ({"quantize_every": -1}, "quantize_every must be an int >= 0")):
         with pytest.raises(ValueError, match=msg):
             QDense(4, CFG, **kw).init(jax.random.key(0), X)
     with pytest.raises(TypeError, match="HNLQConfig"):

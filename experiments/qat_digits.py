@@ -19,7 +19,6 @@ Usage: python experiments/qat_digits.py [--seeds 0 1 2] [--epochs 40]
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import time

@@ -85,7 +85,8 @@ def _rows_codes(w, config: HNLQConfig, beta):
     Returns:
       ``(Codes(labels[r, nb, M, d], T[r, nb]), c[r])``.
     """
-    rms = jnp.sqrt(jnp.mean(jnp.square(w.astype(jnp.float32)), axis=-1))
+    w = w.astype(jnp.promote_types(w.dtype, jnp.float32))  # half precision: code in float32
+    rms = jnp.sqrt(jnp.mean(jnp.square(w), axis=-1))
     c = beta * jnp.where(rms > 0, rms, 1.0)
     blocks = to_blocks(w / c[:, None].astype(w.dtype), config.d)  # [r, nb, d]
     codes = encode_blocks(blocks.reshape(-1, config.d), _unit(config), 1.0)
@@ -95,9 +96,10 @@ def _rows_codes(w, config: HNLQConfig, beta):
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _rows_decode(codes: Codes, c, config: HNLQConfig, k: int, dtype):
-    """``[r, k]`` reconstruction ``c_r * decode(codes_r)``."""
-    dec = decode_blocks(codes.labels, codes.T, _unit(config), None, dtype, 1.0)  # [r, nb, d]
-    return from_blocks(dec, k) * c[:, None].astype(dtype)
+    """``[r, k]`` reconstruction ``c_r * decode(codes_r)`` in ``dtype`` (computed in >= float32)."""
+    compute = jnp.promote_types(dtype, jnp.float32)
+    dec = decode_blocks(codes.labels, codes.T, _unit(config), None, compute, 1.0)  # [r, nb, d]
+    return (from_blocks(dec, k) * c[:, None].astype(compute)).astype(dtype)
 
 
 @jax.custom_vjp
@@ -183,10 +185,11 @@ def _forward(x, kernel, w_hat, codes, c, config, ste, compute, act_beta, quantiz
              precision):
     k = kernel.shape[0]
     mask = _ste_mask(codes.T, k, ste, kernel.dtype)
-    w_ste = _straight_through(kernel, w_hat, None if mask is None else mask.T)
+    # Straight-through in the kernel's dtype, then the compute dtype (as Dense casts its kernel).
+    w_ste = _straight_through(kernel, w_hat, None if mask is None else mask.T).astype(x.dtype)
     if quantize_activations:
         x = _quantize_rows(x, config, act_beta, ste)
-    return _product(x, w_ste, codes, c, config, compute, precision)
+    return _product(x, w_ste, codes, c, config, compute, precision).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,11 +301,11 @@ class QDense(nn.Module):
                             self.param_dtype)
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
                 if self.use_bias else None)
-        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        x, cast_kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         if not self.quantize_weights:
-            y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+            y = jax.lax.dot_general(x, cast_kernel, (((x.ndim - 1,), (0,)), ((), ())),
                                     precision=self.precision)
-        else:
+        else:  # the codes are made from the parameter itself (param_dtype), not a cast of it
             y = self._quantized(x, kernel, deterministic)
         return y if bias is None else y + bias
 

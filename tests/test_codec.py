@@ -89,7 +89,7 @@ def _data(cfg, seed, shape):
         cfg.beta)
 
 
-@settings(max_examples=16)
+@settings(max_examples=12)
 @given(cfg=CONFIGS, seed=st.integers(0, 2**31 - 1), shape=SHAPES)
 def test_identities(cfg, seed, shape):
     """SPEC §6 (1)-(4): exact reconstruction, telescoping, no overload after the loop, labels."""
@@ -140,7 +140,7 @@ def test_codebook_identities(cfg):
     np.testing.assert_array_equal(a, c)
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(cfg=CONFIGS, seed=st.integers(0, 2**31 - 1))
 def test_idempotence(cfg, seed):
     """SPEC §6 (5): re-encoding a decoded non-overloaded point (beta = 1) is a fixed point."""

@@ -78,6 +78,12 @@ def _check_knobs(config, ste, compute, quantize_every, where: str):
         raise ValueError(f"{where}: quantize_every must be an int >= 0, got {quantize_every!r}")
 
 
+def _row_rms(w):
+    """RMS of each row of ``w[r, k]`` (1 for an all-zero row, which then codes to zeros)."""
+    rms = jnp.sqrt(jnp.mean(jnp.square(w), axis=-1))
+    return jnp.where(rms > 0, rms, 1.0)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _rows_codes(w, config: HNLQConfig, beta):
     """Codes of the rows of ``w[r, k]`` with per-row scales ``c = beta * rms``.
@@ -86,8 +92,7 @@ def _rows_codes(w, config: HNLQConfig, beta):
       ``(Codes(labels[r, nb, M, d], T[r, nb]), c[r])``.
     """
     w = w.astype(jnp.promote_types(w.dtype, jnp.float32))  # half precision: code in float32
-    rms = jnp.sqrt(jnp.mean(jnp.square(w), axis=-1))
-    c = beta * jnp.where(rms > 0, rms, 1.0)
+    c = beta * _row_rms(w)
     blocks = to_blocks(w / c[:, None].astype(w.dtype), config.d)  # [r, nb, d]
     codes = encode_blocks(blocks.reshape(-1, config.d), _unit(config), 1.0)
     r, nb = blocks.shape[:2]
@@ -357,8 +362,7 @@ class QDense(nn.Module):
         if not self.calibrate:
             return jnp.asarray(self.config.beta, jnp.float32)
         w = jax.lax.stop_gradient(kernel).T
-        rms = jnp.sqrt(jnp.mean(jnp.square(w), axis=-1, keepdims=True))
-        blocks = to_blocks(w / jnp.where(rms > 0, rms, 1.0), self.config.d).reshape(-1, self.config.d)
+        blocks = to_blocks(w / _row_rms(w)[:, None], self.config.d).reshape(-1, self.config.d)
         # A fixed-size sample (strided, or tiled when smaller): one compile for every layer.
         idx = (jnp.arange(CALIBRATION_BLOCKS) * blocks.shape[0]) // CALIBRATION_BLOCKS
         return search_beta(blocks[idx], self.config).astype(jnp.float32)

@@ -83,11 +83,15 @@ def _labels_of(g: list, config: HNLQConfig) -> list:
     return [jnp.remainder(c, config.q) for c in basis]
 
 
-def encode_at(y: list, config: HNLQConfig):
-    """Algorithm 1 on scaled columns ``y`` (d arrays of one shape ``[n]``).
+def encode_at(y: list, config: HNLQConfig, lookup: bool = True):
+    """Algorithm 1 on scaled columns ``y`` (d arrays of one shape).
+
+    Shared by the XLA path and the Pallas kernel (``lookup=False``: no codebook gathers).
 
     Returns:
-      ``(labels, overload)``: ``labels[M, d, n]`` uint8 (coordinate-major) and ``overload[n]``.
+      ``(digits, overload)``: ``d`` int32 arrays holding each coordinate's labels as base-q
+      digits, ``digits[j] = sum_m b_{m,j} q^m`` (see :func:`unpack_digits`), and the overload
+      mask.
     """
     lat = config.lat
     # A block beyond the clamp radius surely overloads; zeroing it keeps int32 in range. Below
@@ -97,22 +101,35 @@ def encode_at(y: list, config: HNLQConfig):
     g0 = tuple(c.astype(jnp.int32) for c in nearest_float(y, lat))
 
     # A loop, not unrolled Python: XLA would fuse the levels into one expression and recompute
-    # each level's d outputs for every coordinate of the next (exponential in M).
+    # each level's d outputs for every coordinate of the next (exponential in M). The labels
+    # ride along as base-q digits: d carries instead of M*d, and no dynamic indexing.
     def level(m, carry):
-        g, labels = carry
+        g, digits, w = carry
         b = _labels_of(list(g), config)
-        labels = jax.lax.dynamic_update_index_in_dim(labels, jnp.stack(b).astype(jnp.uint8), m, 0)
-        return tuple(_next_state(list(g), b, config)), labels
+        digits = tuple(a + c * w for a, c in zip(digits, b))
+        return tuple(_next_state(list(g), b, config, lookup)), digits, w * config.q
 
-    labels = jnp.zeros((config.M, config.d) + far.shape, jnp.uint8)
-    g, labels = jax.lax.fori_loop(0, config.M, level, (g0, labels))
+    zeros = tuple(jnp.zeros_like(c) for c in g0)
+    g, digits, _ = jax.lax.fori_loop(0, config.M, level, (g0, zeros, jnp.int32(1)))
     overload = far
     for c in g:
         overload = overload | (c != 0)
-    return labels, overload
+    return list(digits), overload
 
 
-def _next_state(g: list, b: list, config: HNLQConfig) -> list:
+def unpack_digits(digits: list, config: HNLQConfig) -> list:
+    """Label columns ``b[m][j]`` (int32) from :func:`encode_at`'s base-q digits."""
+    q = config.q
+    return [[jnp.remainder(jnp.floor_divide(c, q**m), q) for c in digits] for m in range(config.M)]
+
+
+def labels_from_digits(digits: list, config: HNLQConfig):
+    """``[..., M, d]`` uint8 labels from base-q digit columns of shape ``[...]``."""
+    b = unpack_digits(digits, config)
+    return jnp.stack([jnp.stack(bm, -1) for bm in b], -2).astype(jnp.uint8)
+
+
+def _next_state(g: list, b: list, config: HNLQConfig, lookup: bool) -> list:
     """``g_{m+1} = Q_L(g_m / q)`` from ``g_m`` and its labels ``b_m``.
 
     Since ``g_m - G b_m`` is in ``qL`` and Q_L commutes with lattice translations (the tie rule
@@ -121,7 +138,7 @@ def _next_state(g: list, b: list, config: HNLQConfig) -> list:
     CPU) but not for the cheap Z/D/A2 searches, where XLA's gathers cost more than they save.
     """
     q = config.q
-    if config.lat.kind != "E8" or q**config.d > _TABLE_MAX:
+    if not lookup or config.lat.kind != "E8" or q**config.d > _TABLE_MAX:
         return nearest_int(g, q, config.lat)
     r = _lookup(b, config)
     if q & (q - 1) == 0:  # exact division by a power of two: an arithmetic shift
@@ -171,19 +188,19 @@ class _Search(NamedTuple):
     x: jax.Array  # [d, n]
     t: jax.Array  # [n] int32: the next step to try
     active: jax.Array  # [n] bool: not yet encoded and t <= max_T
-    labels: jax.Array  # [M, d, n] uint8
+    digits: jax.Array  # [d, n] int32, see unpack_digits
     T: jax.Array  # [n] int32, -1 until encoded
 
 
 def _attempt(st: _Search, config: HNLQConfig, scales, z) -> _Search:
     """Tries every active block at its own t; blocks that fit keep labels and T = t."""
     s = scales[jnp.minimum(st.t, config.max_T)]
-    labels, over = encode_at([st.x[j] / s + z[j] for j in range(config.d)], config)
+    digits, over = encode_at([st.x[j] / s + z[j] for j in range(config.d)], config)
     ok = st.active & ~over
     t = st.t + 1
     return _Search(
         st.x, t, st.active & over & (t <= config.max_T),
-        jnp.where(ok, labels, st.labels), jnp.where(ok, st.t, st.T),
+        jnp.where(ok, jnp.stack(digits), st.digits), jnp.where(ok, st.t, st.T),
     )
 
 
@@ -217,12 +234,12 @@ def _search(st: _Search, config: HNLQConfig, scales, z, top: bool = True) -> _Se
     def compact(s, cap):
         idx = jnp.nonzero(s.active, size=cap, fill_value=n)[0]
         take = jnp.minimum(idx, n - 1)
-        sub = _Search(s.x[:, take], s.t[take], s.active[take] & (idx < n), s.labels[..., take],
+        sub = _Search(s.x[:, take], s.t[take], s.active[take] & (idx < n), s.digits[:, take],
                       s.T[take])
         sub = _search(sub, config, scales, z, top=False)
         return _Search(
             s.x, s.t.at[idx].set(sub.t, mode="drop"),
-            jnp.zeros_like(s.active), s.labels.at[..., idx].set(sub.labels, mode="drop"),
+            jnp.zeros_like(s.active), s.digits.at[:, idx].set(sub.digits, mode="drop"),
             s.T.at[idx].set(sub.T, mode="drop"),
         )
 
@@ -235,6 +252,18 @@ def _search(st: _Search, config: HNLQConfig, scales, z, top: bool = True) -> _Se
         return jax.lax.cond(count <= n // 2, half, loop, s)
 
     return jax.lax.cond(jnp.any(st.active), rest, lambda s: s, st)
+
+
+def scale_tables(config: HNLQConfig, beta, dtype):
+    """``(scales, thresholds)``, both ``[max_T + 1]`` in ``dtype``.
+
+    ``scales[t] = beta 2^(alpha t)`` is the encoder's step-t scale. ``thresholds[t]`` gives a
+    lower bound on T (SPEC §3): step t surely overloads while ``|x| > thresholds[t]``
+    (``|x| / s_t - |z|`` beyond the overload radius).
+    """
+    scales = jnp.asarray(beta, dtype) * jnp.asarray(pow2_table(config.alpha, config.max_T), dtype)
+    znorm = float(np.linalg.norm(config.dither_array))
+    return scales, scales * (config.overload_radius * (1 + NORM_SLACK) + znorm)
 
 
 def encode_blocks(x, config: HNLQConfig, beta) -> Codes:
@@ -258,19 +287,16 @@ def encode_blocks(x, config: HNLQConfig, beta) -> Codes:
         return Codes(c.labels.reshape((nc * _CHUNK,) + c.labels.shape[2:])[:N],
                      c.T.reshape(-1)[:N])
     dtype = x.dtype
-    scales = jnp.asarray(beta, dtype) * jnp.asarray(pow2_table(config.alpha, config.max_T), dtype)
+    scales, thresholds = scale_tables(config, beta, dtype)
     z = [dtype.type(v) for v in config.dither_array]
     finite = jnp.all(jnp.isfinite(x), axis=-1)
-    # Lower bound on T (SPEC §3): t is surely overloaded while |x|/s_t - |z| > radius.
-    znorm = float(np.linalg.norm(config.dither_array))
-    thresholds = scales * (config.overload_radius * (1 + NORM_SLACK) + znorm)
     xt = x.T
     norms = jnp.sqrt(sumsq([jnp.where(finite, xt[j], 0) for j in range(config.d)]))
     t0 = jnp.searchsorted(thresholds, norms, method="scan_unrolled").astype(jnp.int32)
     st = _Search(xt, t0, finite & (t0 <= config.max_T),
-                 jnp.zeros((config.M, config.d, N), jnp.uint8), jnp.full((N,), -1, jnp.int32))
+                 jnp.zeros((config.d, N), jnp.int32), jnp.full((N,), -1, jnp.int32))
     st = _search(st, config, scales, z)
-    return Codes(jnp.transpose(st.labels, (2, 0, 1)), st.T.astype(jnp.int8))
+    return Codes(labels_from_digits(list(st.digits), config), st.T.astype(jnp.int8))
 
 
 _encode_jit = jax.jit(lambda x, config: encode_blocks(x, config, config.beta), static_argnums=1)
@@ -310,20 +336,29 @@ def lattice_sum(labels, config: HNLQConfig, levels: int | None = None, use_table
     Returns:
       ``d`` int32 P-coordinate columns of shape ``[...]`` (exact).
     """
-    lat, q, M, d = config.lat, config.q, config.M, config.d
+    M = config.M
     levels = M if levels is None else levels
+    b = [columns(labels[..., m, :].astype(jnp.int32)) for m in range(M)]
+    return level_sum(b, config, M - levels, use_table)
+
+
+def level_sum(b: list, config: HNLQConfig, first: int = 0, use_table=None) -> list:
+    """:func:`lattice_sum` on label columns ``b[m][j]`` (int32), levels ``first..M-1``.
+
+    Shared by the XLA path and the Pallas kernels (``use_table=False``: no gathers).
+    """
+    lat, q, M, d = config.lat, config.q, config.M, config.d
     if use_table is None:
         use_table = q**d <= _TABLE_MAX
     total = None
-    for m in range(M - levels, M):
-        b = columns(labels[..., m, :].astype(jnp.int32))
+    for m in range(first, M):
         if use_table:
-            r = _lookup(b, config)
+            r = _lookup(b[m], config)
         else:
-            Pb = matvec(lat.P_from_basis, b)
+            Pb = matvec(lat.P_from_basis, b[m])
             r = [p - q * c for p, c in zip(Pb, nearest_int(Pb, q, lat))]
         r = [c * (q**m) for c in r]
-        total = r if total is None else [a + b for a, b in zip(total, r)]
+        total = r if total is None else [u + v for u, v in zip(total, r)]
     return total
 
 

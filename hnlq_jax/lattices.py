@@ -222,9 +222,14 @@ def _round_ties(N, D, u_i: float):
         if u_i < 0:  # N/D = f - 1/2 exactly: floor took the upper neighbour
             f = f - (jnp.remainder(t, 2 * D) == 0).astype(N.dtype)
         return f, N - D * f
-    r = jnp.round(N)  # half to even; y - round(y) is exact in floating point
-    rho = N - r
-    r = jnp.where(rho == 0.5, r + 1, r) if u_i > 0 else jnp.where(rho == -0.5, r - 1, r)
+    # On |N|, not N: a - floor(a) is exact for a >= 0 (for negative N, N - floor(N) can round
+    # onto 0.5). floor/abs/where only, so the same code lowers for Triton (no round there).
+    a = jnp.abs(N)
+    m = jnp.floor(a)
+    f = a - m
+    tie_up = (N >= 0) if u_i > 0 else (N < 0)  # an exact half goes toward sign(u_i)
+    m = jnp.where((f > 0.5) | ((f == 0.5) & tie_up), m + 1, m)
+    r = jnp.where(N < 0, -m, m)
     return r, N - r
 
 
@@ -273,9 +278,13 @@ def _nearest_e8(a: list, b: list, D, u: np.ndarray) -> list:
     """E8 = D8 u (D8 + 1/2): the nearer of Q_D8(a/D) and Q_D8(b/D) + 1/2, in P coordinates.
 
     ``a`` and ``b`` are the numerators of y and y - 1/2 over ``D``. Both cosets go through one
-    D8 search on stacked ``[2, ...]`` columns (half the code to compile).
+    D8 search on columns stacked along a new last axis of size 2 (half the code to compile;
+    the one stacking Triton lowers).
     """
-    f, rho = _nearest_dn([jnp.stack([ca, cb]) for ca, cb in zip(a, b)], D, u)
+    axis = a[0].ndim
+    f, rho = _nearest_dn([jax.lax.stack([ca, cb], axis) for ca, cb in zip(a, b)], D, u)
+    f = [jax.lax.unstack(c, axis) for c in f]
+    rho = [jax.lax.unstack(c, axis) for c in rho]
     Pa, Pb = [2 * c[0] for c in f], [2 * c[1] + 1 for c in f]
     # Residuals are exact: integers, or (float) y - round(y) for y and y - 1/2.
     da, db = sumsq([r[0] for r in rho]), sumsq([r[1] for r in rho])

@@ -114,7 +114,7 @@ def _check_two_sided(config, fn: str):
         )
 
 
-def _check_one_sided(config, fn: str):
+def check_one_sided(config, fn: str):
     q, _, d, Q = _base(config, fn)
     if Q > MAX_ONE_SIDED:
         raise ValueError(
@@ -263,13 +263,13 @@ def one_sided(y, config: HNLQConfig):
     Raises:
       ValueError: more than :data:`MAX_ONE_SIDED` entries per block, NaN/Inf in y.
     """
-    _check_one_sided(config, "one_sided")
+    check_one_sided(config, "one_sided")
     y = jnp.asarray(y)
     y = _check_real(y, -(-y.shape[-1] // config.d) if y.ndim else 0, config, "one_sided", "y")
     return _one_sided(y, config)
 
 
-def _dither_dot(yb, config):
+def dither_dot(yb, config):
     """``<z, y_k>`` per block ``[..., nb]``, or 0 without dither."""
     if config.dither is None:
         return 0
@@ -285,7 +285,7 @@ def _dot_one_sided(la, Ta, y, config):
     t = jnp.broadcast_to(t, lead + t.shape[-2:])
     a = jnp.broadcast_to(a, lead + a.shape[-2:])
     v = jnp.sum(jnp.take_along_axis(t, a, axis=-1) * _level_weights(config, dtype), -1)
-    v = v - _dither_dot(to_blocks(y.astype(dtype), config.d), config)
+    v = v - dither_dot(to_blocks(y.astype(dtype), config.d), config)
     return jnp.sum(_block_scale(la, Ta, config, dtype) * v, axis=-1)
 
 
@@ -301,7 +301,7 @@ def dot_one_sided(codes_x, y, config: HNLQConfig):
       ``[...]`` inner products in y's dtype (at least float32); equal to
       ``<decode(x), y>`` up to float rounding; NaN where a block has ``T = -1``.
     """
-    _check_one_sided(config, "dot_one_sided")
+    check_one_sided(config, "dot_one_sided")
     la, Ta = _block_codes(codes_x, config, "dot_one_sided")
     y = _check_real(y, Ta.shape[-1], config, "dot_one_sided", "y")
     _same_blocks(Ta.shape, y.shape[:-1] + (Ta.shape[-1],), "dot_one_sided")
@@ -405,7 +405,7 @@ def _matmul_one_sided(lw, Tw, x, config):
     t = _one_sided(x.reshape((-1, x.shape[-1])), config)  # [m, nb, Q]
     E = None
     if config.dither is not None:
-        E = _dither_dot(to_blocks(x.reshape((-1, x.shape[-1])).astype(t.dtype), config.d), config)
+        E = dither_dot(to_blocks(x.reshape((-1, x.shape[-1])).astype(t.dtype), config.d), config)
     out = _gather_matmul(t, E, _index(lw, config), _block_scale(lw, Tw, config, t.dtype), config)
     return out.reshape(lead + out.shape[-1:])
 
@@ -423,7 +423,7 @@ def matmul_one_sided(codes_W, x, config: HNLQConfig):
       ``[..., n]`` in x's dtype (at least float32), equal to ``x @ decode(W)^T`` up to float
       rounding.
     """
-    _check_one_sided(config, "matmul_one_sided")
+    check_one_sided(config, "matmul_one_sided")
     lw, Tw = _matrix_codes(codes_W, config, "matmul_one_sided", "W")
     x = _check_real(x, Tw.shape[-1], config, "matmul_one_sided", "x")
     return _matmul_one_sided(lw, Tw, x, config)

@@ -32,7 +32,7 @@ from hnlq_jax.config import HNLQConfig
 __all__ = ["add", "accumulate", "validate", "sum_with_fallback"]
 
 
-def _check(codes, config, fn: str):
+def check(codes, config, fn: str):
     labels, T = check_codes(codes, config, None, fn)
     if config.dither is not None:
         raise ValueError(
@@ -42,7 +42,7 @@ def _check(codes, config, fn: str):
     return labels, T
 
 
-def _axis(axis, T, fn: str) -> int:
+def leading_axis(axis, T, fn: str) -> int:
     if not isinstance(axis, int) or not -T.ndim <= axis < T.ndim:
         raise ValueError(
             f"{fn}: axis must be an int indexing the leading (block) axes of shape {T.shape}, "
@@ -74,8 +74,8 @@ def add(codes_a: Codes, codes_b: Codes, config: HNLQConfig) -> Codes:
     Returns:
       ``Codes`` of the broadcast shape; T is the common T, or -1 where the two differ.
     """
-    la, Ta = _check(codes_a, config, "add")
-    lb, Tb = _check(codes_b, config, "add")
+    la, Ta = check(codes_a, config, "add")
+    lb, Tb = check(codes_b, config, "add")
     try:
         shape = jnp.broadcast_shapes(Ta.shape, Tb.shape)
     except ValueError:
@@ -98,8 +98,8 @@ def accumulate(codes: Codes, config: HNLQConfig, axis: int = 0) -> Codes:
       ``Codes`` with ``axis`` removed; T is the common T of the summands, or -1 where they
       differ. Decoding it gives the true sum only where :func:`validate` says so.
     """
-    labels, T = _check(codes, config, "accumulate")
-    axis = _axis(axis, T, "accumulate")
+    labels, T = check(codes, config, "accumulate")
+    axis = leading_axis(axis, T, "accumulate")
     return _accumulate(labels, T, config, axis)
 
 
@@ -129,8 +129,8 @@ def validate(codes: Codes, config: HNLQConfig, axis: int = 0):
     Returns:
       ``[...]`` bool (``axis`` removed).
     """
-    labels, T = _check(codes, config, "validate")
-    axis = _axis(axis, T, "validate")
+    labels, T = check(codes, config, "validate")
+    axis = leading_axis(axis, T, "validate")
     return _validate(labels, T, config, axis)[1]
 
 
@@ -159,6 +159,6 @@ def sum_with_fallback(codes: Codes, config: HNLQConfig, axis: int = 0):
       ``(x, exact)``: ``x[..., d]`` the sum (float64 under x64, else float32; NaN for blocks
       with a ``T = -1`` summand) and ``exact[...]`` the mask of blocks taken from the mod-q sum.
     """
-    labels, T = _check(codes, config, "sum_with_fallback")
-    axis = _axis(axis, T, "sum_with_fallback")
+    labels, T = check(codes, config, "sum_with_fallback")
+    axis = leading_axis(axis, T, "sum_with_fallback")
     return _sum_with_fallback(labels, T, config, axis)

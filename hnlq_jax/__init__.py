@@ -11,12 +11,13 @@ The public API, re-exported here:
   :class:`BetaSearch`
 
 Submodules: :mod:`hnlq_jax.lut` (lookup-table inner products and matrix products),
-:mod:`hnlq_jax.modq` (mod-q sums of codes), :mod:`hnlq_jax.rd` (the paper's rate-distortion
+:mod:`hnlq_jax.modq` (mod-q sums of codes), :mod:`hnlq_jax.kernels` (Pallas kernels for encode,
+decode, the fused decode-matmul, the LUT GEMV and the mod-q sum), :mod:`hnlq_jax.rd` (the paper's rate-distortion
 experiment) and, with the ``flax`` extra, :mod:`hnlq_jax.flax` (``QDense``,
 ``QuantDotGeneral``; import it explicitly).
 """
 
-from hnlq_jax import lut, modq, rd
+from hnlq_jax import kernels, lut, modq, rd
 from hnlq_jax.codec import Codes, codebook, decode, encode, from_blocks, quantize, to_blocks
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.lattices import Lattice, closest_point, lattice
@@ -39,6 +40,7 @@ __all__ = [
     "decode",
     "encode",
     "from_blocks",
+    "kernels",
     "lattice",
     "lut",
     "modq",

@@ -50,6 +50,15 @@ def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def concrete_all(x, predicate) -> bool:
+    """``all(predicate(x))`` for a concrete array, evaluated now even while tracing (as for a
+    constant closed over by a jitted function); True for a tracer (checked at run time)."""
+    if not is_concrete(x):
+        return True
+    with jax.ensure_compile_time_eval():
+        return bool(jnp.all(predicate(x)))
+
+
 def check_x(x, config: HNLQConfig, fn: str):
     """Validates ``x[..., d]`` and returns it in its compute dtype (half -> float32)."""
     if not isinstance(config, HNLQConfig):
@@ -65,8 +74,8 @@ def check_x(x, config: HNLQConfig, fn: str):
         raise TypeError(f"{fn}: expected a floating-point array, got dtype {x.dtype}")
     if jnp.finfo(x.dtype).bits < 32:
         x = x.astype(jnp.float32)
-    if is_concrete(x) and not bool(jnp.all(jnp.isfinite(x))):
-        bad = int(jnp.sum(~jnp.all(jnp.isfinite(x), axis=-1)))
+    if not concrete_all(x, jnp.isfinite):
+        bad = int(np.sum(~np.all(np.isfinite(np.asarray(x)), axis=-1)))
         raise ValueError(
             f"{fn}: input has NaN or Inf in {bad} block(s); expected finite values "
             "(under jit such blocks are marked T = -1 and decode to NaN)"
@@ -389,23 +398,33 @@ def check_codes(codes, config: HNLQConfig, levels, fn: str):
         raise TypeError(f"{fn}: labels and T must be integer arrays, got {labels.dtype}, {T.dtype}")
     if levels is not None and not (isinstance(levels, int) and 1 <= levels <= M):
         raise ValueError(f"{fn}: levels must be an int in 1..M={M}, got {levels!r}")
-    if is_concrete(labels) and labels.size and (
-        int(jnp.min(labels)) < 0 or int(jnp.max(labels)) >= config.q
-    ):
+    if not concrete_all(labels, lambda b: (b >= 0) & (b < config.q)):
+        b = np.asarray(labels)
         raise ValueError(
             f"{fn}: labels must be in 0..q-1 = 0..{config.q - 1}, got values in "
-            f"{int(jnp.min(labels))}..{int(jnp.max(labels))}"
+            f"{b.min()}..{b.max()}"
         )
-    if is_concrete(T) and T.size and (int(jnp.min(T)) < -1 or int(jnp.max(T)) > config.max_T):
+    if not concrete_all(T, lambda t: (t >= -1) & (t <= config.max_T)):
+        t = np.asarray(T)
         raise ValueError(
-            f"{fn}: T must be in -1..max_T = -1..{config.max_T}, got values in "
-            f"{int(jnp.min(T))}..{int(jnp.max(T))}"
+            f"{fn}: T must be in -1..max_T = -1..{config.max_T}, got values in {t.min()}..{t.max()}"
         )
     return labels, T
 
 
 def decode_blocks(labels, T, config: HNLQConfig, levels, dtype, beta):
-    """Algorithm 2: ``(beta (x_hat - z)) 2^(alpha T)``; invalid blocks give NaN."""
+    """Algorithm 2: ``(beta (x_hat - z)) 2^(alpha T)``; invalid blocks give NaN.
+
+    Args:
+      labels: ``[..., M, d]``; T: ``[...]``.
+
+    Returns:
+      ``[..., d]`` in ``dtype``.
+    """
+    if T.ndim != 1:  # one flat batch axis: 1.6x faster on XLA:CPU than [n, nb] leading axes
+        out = decode_blocks(labels.reshape((-1,) + labels.shape[-2:]), T.reshape(-1), config,
+                            levels, dtype, beta)
+        return out.reshape(T.shape + out.shape[-1:])
     lat = config.lat
     xhat = jnp.stack(
         lat.cart_from_P([c.astype(dtype) for c in lattice_sum(labels, config, levels)]), axis=-1

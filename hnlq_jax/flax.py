@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax import lut
+from hnlq_jax import kernels, lut
 from hnlq_jax.codec import Codes, decode_blocks, encode_blocks, from_blocks, to_blocks
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.packing import Packed, pack, unpack
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 STE_MODES = ("identity", "clipped")
-COMPUTE_MODES = ("decode", "lut")
+COMPUTE_MODES = ("decode", "lut", "kernel")
 COLLECTION = "hnlq"
 CALIBRATION_BLOCKS = 4096  # blocks of a layer's kernel that its beta is calibrated on
 
@@ -71,9 +71,7 @@ def _check_knobs(config, ste, compute, quantize_every, where: str):
     if ste not in STE_MODES:
         raise ValueError(f"{where}: ste must be one of {STE_MODES}, got {ste!r}")
     if compute not in COMPUTE_MODES:
-        hint = (" (the fused Pallas decode-matmul is not part of this release)"
-                if compute == "kernel" else "")
-        raise ValueError(f"{where}: compute must be one of {COMPUTE_MODES}, got {compute!r}{hint}")
+        raise ValueError(f"{where}: compute must be one of {COMPUTE_MODES}, got {compute!r}")
     if isinstance(quantize_every, bool) or not isinstance(quantize_every, int) or quantize_every < 0:
         raise ValueError(f"{where}: quantize_every must be an int >= 0, got {quantize_every!r}")
 
@@ -144,31 +142,35 @@ def _quantize_rows(x, config, beta, ste):
     return _straight_through(flat, x_hat, _ste_mask(codes.T, k, ste, x.dtype)).reshape(x.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _lut_product(config, x, w_ste, labels, T, c):
-    """``x @ W_hat`` through the one-sided tables; gradients as for ``x @ w_ste``."""
-    y = lut.matmul_one_sided(Codes(labels, T), x, _unit(config))
-    return y * c.astype(y.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _coded_product(config, compute, x, w_ste, labels, T, c):
+    """``x @ W_hat`` from the codes (``"lut"``: one-sided tables; ``"kernel"``: the fused
+    Pallas decode-matmul); gradients as for ``x @ w_ste``."""
+    codes = Codes(labels, T)
+    if compute == "lut":
+        y = lut.matmul_one_sided(codes, x, _unit(config))
+        return y * c.astype(y.dtype)
+    return kernels.decode_matmul(x, codes, _unit(config), scale=c, implementation="pallas")
 
 
-def _lut_fwd(config, x, w_ste, labels, T, c):
-    return _lut_product(config, x, w_ste, labels, T, c), (x, w_ste)
+def _coded_fwd(config, compute, x, w_ste, labels, T, c):
+    return _coded_product(config, compute, x, w_ste, labels, T, c), (x, w_ste)
 
 
-def _lut_bwd(config, res, g):
+def _coded_bwd(config, compute, res, g):
     x, w_ste = res
     dx = jnp.einsum("...o,io->...i", g, w_ste)
     dw = jnp.einsum("...i,...o->io", x, g)
     return dx, dw, None, None, None
 
 
-_lut_product.defvjp(_lut_fwd, _lut_bwd)
+_coded_product.defvjp(_coded_fwd, _coded_bwd)
 
 
 def _product(x, w_ste, codes, c, config, compute, precision):
     """``x[..., in] @ W_hat[in, out]`` by the chosen path (same gradients)."""
-    if compute == "lut":
-        return _lut_product(config, x, w_ste, codes.labels, codes.T, c)
+    if compute != "decode":
+        return _coded_product(config, compute, x, w_ste, codes.labels, codes.T, c)
     return jax.lax.dot_general(x, w_ste, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
@@ -211,7 +213,7 @@ class QuantDotGeneral:
       config: lattice, q, M, alpha, max_T (and beta, see ``calibrate``).
       quantize_activations: also quantize the left operand per token.
       ste: ``"identity"`` or ``"clipped"``.
-      compute: ``"decode"`` or ``"lut"``.
+      compute: ``"decode"``, ``"lut"`` or ``"kernel"`` (see :class:`QDense`).
       calibrate: use :func:`gaussian_beta` (default) instead of ``config.beta``.
     """
 
@@ -262,8 +264,10 @@ class QDense(nn.Module):
         (a separate program; in-step refreshes cost a conditional that slows every step on
         XLA:CPU). Calls with ``deterministic=True`` always use the cached codes and never
         re-quantize.
-      compute: ``"decode"`` (decode then matmul) or ``"lut"`` (one-sided lookup tables); the
-        outputs agree to float rounding.
+      compute: ``"decode"`` (decode then matmul), ``"lut"`` (one-sided lookup tables) or
+        ``"kernel"`` (the fused Pallas decode-matmul :func:`hnlq_jax.kernels.decode_matmul`,
+        which reads only the codes; interpret mode on a CPU, so slow there); the outputs
+        agree to float rounding and the gradients are the same.
       calibrate: at initialization, choose beta by the paper's grid search on this layer's
         normalized kernel (stored as ``hnlq/beta``); ``False`` uses ``config.beta``.
       deterministic: default for the call argument of the same name.

@@ -53,6 +53,7 @@ __all__ = [
     "decode_matmul",
     "lut_gemv",
     "modq_sum",
+    "default_implementation",
     "resolve",
 ]
 
@@ -74,10 +75,25 @@ def unsupported(config: HNLQConfig) -> str | None:
     return None
 
 
-def resolve(implementation, config: HNLQConfig, fn: str) -> str:
-    """``"pallas"`` or ``"xla"`` for an ``implementation=`` argument.
+def default_implementation(op: str, config: HNLQConfig, batch: int | None = None) -> str:
+    """What ``implementation=None`` runs for ``op`` on the default backend.
 
-    ``None`` picks the kernel on a GPU when it supports ``config``, XLA otherwise.
+    On a GPU, the kernel (when it supports ``config``). Elsewhere Pallas only runs in interpret
+    mode (the kernel body as XLA ops in a loop over the grid), slower than the XLA path, with
+    one measured exception: ``lut_gemv`` of a single vector, where XLA's batched gathers cost
+    more than the kernel's (0.5-0.8x the time, ``experiments/bench_kernels.py``).
+    """
+    if unsupported(config):
+        return "xla"
+    if jax.default_backend() == "gpu" or (op == "lut_gemv" and batch == 1):
+        return "pallas"
+    return "xla"
+
+
+def resolve(implementation, config: HNLQConfig, fn: str, batch: int | None = None) -> str:
+    """``"pallas"`` or ``"xla"`` for an ``implementation=`` argument of op ``fn``.
+
+    ``None`` picks :func:`default_implementation`.
 
     Raises:
       ValueError: an unknown implementation, or ``"pallas"`` for a config no kernel supports.
@@ -90,7 +106,7 @@ def resolve(implementation, config: HNLQConfig, fn: str) -> str:
         raise ValueError(f"{fn}: no Pallas kernel for {config.lattice}: {why}; use "
                          "implementation='xla'")
     if implementation is None:
-        return "pallas" if jax.default_backend() == "gpu" and not why else "xla"
+        return default_implementation(fn.removeprefix("kernels."), config, batch)
     return implementation
 
 
@@ -573,10 +589,11 @@ def lut_gemv(codes_W, x, config: HNLQConfig, *, implementation=None, interpret=N
     """
     labels, T = _weight_codes(codes_W, config, "kernels.lut_gemv")
     x = _activations(x, T.shape[1], config, "kernels.lut_gemv")
-    if resolve(implementation, config, "kernels.lut_gemv") == "xla":
+    lead = x.shape[:-1]
+    batch = int(np.prod(lead, dtype=np.int64))
+    if resolve(implementation, config, "kernels.lut_gemv", batch) == "xla":
         return lut.matmul_one_sided(codes_W, x, config)
     lut.check_one_sided(config, "kernels.lut_gemv")
-    lead = x.shape[:-1]
     gemv = functools.partial(_lut_gemv_pallas, labels, T, config=config,
                              interpret=_interpret(interpret), block_n=block_n, block_k=block_k,
                              gpu_backend=gpu_backend)

@@ -32,7 +32,7 @@ from hnlq_jax.codec import (
     codebook_table,
     default_float,
     flat_index,
-    is_concrete,
+    concrete_all,
     overload_scale,
     to_blocks,
     valid_blocks,
@@ -163,7 +163,7 @@ def _check_real(y, nb: int, config, fn: str, what: str):
             f"{fn}: {what} has shape {y.shape}; its last axis must split into the codes' "
             f"nb = {nb} blocks of d = {d}, i.e. have length {nb * d - d + 1}..{nb * d}"
         )
-    if is_concrete(y) and not bool(jnp.all(jnp.isfinite(y))):
+    if not concrete_all(y, jnp.isfinite):
         raise ValueError(f"{fn}: {what} has NaN or Inf entries; expected finite values")
     return y
 

@@ -8,6 +8,7 @@ The public API, re-exported here:
 * blocks: :func:`to_blocks`, :func:`from_blocks`
 * packing: :func:`pack`, :func:`unpack`, :class:`Packed`, :func:`bits_per_block`
 * statistics: :func:`rate_stats`, :class:`RateStats`, :func:`calibrate_beta`,
+  :func:`gaussian_beta`,
   :class:`BetaSearch`
 
 Submodules: :mod:`hnlq_jax.lut` (lookup-table inner products and matrix products),
@@ -22,7 +23,7 @@ from hnlq_jax.codec import Codes, codebook, decode, encode, from_blocks, quantiz
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.lattices import Lattice, closest_point, lattice
 from hnlq_jax.packing import Packed, bits_per_block, pack, unpack
-from hnlq_jax.stats import BetaSearch, RateStats, calibrate_beta, rate_stats
+from hnlq_jax.stats import BetaSearch, RateStats, calibrate_beta, gaussian_beta, rate_stats
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ __all__ = [
     "decode",
     "encode",
     "from_blocks",
+    "gaussian_beta",
     "kernels",
     "lattice",
     "lut",

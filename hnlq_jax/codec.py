@@ -303,7 +303,8 @@ def encode_blocks(x, config: HNLQConfig, beta) -> Codes:
     norms = jnp.sqrt(sumsq([jnp.where(finite, xt[j], 0) for j in range(config.d)]))
     t0 = jnp.searchsorted(thresholds, norms, method="scan_unrolled").astype(jnp.int32)
     st = _Search(xt, t0, finite & (t0 <= config.max_T),
-                 jnp.zeros((config.d, N), jnp.int32), jnp.full((N,), -1, jnp.int32))
+                 # Built from t0, so that under shard_map they carry x's varying axes.
+                 jnp.broadcast_to(jnp.zeros_like(t0), (config.d, N)), jnp.full_like(t0, -1))
     st = _search(st, config, scales, z)
     return Codes(labels_from_digits(list(st.digits), config), st.T.astype(jnp.int8))
 

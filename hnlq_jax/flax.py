@@ -33,7 +33,7 @@ from hnlq_jax import kernels, lut
 from hnlq_jax.codec import Codes, decode_blocks, encode_blocks, from_blocks, to_blocks
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.packing import Packed, pack, unpack
-from hnlq_jax.stats import calibrate_beta, search_beta
+from hnlq_jax.stats import gaussian_beta, search_beta
 
 __all__ = [
     "QDense",
@@ -48,16 +48,6 @@ STE_MODES = ("identity", "clipped")
 COMPUTE_MODES = ("decode", "lut", "kernel")
 COLLECTION = "hnlq"
 CALIBRATION_BLOCKS = 4096  # blocks of a layer's kernel that its beta is calibrated on
-
-
-@functools.lru_cache(maxsize=None)
-def gaussian_beta(config: HNLQConfig) -> float:
-    """beta of the paper's grid search on 4000 iid N(0,1) d-vectors (``default_rng(0)``).
-
-    The default beta for data normalized to unit RMS (activations per token).
-    """
-    x = np.random.default_rng(0).standard_normal((4000, config.d)).astype(np.float32)
-    return calibrate_beta(x, config)[0]
 
 
 def _unit(config: HNLQConfig) -> HNLQConfig:

@@ -13,7 +13,7 @@ import numpy as np
 from hnlq_jax.codec import Codes, check_codes, check_x, decode_blocks, encode_blocks
 from hnlq_jax.config import HNLQConfig
 
-__all__ = ["RateStats", "rate_stats", "calibrate_beta", "search_beta", "BetaSearch"]
+__all__ = ["RateStats", "rate_stats", "calibrate_beta", "gaussian_beta", "search_beta", "BetaSearch"]
 
 
 class RateStats(NamedTuple):
@@ -158,3 +158,13 @@ def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step
     mse, _, _, f, _ = _beta_grid(x, config, betas)
     key = f if criterion == "f" else mse
     return jnp.where(jnp.isfinite(jnp.min(key)), betas[jnp.argmin(key)], betas[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def gaussian_beta(config: HNLQConfig) -> float:
+    """beta of the paper's grid search on 4000 iid N(0,1) d-vectors (``default_rng(0)``).
+
+    The default beta for data normalized to unit RMS (activations per token, gradient chunks).
+    """
+    x = np.random.default_rng(0).standard_normal((4000, config.d)).astype(np.float32)
+    return calibrate_beta(x, config)[0]

@@ -1,0 +1,260 @@
+"""Compressed means and the optax transformation on 8 fake CPU devices; two real processes."""
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import hnlq_jax as hq
+from hnlq_jax import dist
+
+CFG = hq.HNLQConfig("D4", 4, 2)
+CFG = CFG.replace(beta=hq.gaussian_beta(CFG))
+N_DEV = 8
+
+
+def mesh(n=N_DEV):
+    return jax.make_mesh((n,), ("i",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def sharded(f, n=N_DEV):
+    """``f(local)`` on each of n devices; rows of the input are the devices' values."""
+    return jax.jit(jax.shard_map(lambda v: f(v[0])[None], mesh=mesh(n), in_specs=P("i"),
+                                 out_specs=P("i")))
+
+
+def rows(shape, seed=0, n=N_DEV):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((n,) + shape), jnp.float32)
+
+
+def reference_mean(x, cfg, method, chunk=dist.CHUNK):
+    """float64 numpy reference of the same quantized mean, from the codec directly."""
+    n = x.shape[0]
+    flat = np.asarray(x, np.float32).reshape(n, -1)
+    size = flat.shape[1]
+
+    def code(v, parts):
+        ch, nc = dist._layout(v.shape[0], cfg, chunk, parts)
+        v = np.pad(v, (0, nc * ch * cfg.d - v.shape[0])).reshape(nc, -1)
+        rms = np.sqrt(np.mean(np.square(v, dtype=np.float64), axis=1))
+        e = np.where(rms > 0, np.round(np.log2(np.where(rms > 0, rms, 1))), 0)  # nearest 2^e
+        s = (2.0 ** e)[:, None]
+        blocks = (v / s).reshape(-1, cfg.d).astype(np.float32)
+        dec = np.asarray(hq.decode(hq.encode(blocks, cfg), cfg), np.float64)
+        return (dec.reshape(nc, -1) * s).reshape(-1)
+
+    if method == "all_gather":
+        return np.mean([code(v, 1) for v in flat], axis=0)[:size]
+    dec = np.stack([code(v, n) for v in flat]).astype(np.float32)  # [n, padded]
+    # The slice means are re-encoded: average in float32, in device order, as the devices do
+    # (a float64 mean moves a few blocks across a decision boundary).
+    avg = dec[0]
+    for row in dec[1:]:
+        avg = avg + row
+    avg = np.split(avg / np.float32(n), n)
+    return np.concatenate([code(a, 1) for a in avg])[:size]
+
+
+@pytest.mark.parametrize("method", dist.METHODS)
+def test_mean_matches_reference_and_pmap(method):
+    x = rows((37, 29))  # 1073 values: ragged, not a multiple of d or of a chunk
+    f = functools.partial(dist.compressed_mean, axis_name="i", config=CFG, method=method)
+    got = sharded(f)(x)
+    assert got.shape == x.shape and got.dtype == jnp.float32
+    # Identical on every device, equal to the pmap path bit for bit.
+    assert bool(jnp.all(got == got[0]))
+    via_pmap = jax.pmap(f, axis_name="i")(x)
+    np.testing.assert_array_equal(via_pmap, got)
+    ref = reference_mean(x, CFG, method).reshape(x.shape[1:])
+    np.testing.assert_allclose(got[0], ref, rtol=1e-5, atol=1e-6)
+    exact = np.mean(np.asarray(x, np.float64), axis=0)
+    err = np.linalg.norm(got[0] - exact) / np.linalg.norm(exact)
+    assert 0.01 < err < (0.12 if method == "all_gather" else 0.2)
+
+
+def test_high_rate_approaches_exact_mean():
+    x = rows((500,), seed=1)
+    exact = np.mean(np.asarray(x, np.float64), axis=0)
+    errs = []
+    for q, M in ((4, 1), (4, 3), (16, 4)):
+        cfg = hq.HNLQConfig("D4", q, M)
+        cfg = cfg.replace(beta=hq.gaussian_beta(cfg))
+        got = sharded(functools.partial(dist.compressed_mean, axis_name="i", config=cfg))(x)[0]
+        errs.append(np.linalg.norm(got - exact) / np.linalg.norm(exact))
+    assert errs[0] > errs[1] > errs[2] and errs[2] < 1e-4
+
+
+def test_shapes_dtypes_and_scalars():
+    for shape, dtype in (((), jnp.float32), ((3,), jnp.bfloat16), ((4, 4, 3), jnp.float32)):
+        x = rows(shape, seed=2).astype(dtype)
+        got = sharded(functools.partial(dist.compressed_mean, axis_name="i", config=CFG))(x)
+        assert got.shape == x.shape and got.dtype == dtype
+        exact = jnp.mean(x.astype(jnp.float32), axis=0)
+        assert float(jnp.max(jnp.abs(got[0].astype(jnp.float32) - exact))) < 0.5
+    zeros = sharded(functools.partial(dist.compressed_mean, axis_name="i", config=CFG))(
+        jnp.zeros((N_DEV, 10)))
+    np.testing.assert_array_equal(zeros, 0)
+
+
+def _collective_bytes(jaxpr, names):
+    """Operand bytes of the collectives named ``names`` anywhere in a jaxpr."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            total += sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in eqn.invars)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            total += _collective_bytes(sub, names)
+    return total
+
+
+@pytest.mark.parametrize("method", dist.METHODS)
+def test_wire_payload_is_what_wire_bytes_says(method):
+    shape = (300, 17)
+    f = sharded(functools.partial(dist.compressed_mean, axis_name="i", config=CFG, method=method))
+    jaxpr = jax.make_jaxpr(f)(rows(shape)).jaxpr
+    w = dist.wire_bytes(np.zeros(shape), CFG, N_DEV, method)
+    gathered = _collective_bytes(jaxpr, {"all_gather", "all_gather_invariant"})
+    if method == "all_gather":
+        assert gathered == w["payload"]
+        assert w["sent"] == (N_DEV - 1) * gathered
+    else:
+        a2a = _collective_bytes(jaxpr, {"all_to_all"})
+        assert a2a == w["payload"] and gathered == w["payload"] // N_DEV
+        assert w["sent"] == (N_DEV - 1) * (a2a // N_DEV) + (N_DEV - 1) * gathered
+    # No float32 array of the data's size crosses the wire: payload well under 1 byte/value.
+    assert _collective_bytes(jaxpr, {"psum", "psum_invariant", "pmean", "all_reduce"}) == 0
+    assert w["payload"] < 0.9 * 300 * 17 * (1 if method == "all_gather" else 1.1)
+    assert w["float32_allreduce"] == 2 * (N_DEV - 1) * 4 * 300 * 17 / N_DEV
+
+
+def test_optax_error_feedback_invariant():
+    tx = dist.compress_gradients(CFG, "i", min_size=16)
+    params = {"w": jnp.zeros((40, 10)), "b": jnp.zeros((5,)), "s": jnp.zeros(())}
+    state = jax.tree.map(lambda a: jnp.broadcast_to(a, (N_DEV,) + a.shape), tx.init(params))
+
+    def step(g, st):
+        st = jax.tree.map(lambda a: a[0], st)
+        g = jax.tree.map(lambda a: a[0], g)
+        u, new = tx.update(g, st)
+        # What this device put on the wire for w, decoded as every receiver decodes it.
+        _, own = dist._compressed_mean(g["w"] + st.residual["w"], "i", CFG, "all_gather",
+                                       dist.CHUNK, None)
+        sent = dist._decode(own, CFG, None)[:400].reshape(40, 10)
+        return u, jax.tree.map(lambda a: a[None], new), sent[None]
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh(), in_specs=(P("i"), P("i")),
+                              out_specs=(P(), P("i"), P("i"))))
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        g = {k: jnp.asarray(rng.standard_normal((N_DEV,) + v.shape), jnp.float32)
+             for k, v in params.items()}
+        old = state.residual["w"]
+        u, state, sent = f(g, state)
+        new, sent = np.asarray(state.residual["w"]), np.asarray(sent)
+        v = np.asarray(g["w"] + old)  # gradient + old residual, per device
+        np.testing.assert_array_equal(new, v - sent)  # r' = (g + r) - sent, bit for bit
+        np.testing.assert_allclose(sent + new, v, rtol=0, atol=1e-6)
+        assert np.abs(sent - v).max() > 1e-3  # the codes did lose something
+        assert float(jnp.abs(new).max()) > 0
+        # Small leaves (b: 5, s: scalar) take the exact mean and keep no residual.
+        np.testing.assert_allclose(u["b"], jnp.mean(g["b"], axis=0), rtol=1e-6)
+        assert state.residual["b"] == () and state.residual["s"] == ()
+    stats = dist.compression_stats(state)
+    assert float(stats["bytes_sent"][0]) < float(stats["float32_bytes"][0])
+    assert 0 <= float(stats["overload_rate"][0]) < 1
+
+
+def test_optax_warmup_chain_and_training():
+    """Warm-up steps are exact; the chain trains a least-squares problem to the same loss."""
+    rng = np.random.default_rng(4)
+    A = jnp.asarray(rng.standard_normal((N_DEV, 64, 32)), jnp.float32)
+    w_true = jnp.asarray(rng.standard_normal(32), jnp.float32)
+    b = A @ w_true
+
+    def run(tx, steps=60):
+        w = jnp.zeros(32)
+        state = jax.tree.map(lambda a: jnp.broadcast_to(a, (N_DEV,) + a.shape), tx.init(w))
+
+        def step(w, st, A, b):
+            st = jax.tree.map(lambda a: a[0], st)
+            g = jax.grad(lambda w: jnp.mean((A[0] @ w - b[0]) ** 2))(w)
+            u, st = tx.update(g, st, w)
+            return optax.apply_updates(w, u), jax.tree.map(lambda a: a[None], st)
+
+        f = jax.jit(jax.shard_map(step, mesh=mesh(), in_specs=(P(), P("i"), P("i"), P("i")),
+                                  out_specs=(P(), P("i"))))
+        ws = []
+        for _ in range(steps):
+            w, state = f(w, state, A, b)
+            ws.append(w)
+        return ws, state
+
+    plain, _ = run(optax.chain(dist.compress_gradients(CFG, "i", warmup_steps=100, min_size=1),
+                               optax.sgd(0.05)))
+    exact, _ = run(optax.sgd(0.05))
+    np.testing.assert_allclose(plain[-1], exact[-1], rtol=1e-5, atol=1e-6)  # all warm-up
+    coded, state = run(optax.chain(dist.compress_gradients(CFG, "i", warmup_steps=2, min_size=1),
+                                   optax.sgd(0.05)))
+    np.testing.assert_allclose(coded[1], exact[1], rtol=1e-5, atol=1e-6)  # warm-up steps
+    assert not np.allclose(coded[5], exact[5], rtol=1e-6)  # then coded
+    err = float(jnp.linalg.norm(coded[-1] - w_true) / jnp.linalg.norm(w_true))
+    assert err < 0.05
+    assert float(dist.compression_stats(state)["ratio"][0]) > 1
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="method must be one of"):
+        dist.wire_bytes(np.zeros(10), CFG, 8, "psum")
+    with pytest.raises(ValueError, match="chunk must be a positive multiple of 8"):
+        dist.compress_gradients(CFG, "i", chunk=12)
+    with pytest.raises(ValueError, match="warmup_steps must be an int >= 0"):
+        dist.compress_gradients(CFG, "i", warmup_steps=-1)
+    with pytest.raises(TypeError, match="HNLQConfig"):
+        dist.compressed_mean(jnp.zeros(3), "i", "D4")
+    with pytest.raises(TypeError, match="must be floating"):
+        sharded(functools.partial(dist.compressed_mean, axis_name="i", config=CFG))(
+            jnp.zeros((N_DEV, 3), jnp.int32))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_jax_distributed(tmp_path):
+    """Two processes (gloo collectives) give the same means as 4 devices in one process."""
+    worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, worker, str(port), str(i),
+                               str(tmp_path / f"out{i}.npy")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=180)
+            assert p.returncode == 0, out.decode()[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+    sys.path.insert(0, os.path.dirname(__file__))
+    import dist_worker
+
+    x = jnp.asarray(dist_worker.data(4))
+    local = dist_worker.means(mesh(4), x)
+    for i in range(2):
+        got = np.load(tmp_path / f"out{i}.npy")
+        for k in range(len(dist.METHODS)):
+            np.testing.assert_array_equal(got[k], np.asarray(local[k])[0])

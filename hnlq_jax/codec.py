@@ -399,13 +399,17 @@ def check_codes(codes, config: HNLQConfig, levels, fn: str):
         raise TypeError(f"{fn}: labels and T must be integer arrays, got {labels.dtype}, {T.dtype}")
     if levels is not None and not (isinstance(levels, int) and 1 <= levels <= M):
         raise ValueError(f"{fn}: levels must be an int in 1..M={M}, got {levels!r}")
-    if not concrete_all(labels, lambda b: (b >= 0) & (b < config.q)):
+    def in_range(b):  # int32: q = 256 does not fit uint8
+        b = b.astype(jnp.int32)
+        return (b >= 0) & (b < config.q)
+
+    if not concrete_all(labels, in_range):
         b = np.asarray(labels)
         raise ValueError(
             f"{fn}: labels must be in 0..q-1 = 0..{config.q - 1}, got values in "
             f"{b.min()}..{b.max()}"
         )
-    if not concrete_all(T, lambda t: (t >= -1) & (t <= config.max_T)):
+    if not concrete_all(T, lambda t: (t >= -1) & (t.astype(jnp.int32) <= config.max_T)):
         t = np.asarray(T)
         raise ValueError(
             f"{fn}: T must be in -1..max_T = -1..{config.max_T}, got values in {t.min()}..{t.max()}"

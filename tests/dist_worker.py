@@ -23,8 +23,7 @@ def data(rows, n=N):
 
 
 def config():
-    cfg = hq.HNLQConfig("D4", 4, 2)
-    return cfg.replace(beta=hq.gaussian_beta(cfg))
+    return hq.HNLQConfig("D4", 4, 2, beta=0.2016)  # hq.gaussian_beta, rounded
 
 
 def means(mesh, x):

@@ -13,7 +13,8 @@ The public API, re-exported here:
 
 Submodules: :mod:`hnlq_jax.lut` (lookup-table inner products and matrix products),
 :mod:`hnlq_jax.modq` (mod-q sums of codes), :mod:`hnlq_jax.kernels` (Pallas kernels for encode,
-decode, the fused decode-matmul, the LUT GEMV and the mod-q sum), :mod:`hnlq_jax.rd` (the paper's rate-distortion
+decode, the fused decode-matmul, the LUT GEMV and the mod-q sum), :mod:`hnlq_jax.dist`
+(compressed means over devices and the optax gradient compressor; import it explicitly), :mod:`hnlq_jax.rd` (the paper's rate-distortion
 experiment) and, with the ``flax`` extra, :mod:`hnlq_jax.flax` (``QDense``,
 ``QuantDotGeneral``; import it explicitly).
 """

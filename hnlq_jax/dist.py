@@ -34,7 +34,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from hnlq_jax import kernels
 from hnlq_jax.codec import Codes
@@ -236,7 +235,7 @@ def _zero_stats():
 def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather",
                        error_feedback: bool = True, warmup_steps: int = 0,
                        min_size: int = 1024, *, chunk: int = CHUNK,
-                       implementation=None) -> optax.GradientTransformation:
+                       implementation=None):
     """An optax transformation replacing each device's gradient by its compressed mean.
 
     Use inside ``jax.shard_map`` / ``jax.pmap`` over ``axis_name``, first in an
@@ -259,6 +258,8 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
       ``optax.GradientTransformation``; its state is a :class:`CompressState`
       (:func:`compression_stats` finds it in a chain's state).
     """
+    import optax  # only here: optax comes with the flax extra, the collectives need only jax
+
     _check(config, method, chunk, "compress_gradients")
     for name, v in (("warmup_steps", warmup_steps), ("min_size", min_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:

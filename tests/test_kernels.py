@@ -128,7 +128,9 @@ def _weights(cfg, n, k, seed=1):
     return hq.encode(hq.to_blocks(W, cfg.d), cfg)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+# E8's decoding is covered by test_encode_decode_bit_exact; the tiling does not depend on it.
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.lattice != "E8"],
+                         ids=[i for i in IDS if not i.startswith("E8")])
 def test_decode_matmul_matches_reference(cfg):
     n, k = 40, 27 * cfg.d - 1  # ragged: rows and blocks are not tile multiples, k not d-aligned
     codes = _weights(cfg, n, k)
@@ -243,7 +245,8 @@ def test_implementation_choice_and_errors():
 
 # CUDA lowering, without a GPU: every kernel through the real Pallas -> Triton (and, where the
 # op allows, Mosaic GPU) lowering. A lowering error fails the test.
-def _lowering_cases(cfg):
+def _lowering_cases(cfg, all_ops):
+    """Kernels to lower; ``all_ops=False``: only those whose code depends on the lattice."""
     x = jnp.zeros((1000, cfg.d), jnp.float32)
     c = hq.encode(x, cfg)
     cw = hq.encode(jnp.zeros((64, 32, cfg.d)), cfg)
@@ -264,13 +267,15 @@ def _lowering_cases(cfg):
     if cfg.q**cfg.d <= 2**16:
         cases["lut_gemv"] = (lambda x, lab, T: K.lut_gemv(hq.Codes(lab, T), x, cfg, **gpu),
                              (xa,) + tuple(cw))
+    if not all_ops:
+        cases = {k: cases[k] for k in ("encode", "decode", "decode_matmul")}
     return cases
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_lowers_for_cuda_triton(cfg):
-    cases = _lowering_cases(cfg)
-    assert len(cases) >= 6
+    cases = _lowering_cases(cfg, all_ops=cfg.lattice == "D4")
+    assert len(cases) >= 3
     for name, (f, args) in cases.items():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "custom_call @__gpu$xla.gpu.triton" in text, name

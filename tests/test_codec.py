@@ -87,6 +87,7 @@ def _encode_at(y, cfg):
     digits, over = encode_at(columns(y), cfg)
     return labels_from_digits(digits, cfg), over
 _states = jax.jit(encoder_states, static_argnums=1)
+_lattice_sum = jax.jit(lattice_sum, static_argnums=(1, 2))
 
 
 def _data(cfg, seed, shape):
@@ -94,7 +95,7 @@ def _data(cfg, seed, shape):
         cfg.beta)
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)  # each example compiles (random shapes): 8 cover the 4 lattices
 @given(cfg=CONFIGS, seed=st.integers(0, 2**31 - 1), shape=SHAPES)
 def test_identities(cfg, seed, shape):
     """SPEC §6 (1)-(4): exact reconstruction, telescoping, no overload after the loop, labels."""
@@ -119,14 +120,17 @@ def _check_identities(cfg, x, shape):
     prev = T > 0
     if np.any(prev):
         yp = x[prev] / (cfg.beta * 2.0 ** (cfg.alpha * (T[prev] - 1.0)))[:, None]
-        assert np.all(np.asarray(_encode_at(jnp.asarray(yp), cfg)[1]))
+        k = len(yp)  # padded to one size per shape: one compile, not one per count
+        yp = np.concatenate([yp, np.zeros((T.size - k, cfg.d))])
+        assert np.all(np.asarray(_encode_at(jnp.asarray(yp), cfg)[1])[:k])
     # (2) telescoping: sum_{m >= j} q^m r(b_m) = q^j g_j.
     for j in range(cfg.M):
-        P = np.stack([np.asarray(c) for c in lattice_sum(codes.labels, cfg, cfg.M - j)], -1)
+        P = np.stack([np.asarray(c) for c in _lattice_sum(codes.labels, cfg, cfg.M - j)], -1)
         cart = P / 2 if cfg.lattice == "E8" else (P @ cfg.lat.G.T if cfg.lattice == "A2" else P)
         np.testing.assert_allclose(cart, cfg.q**j * states[j], rtol=0, atol=1e-9)
 
 
+@settings(max_examples=10)
 @given(cfg=CONFIGS)
 def test_codebook_identities(cfg):
     """SPEC §6 (4)-(5): Q_L(r(b)/q) = 0, distinct representatives, coset consistency."""

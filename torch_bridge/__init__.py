@@ -1,0 +1,13 @@
+"""torch_bridge: HNLQ for PyTorch users, running the JAX code through zero-copy DLPack.
+
+* :func:`to_jax`, :func:`to_torch`: DLPack exchange (aliasing rules in :mod:`torch_bridge.interop`)
+* :func:`encode`, :func:`decode`, :func:`quantize`: the codec on tensors, same codes as
+  :mod:`hnlq_jax` bit for bit; ``quantize`` is differentiable (straight-through)
+* :func:`jax_function`: any JAX function as a differentiable torch function (its ``jax.vjp``)
+"""
+
+from torch_bridge.autograd import jax_function
+from torch_bridge.codec import decode, encode, quantize
+from torch_bridge.interop import to_jax, to_torch
+
+__all__ = ["decode", "encode", "jax_function", "quantize", "to_jax", "to_torch"]

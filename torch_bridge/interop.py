@@ -1,0 +1,71 @@
+"""Zero-copy exchange of tensors between PyTorch and JAX through DLPack.
+
+Aliasing rules (both directions share memory, on CPU and on CUDA):
+
+* ``to_jax(t)`` returns a JAX array that *views* ``t``'s memory: a later in-place write to ``t``
+  shows up in the JAX array. Clone the tensor first (``t.clone()``) when it will be written.
+* ``to_torch(a)`` returns a tensor viewing the JAX array: an in-place op on it mutates the JAX
+  array, which JAX assumes immutable. Pass ``copy=True`` when the tensor will be written.
+* Tensors that require grad are detached (the JAX array carries no torch graph; use the
+  :mod:`torch_bridge.autograd` wrappers for gradients). Non-contiguous tensors (slices with
+  steps, ``expand``) are made contiguous first, which copies: DLPack in JAX takes compact
+  strides only. ``from_dlpack(..., copy=True)`` does not copy on CPU, so neither is relied on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+__all__ = ["to_jax", "to_torch"]
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def to_jax(t: torch.Tensor) -> jax.Array:
+    """A JAX array sharing ``t``'s memory (see the module docstring for the aliasing rules).
+
+    Args:
+      t: a CPU or CUDA tensor of a float, integer or bool dtype.
+
+    Returns:
+      ``jax.Array`` of the same shape and dtype, on the matching JAX device.
+
+    Raises:
+      TypeError: not a tensor, an unsupported dtype (complex, float8, ...), or a 64-bit dtype
+        while JAX's x64 mode is off.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"to_jax: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"to_jax: unsupported dtype {t.dtype}; supported: "
+                        f"{', '.join(str(d) for d in _DTYPES)}")
+    if t.dtype in (torch.float64, torch.int64) and not jax.config.jax_enable_x64:
+        raise TypeError(f"to_jax: {t.dtype} needs JAX's 64-bit mode (with jax.enable_x64(True): "
+                        "...); without it JAX would silently copy to 32 bits. Convert first "
+                        "(t.float() / t.int()) or enable x64")
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.device.type == "cuda" and jax.default_backend() != "gpu":
+        raise ValueError("to_jax: a CUDA tensor needs JAX with a GPU backend "
+                         f"(JAX has {jax.default_backend()!r}); move the tensor with .cpu()")
+    return jnp.from_dlpack(t)
+
+
+def to_torch(a, copy: bool = False) -> torch.Tensor:
+    """A tensor sharing the JAX array's memory, or owning a copy with ``copy=True``.
+
+    Args:
+      a: a JAX array.
+      copy: return a tensor with its own memory (safe to write in place).
+
+    Returns:
+      ``torch.Tensor`` of the same shape and dtype on the matching device.
+    """
+    if not isinstance(a, jax.Array):
+        raise TypeError(f"to_torch: expected a jax.Array, got {type(a).__name__}")
+    t = torch.from_dlpack(a)
+    return t.clone() if copy else t

@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import kernels, lut
-from hnlq_jax.codec import Codes, decode_blocks, encode_blocks, from_blocks, to_blocks
+from hnlq_jax.codec import Codes, to_blocks
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.packing import Packed, pack, unpack
+from hnlq_jax.rows import row_rms, rows_codes, rows_decode, unit
 from hnlq_jax.stats import gaussian_beta, search_beta
 
 __all__ = [
@@ -50,11 +51,6 @@ COLLECTION = "hnlq"
 CALIBRATION_BLOCKS = 4096  # blocks of a layer's kernel that its beta is calibrated on
 
 
-def _unit(config: HNLQConfig) -> HNLQConfig:
-    """The codec config used inside the layers: beta lives in the channel scales."""
-    return config.replace(beta=1.0)
-
-
 def _check_knobs(config, ste, compute, quantize_every, where: str):
     if not isinstance(config, HNLQConfig):
         raise TypeError(f"{where}: config must be an HNLQConfig, got {type(config).__name__}")
@@ -64,35 +60,6 @@ def _check_knobs(config, ste, compute, quantize_every, where: str):
         raise ValueError(f"{where}: compute must be one of {COMPUTE_MODES}, got {compute!r}")
     if isinstance(quantize_every, bool) or not isinstance(quantize_every, int) or quantize_every < 0:
         raise ValueError(f"{where}: quantize_every must be an int >= 0, got {quantize_every!r}")
-
-
-def _row_rms(w):
-    """RMS of each row of ``w[r, k]`` (1 for an all-zero row, which then codes to zeros)."""
-    rms = jnp.sqrt(jnp.mean(jnp.square(w), axis=-1))
-    return jnp.where(rms > 0, rms, 1.0)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _rows_codes(w, config: HNLQConfig, beta):
-    """Codes of the rows of ``w[r, k]`` with per-row scales ``c = beta * rms``.
-
-    Returns:
-      ``(Codes(labels[r, nb, M, d], T[r, nb]), c[r])``.
-    """
-    w = w.astype(jnp.promote_types(w.dtype, jnp.float32))  # half precision: code in float32
-    c = beta * _row_rms(w)
-    blocks = to_blocks(w / c[:, None].astype(w.dtype), config.d)  # [r, nb, d]
-    codes = encode_blocks(blocks.reshape(-1, config.d), _unit(config), 1.0)
-    r, nb = blocks.shape[:2]
-    return Codes(codes.labels.reshape(r, nb, config.M, config.d), codes.T.reshape(r, nb)), c
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _rows_decode(codes: Codes, c, config: HNLQConfig, k: int, dtype):
-    """``[r, k]`` reconstruction ``c_r * decode(codes_r)`` in ``dtype`` (computed in >= float32)."""
-    compute = jnp.promote_types(dtype, jnp.float32)
-    dec = decode_blocks(codes.labels, codes.T, _unit(config), None, compute, 1.0)  # [r, nb, d]
-    return (from_blocks(dec, k) * c[:, None].astype(compute)).astype(dtype)
 
 
 @jax.custom_vjp
@@ -127,8 +94,8 @@ def _quantize_rows(x, config, beta, ste):
     """Straight-through quantization of the rows of ``x[..., k]`` (per-row scales)."""
     k = x.shape[-1]
     flat = x.reshape(-1, k)
-    codes, c = _rows_codes(jax.lax.stop_gradient(flat), config, beta)
-    x_hat = _rows_decode(codes, c, config, k, x.dtype)
+    codes, c = rows_codes(jax.lax.stop_gradient(flat), config, beta)
+    x_hat = rows_decode(codes, c, config, k, x.dtype)
     return _straight_through(flat, x_hat, _ste_mask(codes.T, k, ste, x.dtype)).reshape(x.shape)
 
 
@@ -138,9 +105,9 @@ def _coded_product(config, compute, x, w_ste, labels, T, c):
     Pallas decode-matmul); gradients as for ``x @ w_ste``."""
     codes = Codes(labels, T)
     if compute == "lut":
-        y = lut.matmul_one_sided(codes, x, _unit(config))
+        y = lut.matmul_one_sided(codes, x, unit(config))
         return y * c.astype(y.dtype)
-    return kernels.decode_matmul(x, codes, _unit(config), scale=c, implementation="pallas")
+    return kernels.decode_matmul(x, codes, unit(config), scale=c, implementation="pallas")
 
 
 def _coded_fwd(config, compute, x, w_ste, labels, T, c):
@@ -166,13 +133,13 @@ def _product(x, w_ste, codes, c, config, compute, precision):
 
 def _kernel_codes(kernel, config, beta):
     """Codes of a kernel ``[in, out]`` (rows = output channels) and its channel scales."""
-    return _rows_codes(jax.lax.stop_gradient(kernel).T, config, beta)
+    return rows_codes(jax.lax.stop_gradient(kernel).T, config, beta)
 
 
 def _fresh(kernel, config, beta):
     """``(codes, c, w_hat[in, out])`` of a kernel, quantized now."""
     codes, c = _kernel_codes(kernel, config, beta)
-    return codes, c, _rows_decode(codes, c, config, kernel.shape[0], kernel.dtype).T
+    return codes, c, rows_decode(codes, c, config, kernel.shape[0], kernel.dtype).T
 
 
 _fresh_jit = jax.jit(_fresh, static_argnums=1)
@@ -356,7 +323,7 @@ class QDense(nn.Module):
         if not self.calibrate:
             return jnp.asarray(self.config.beta, jnp.float32)
         w = jax.lax.stop_gradient(kernel).T
-        blocks = to_blocks(w / _row_rms(w)[:, None], self.config.d).reshape(-1, self.config.d)
+        blocks = to_blocks(w / row_rms(w)[:, None], self.config.d).reshape(-1, self.config.d)
         # A fixed-size sample (strided, or tiled when smaller): one compile for every layer.
         idx = (jnp.arange(CALIBRATION_BLOCKS) * blocks.shape[0]) // CALIBRATION_BLOCKS
         return search_beta(blocks[idx], self.config).astype(jnp.float32)
@@ -423,7 +390,7 @@ def export_params(variables, config: HNLQConfig):
     codes_out = {}
     for path in _layer_paths(variables):
         layer = _get(variables[COLLECTION], path)
-        packed = pack(Codes(layer["labels"], layer["T"]), _unit(config))
+        packed = pack(Codes(layer["labels"], layer["T"]), unit(config))
         kernel = params.pop(path + ("kernel",))
         codes_out["/".join(path)] = {
             "data": np.asarray(packed.data), "T": np.asarray(packed.T),
@@ -460,11 +427,11 @@ def import_params(deployable, config: HNLQConfig):
         path = tuple(name.split("/")) if name else ()
         k, n = (int(v) for v in layer["shape"])
         nb = -(-k // config.d)
-        codes = unpack(Packed(layer["data"], layer["T"]), _unit(config))
+        codes = unpack(Packed(layer["data"], layer["T"]), unit(config))
         if codes.labels.shape != (n, nb, config.M, config.d):
             raise ValueError(f"import_params: layer {name} does not match config {config}")
         scale = jnp.asarray(layer["scale"])
-        w_hat = _rows_decode(codes, scale, config, k, jnp.float32).T
+        w_hat = rows_decode(codes, scale, config, k, jnp.float32).T
         params[path + ("kernel",)] = w_hat
         for key, v in (("labels", codes.labels), ("T", codes.T), ("scale", scale), ("w_hat", w_hat),
                        ("beta", jnp.asarray(layer["beta"])), ("step", jnp.zeros((), jnp.int32))):

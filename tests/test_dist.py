@@ -138,7 +138,8 @@ def test_wire_payload_is_what_wire_bytes_says(method):
 
 def test_optax_error_feedback_invariant():
     tx = dist.compress_gradients(CFG, "i", min_size=16)
-    params = {"w": jnp.zeros((40, 10)), "b": jnp.zeros((5,)), "s": jnp.zeros(())}
+    params = {"w": jnp.zeros((40, 10)), "b": jnp.zeros((5,)), "s": jnp.zeros(()),
+              "h": jnp.zeros((3, 7), jnp.bfloat16)}  # ragged bfloat16 leaf, compressed
     state = jax.tree.map(lambda a: jnp.broadcast_to(a, (N_DEV,) + a.shape), tx.init(params))
 
     def step(g, st):
@@ -155,7 +156,7 @@ def test_optax_error_feedback_invariant():
                               out_specs=(P(), P("i"), P("i"))))
     rng = np.random.default_rng(3)
     for _ in range(3):
-        g = {k: jnp.asarray(rng.standard_normal((N_DEV,) + v.shape), jnp.float32)
+        g = {k: jnp.asarray(rng.standard_normal((N_DEV,) + v.shape), v.dtype)
              for k, v in params.items()}
         old = state.residual["w"]
         u, state, sent = f(g, state)
@@ -168,6 +169,9 @@ def test_optax_error_feedback_invariant():
         # Small leaves (b: 5, s: scalar) take the exact mean and keep no residual.
         np.testing.assert_allclose(u["b"], jnp.mean(g["b"], axis=0), rtol=1e-6)
         assert state.residual["b"] == () and state.residual["s"] == ()
+        assert u["h"].dtype == jnp.bfloat16 and state.residual["h"].dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(u["h"], np.float32),
+                                   np.mean(np.asarray(g["h"], np.float32), axis=0), atol=0.25)
     stats = dist.compression_stats(state)
     assert float(stats["bytes_sent"][0]) < float(stats["float32_bytes"][0])
     assert 0 <= float(stats["overload_rate"][0]) < 1

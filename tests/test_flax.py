@@ -12,6 +12,7 @@ from flax import nnx
 
 import hnlq_jax as hq
 import hnlq_jax.flax as hf
+from hnlq_jax.rows import rows_codes, rows_decode
 from hnlq_jax.flax import QDense, QuantDotGeneral
 
 CFG = hq.HNLQConfig("D4", 4, 2)
@@ -94,7 +95,7 @@ def test_activation_quantization_gradient_and_values(variables):
     m = QDense(16, CFG, quantize_activations=True)
     y = m.apply(variables, X, deterministic=True)
     beta = hf.gaussian_beta(CFG)
-    xq = hf._rows_decode(*hf._rows_codes(X, CFG, beta), CFG, 30, jnp.float32)
+    xq = rows_decode(*rows_codes(X, CFG, beta), CFG, 30, jnp.float32)
     assert float(jnp.abs(xq - X).max()) > 0
     y_ref = QDense(16, CFG).apply(variables, xq, deterministic=True)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)

@@ -275,7 +275,7 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
             return ()
         return CompressState(jnp.zeros((), jnp.int32), jax.tree.map(res, params), _zero_stats())
 
-    def leaf_update(g, r, n):
+    def leaf_update(g, r):
         """``(mean, new residual, overloaded blocks)`` of one compressed leaf."""
         v = g.astype(jnp.float32)
         if error_feedback:
@@ -303,10 +303,10 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
 
         def coded(args):
             gs, rs = args
-            outs, new_rs, over = [], [], 0
+            outs, new_rs, over = [], [], jnp.zeros((), jnp.int32)
             for g, r, c in zip(gs, rs, which):
                 if c:
-                    g, r, k = leaf_update(g, r, n)
+                    g, r, k = leaf_update(g, r)
                     over = over + k
                 else:
                     g = jax.lax.pmean(g, axis_name)

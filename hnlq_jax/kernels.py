@@ -1,17 +1,17 @@
 """Pallas kernels for the hot loops, each beside its pure-JAX reference (the XLA path).
 
-=================  ===========================================  =============================
+=================  ===========================================  ====================================
 kernel             what one program does                        reference (``"xla"``)
-=================  ===========================================  =============================
+=================  ===========================================  ====================================
 ``encode``         a tile of blocks: overload loop over T,      :func:`hnlq_jax.encode`
                    all M levels in registers
 ``decode``         a tile of blocks, all levels fused           :func:`hnlq_jax.decode`
 ``decode_matmul``  ``bn`` output rows: decodes W tile by tile   decode, then ``x @ W_hat^T``
                    next to the ``dot`` (weight-only codes)
-``lut_gemv``       ``bn`` output rows of ``W_hat x`` from x's   :func:`hnlq_jax.lut.dot_one_sided`
+``lut_gemv``       ``bn`` output rows of ``W_hat x`` from x's   :func:`hnlq_jax.lut.matmul_one_sided`
                    one-sided tables (gathers)
 ``modq_sum``       a tile of blocks: label sum mod q, common T  :func:`hnlq_jax.modq.accumulate`
-=================  ===========================================  =============================
+=================  ===========================================  ====================================
 
 The kernels run the library's own lattice code (:func:`~hnlq_jax.codec.encode_at`,
 :func:`~hnlq_jax.codec.level_sum`) on per-column loads, so codes are bit-identical to the

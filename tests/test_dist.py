@@ -194,8 +194,10 @@ def test_optax_warmup_chain_and_training():
             u, st = tx.update(g, st, w)
             return optax.apply_updates(w, u), jax.tree.map(lambda a: a[None], st)
 
+        # check_vma=False: per-device gradients. With the checks on, JAX already sums the
+        # gradient of the replicated w over the axis (the transpose of its implicit pvary).
         f = jax.jit(jax.shard_map(step, mesh=mesh(), in_specs=(P(), P("i"), P("i"), P("i")),
-                                  out_specs=(P(), P("i"))))
+                                  out_specs=(P(), P("i")), check_vma=False))
         ws = []
         for _ in range(steps):
             w, state = f(w, state, A, b)
@@ -204,8 +206,15 @@ def test_optax_warmup_chain_and_training():
 
     plain, _ = run(optax.chain(dist.compress_gradients(CFG, "i", warmup_steps=100, min_size=1),
                                optax.sgd(0.05)))
-    exact, _ = run(optax.sgd(0.05))
+    pmean = optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda u, s, p=None: (jax.tree.map(lambda g: jax.lax.pmean(g, "i"), u), s))
+    exact, _ = run(optax.chain(pmean, optax.sgd(0.05)))
     np.testing.assert_allclose(plain[-1], exact[-1], rtol=1e-5, atol=1e-6)  # all warm-up
+    nothing, _ = run(dist.compress_gradients(CFG, "i", min_size=10**9), steps=1)  # all exact
+    np.testing.assert_allclose(nothing[0], jnp.mean(jax.vmap(jax.grad(
+        lambda w, A, b: jnp.mean((A @ w - b) ** 2)), (None, 0, 0))(jnp.zeros(32), A, b), 0),
+        rtol=1e-5, atol=1e-6)
     coded, state = run(optax.chain(dist.compress_gradients(CFG, "i", warmup_steps=2, min_size=1),
                                    optax.sgd(0.05)))
     np.testing.assert_allclose(coded[1], exact[1], rtol=1e-5, atol=1e-6)  # warm-up steps

@@ -77,10 +77,12 @@ def test_quantize_every_caches_codes():
 def test_high_rate_approaches_linear_and_activations():
     lin = _linear(2)
     x = torch.randn(4, 30)
-    hi = QLinear.from_linear(lin, hq.HNLQConfig("D4", 16, 4)).eval()
+    hi = QLinear.from_linear(lin, hq.HNLQConfig("D4", 16, 4, beta=4.353e-5),  # gaussian_beta
+                             calibrate=False).eval()
     err = (hi(x) - lin(x)).norm() / lin(x).norm()
     assert float(err) < 1e-3
-    lo = QLinear.from_linear(lin, CFG, quantize_activations=True).eval()
+    lo = QLinear.from_linear(lin, CFG, quantize_activations=True).eval()  # calibrated beta
+    assert lo.beta != CFG.beta
     assert 1e-3 < float((lo(x) - lin(x)).norm() / lin(x).norm()) < 0.3
 
 

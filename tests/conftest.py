@@ -1,6 +1,7 @@
 """Shared test set-up: 8 fake CPU devices (before any JAX op), golden files, hypothesis."""
 
 import pathlib
+import socket
 
 import jax
 
@@ -45,3 +46,11 @@ def golden_config(g, **changes):
 def x64():
     with jax.enable_x64(True):
         yield
+
+
+@pytest.fixture
+def free_port():
+    """A free TCP port on the loopback interface (for multi-process tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -2,7 +2,6 @@
 
 import functools
 import os
-import socket
 import subprocess
 import sys
 
@@ -238,19 +237,12 @@ def test_bad_input():
             jnp.zeros((N_DEV, 3), jnp.int32))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_two_processes_jax_distributed(tmp_path):
+def test_two_processes_jax_distributed(tmp_path, free_port):
     """Two processes (gloo collectives) give the same means as 4 devices in one process."""
     worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
-    port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, worker, str(port), str(i),
+    procs = [subprocess.Popen([sys.executable, worker, str(free_port), str(i),
                                str(tmp_path / f"out{i}.npy")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for i in range(2)]

@@ -5,12 +5,14 @@
   :mod:`hnlq_jax` bit for bit; ``quantize`` is differentiable (straight-through)
 * :func:`jax_function`: any JAX function as a differentiable torch function (its ``jax.vjp``)
 * :class:`QLinear`, :func:`quantize_model`: quantized ``nn.Linear`` layers (QAT and PTQ)
+* :func:`hnlq_hook`, :class:`HNLQHookState`: a DDP communication hook sending HNLQ codes
 """
 
 from torch_bridge.autograd import jax_function
 from torch_bridge.codec import decode, encode, quantize
+from torch_bridge.ddp import HNLQHookState, hnlq_hook
 from torch_bridge.interop import to_jax, to_torch
 from torch_bridge.qlinear import QLinear, quantize_model
 
-__all__ = ["QLinear", "decode", "encode", "jax_function", "quantize", "quantize_model", "to_jax",
-           "to_torch"]
+__all__ = ["HNLQHookState", "QLinear", "decode", "encode", "hnlq_hook", "jax_function", "quantize",
+           "quantize_model", "to_jax", "to_torch"]

@@ -100,3 +100,31 @@ def test_bad_input():
                   CFG)
     with pytest.raises(TypeError, match="expected torch tensors"):
         tb.jax_function(lambda a: a)(np.ones(2))
+
+
+def test_lut_products_bit_for_bit():
+    rng = np.random.default_rng(2)
+    A, B = (rng.standard_normal(s).astype(np.float32) for s in ((3, 5, 18), (7, 18)))
+    cfg = CFG.replace(beta=0.05)  # a table for D4 q=4 M=2, any beta
+    cA, cB = (hq.encode(hq.to_blocks(m, 4), cfg) for m in (A, B))
+    tA, tB = (tb.encode(torch.from_numpy(np.array(hq.to_blocks(m, 4))), cfg) for m in (A, B))
+    np.testing.assert_array_equal(tb.matmul(tA, tB, cfg).numpy(), hq.lut.matmul(cA, cB, cfg))
+    np.testing.assert_array_equal(tb.dot(tA, tA, cfg).numpy(), hq.lut.dot(cA, cA, cfg))
+    x = torch.from_numpy(A).requires_grad_(True)
+    y = tb.matmul_one_sided(tB, x, cfg)
+    np.testing.assert_array_equal(y.detach().numpy(), hq.lut.matmul_one_sided(cB, A, cfg))
+    np.testing.assert_array_equal(tb.dot_one_sided(tA, x, cfg).detach().numpy(),
+                                  hq.lut.dot_one_sided(cA, A, cfg))
+    # d/dx (x @ W_hat^T) = g @ W_hat
+    g = torch.from_numpy(rng.standard_normal((3, 5, 7)).astype(np.float32))
+    y.backward(g)
+    W_hat = np.asarray(hq.decode(cB, cfg)).reshape(7, -1)[:, :18]
+    np.testing.assert_allclose(x.grad.numpy(), g.numpy() @ W_hat, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        tb.matmul_one_sided(tB, torch.full((2, 18), float("inf")), cfg)
+    with pytest.raises(ValueError, match="last axis"):
+        tb.matmul_one_sided(tB, torch.zeros(2, 30), cfg)
+    with pytest.raises(ValueError, match="labels must be in 0..q-1"):
+        tb.dot((tA[0] + 4, tA[1]), tA, cfg)
+    with pytest.raises(TypeError, match="pair of tensors"):
+        tb.matmul(cA, tB, cfg)

@@ -8,7 +8,7 @@ import torch
 
 import hnlq_jax as hq
 from hnlq_jax import HNLQConfig
-from hnlq_jax.codec import check_x
+from hnlq_jax.codec import check_codes, check_x
 from torch_bridge.autograd import jax_function
 from torch_bridge.interop import to_jax, to_torch
 
@@ -32,14 +32,20 @@ def encode(t: torch.Tensor, config: HNLQConfig) -> tuple[torch.Tensor, torch.Ten
     return to_torch(codes.labels), to_torch(codes.T)
 
 
+def as_codes(codes, config: HNLQConfig, fn: str) -> hq.Codes:
+    """A ``(labels, T)`` pair of tensors as :class:`hnlq_jax.Codes`, checked (shapes, range)."""
+    _check_config(config, fn)
+    if not (isinstance(codes, (tuple, list)) and len(codes) == 2
+            and all(isinstance(c, torch.Tensor) for c in codes)):
+        raise TypeError(f"{fn}: codes must be a (labels, T) pair of tensors")
+    return hq.Codes(*check_codes((to_jax(codes[0]), to_jax(codes[1])), config, None, fn))
+
+
 def decode(codes, config: HNLQConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Algorithm 2: ``(labels, T)`` tensors to ``x_hat[..., d]`` (float32 by default)."""
-    _check_config(config, "torch_bridge.decode")
-    if not (isinstance(codes, (tuple, list)) and len(codes) == 2):
-        raise TypeError("torch_bridge.decode: codes must be a (labels, T) pair of tensors")
-    labels, T = codes
+    codes = as_codes(codes, config, "torch_bridge.decode")
     jdtype = to_jax(torch.zeros((), dtype=dtype)).dtype
-    return to_torch(hq.decode(hq.Codes(to_jax(labels), to_jax(T)), config, dtype=jdtype))
+    return to_torch(hq.decode(codes, config, dtype=jdtype))
 
 
 @functools.lru_cache(maxsize=None)

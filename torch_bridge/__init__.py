@@ -2,7 +2,8 @@
 
 * :func:`to_jax`, :func:`to_torch`: DLPack exchange (aliasing rules in :mod:`torch_bridge.interop`)
 * :func:`encode`, :func:`decode`, :func:`quantize`: the codec on tensors, same codes as
-  :mod:`hnlq_jax` bit for bit; ``quantize`` is differentiable (straight-through)
+  :mod:`hnlq_jax` bit for bit; ``quantize`` is differentiable (straight-through); all three
+  are ``torch.ops.hnlq`` custom ops (:mod:`torch_bridge.ops`), usable under ``torch.compile``
 * :func:`dot`, :func:`dot_one_sided`, :func:`matmul`, :func:`matmul_one_sided`: lookup-table
   products of codes (:mod:`hnlq_jax.lut`)
 * :func:`jax_function`: any JAX function as a differentiable torch function (its ``jax.vjp``)

@@ -5,6 +5,7 @@ Usage: ``python ddp_worker.py PORT OUT_DIR``. Each rank writes ``OUT_DIR/rank{r}
 * ``exact``: max |grad - built-in grad| over the steps that must be exact (a warm-up step, and
   every step of a bucket below ``min_size``), and the relative error of a coded step;
 * ``high_rate``: max relative gradient error against the built-in all-reduce at q=16, M=4;
+* ``float64``: the same for a float64 model (gradient dtypes and relative error);
 * ``train``: per-step losses with D4 q=4 M=2 and with the built-in all-reduce, this rank's
   final parameters (so the test can check that the ranks agree bit for bit) and statistics;
 * ``mismatch``: the error raised when the ranks build the state with different configs.
@@ -31,10 +32,10 @@ def model():
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
 
 
-def batch(rank, step):
+def batch(rank, step, dtype=torch.float32):
     g = torch.Generator().manual_seed(1000 * rank + step)
-    x = torch.randn(64, 32, generator=g)
-    w = torch.linspace(-1, 1, 32 * 8).reshape(32, 8)
+    x = torch.randn(64, 32, generator=g, dtype=dtype)
+    w = torch.linspace(-1, 1, 32 * 8, dtype=dtype).reshape(32, 8)
     return x, torch.tanh(x @ w)
 
 
@@ -47,7 +48,7 @@ def ddp(state=None):
 
 def grads(m, rank, step):
     m.zero_grad()
-    x, y = batch(rank, step)
+    x, y = batch(rank, step, next(m.parameters()).dtype)
     loss = torch.nn.functional.mse_loss(m(x), y)
     loss.backward()
     return loss.item(), [p.grad.clone() for p in m.parameters()]
@@ -78,6 +79,13 @@ def run(rank, port, out_dir):
 
     hooked = ddp(HNLQHookState(D4_Q16_M4, min_size=0))
     res["high_rate"] = max(rel(grads(hooked, rank, s)[1], ref[s]) for s in range(2))
+
+    # A float64 model: its buckets are coded in float32 and come back as float64.
+    ref64 = grads(DDP(model().double()), rank, 0)[1]
+    hooked = DDP(model().double())
+    hooked.register_comm_hook(HNLQHookState(D4_Q16_M4, min_size=0), hnlq_hook)
+    got64 = grads(hooked, rank, 0)[1]
+    res["float64"] = {"dtypes": sorted({str(g.dtype) for g in got64}), "rel": rel(got64, ref64)}
 
     def train(m):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)

@@ -79,6 +79,7 @@ def test_two_ranks_gloo(tmp_path, free_port):
         assert 0.0 < e["coded_rel"] < 0.6  # the coded steps really were quantized
         assert e["iter"] == 3 and e["stats"]["ratio"] > 4
         assert r["high_rate"] < 1e-3  # q=16, M=4: the built-in all-reduce to 1e-4
+        assert r["float64"]["dtypes"] == ["torch.float64"] and r["float64"]["rel"] < 1e-3
         t = r["train"]
         assert np.mean(t["losses"][-4:]) < 0.5 * np.mean(t["losses"][:4])
         assert np.mean(t["losses"][-4:]) < 1.25 * np.mean(t["builtin"][-4:])

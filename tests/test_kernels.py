@@ -266,15 +266,15 @@ def _lowering_cases(cfg, all_ops):
     if cfg.q**cfg.d <= 2**16:
         cases["lut_gemv"] = (lambda x, lab, T: K.lut_gemv(hq.Codes(lab, T), x, cfg, **gpu),
                              (xa,) + tuple(cw))
-    if not all_ops:
-        cases = {k: cases[k] for k in ("encode", "decode", "decode_matmul")}
+    if not all_ops:  # decode_matmul's lattice-dependent part is decode's
+        cases = {k: cases[k] for k in ("encode", "decode")}
     return cases
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_lowers_for_cuda_triton(cfg):
     cases = _lowering_cases(cfg, all_ops=cfg.lattice == "D4")
-    assert len(cases) >= 3
+    assert len(cases) >= 2
     for name, (f, args) in cases.items():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "custom_call @__gpu$xla.gpu.triton" in text, name

@@ -167,4 +167,5 @@ def gaussian_beta(config: HNLQConfig) -> float:
     The default beta for data normalized to unit RMS (activations per token, gradient chunks).
     """
     x = np.random.default_rng(0).standard_normal((4000, config.d)).astype(np.float32)
-    return calibrate_beta(x, config)[0]
+    with jax.ensure_compile_time_eval():  # a constant, also when first asked for under jit
+        return calibrate_beta(x, config)[0]

@@ -77,3 +77,12 @@ def test_rate_stats_under_jit():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(500, 4)), jnp.float32)
     f = jax.jit(lambda x: hq.rate_stats(hq.encode(x, cfg), cfg).rate)
     assert 4.0 <= float(f(x)) < 5.0
+
+
+def test_gaussian_beta_first_called_under_jit():
+    """A cold cache filled while tracing still yields a Python float (no leaked tracer)."""
+    cfg = hq.HNLQConfig("Z2", 3, 1)
+    hq.gaussian_beta.cache_clear()
+    got = jax.jit(lambda v: v * hq.gaussian_beta(cfg))(jnp.float32(1.0))
+    beta = hq.gaussian_beta(cfg)
+    assert isinstance(beta, float) and float(got) == np.float32(beta)

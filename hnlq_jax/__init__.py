@@ -4,7 +4,8 @@ The public API, re-exported here:
 
 * lattices: :func:`lattice`, :class:`Lattice`, :func:`closest_point`
 * the quantizer: :class:`HNLQConfig`, :func:`encode`, :func:`decode`, :func:`quantize`,
-  :class:`Codes`, :func:`codebook`
+  :func:`matmul`, :func:`encode_rows`, :class:`Codes` (compact, self-describing),
+  :data:`FORMAT_VERSION`, :func:`codebook`
 * blocks: :func:`to_blocks`, :func:`from_blocks`
 * packing: :func:`pack`, :func:`unpack`, :class:`Packed`, :func:`bits_per_block`
 * statistics: :func:`rate_stats`, :class:`RateStats`, :func:`calibrate_beta`,
@@ -20,10 +21,13 @@ experiment) and, with the ``flax`` extra, :mod:`hnlq_jax.flax` (``QDense``,
 """
 
 from hnlq_jax import kernels, lut, modq, rd
-from hnlq_jax.codec import Codes, codebook, decode, encode, from_blocks, quantize, to_blocks
+from hnlq_jax.codec import codebook, from_blocks, to_blocks
+from hnlq_jax.codes import FORMAT_VERSION, Codes
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.lattices import Lattice, closest_point, lattice
+from hnlq_jax.ops import decode, encode, matmul, quantize
 from hnlq_jax.packing import Packed, bits_per_block, pack, unpack
+from hnlq_jax.rows import encode_rows
 from hnlq_jax.stats import BetaSearch, RateStats, calibrate_beta, gaussian_beta, rate_stats
 
 __version__ = "0.1.0"
@@ -31,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BetaSearch",
     "Codes",
+    "FORMAT_VERSION",
     "HNLQConfig",
     "Lattice",
     "Packed",
@@ -41,11 +46,13 @@ __all__ = [
     "codebook",
     "decode",
     "encode",
+    "encode_rows",
     "from_blocks",
     "gaussian_beta",
     "kernels",
     "lattice",
     "lut",
+    "matmul",
     "modq",
     "rd",
     "pack",

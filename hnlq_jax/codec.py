@@ -1,13 +1,13 @@
-"""Algorithms 1-2 of Kaplan & Ordentlich: hierarchical encode and decode, the pure-JAX path.
+"""Algorithms 1-2 of Kaplan & Ordentlich, the pure-JAX (XLA) reference path.
 
-Shapes: only the last axis is the lattice axis; every leading axis is a batch axis.
+Shapes: only the last axis is the lattice axis; every leading axis is a batch axis. The public
+front doors are :func:`hnlq_jax.encode` / :func:`hnlq_jax.decode` (module ``ops``); this module
+holds the XLA implementation they dispatch to and the lattice code the Pallas kernels share.
 
-* ``encode(x[..., d]) -> Codes(labels[..., M, d] uint8, T[...] int8)``
-* ``decode(Codes) -> x_hat[..., d]``
-
-Exactness (SPEC §3): level 0 is the nearest point of the real input in its own dtype
-(``Q_L(y + eps)`` in float64, bit for bit the reference); every later level and the decoder run
-on integer lattice coordinates, so ties there are decided by the rule, never by rounding. A block that is non-finite or still overloaded at ``max_T`` gets ``T = -1`` and
+Exactness (``docs/math.md``, "Tie rule"): level 0 is the nearest point of the real input in its
+own dtype (``Q_L(y + eps)`` in float64, bit for bit the reference); every later level and the
+decoder run on integer lattice coordinates, so ties there are decided by the rule, never by
+rounding. A block that is non-finite or still overloaded at ``max_T`` gets ``T = -1`` and
 decodes to NaN.
 """
 
@@ -20,25 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax.config import NORM_SLACK, HNLQConfig, pow2_table
+from hnlq_jax import _numerics
+from hnlq_jax.codes import Codes, digits_of_index, index_dtype, unpack_t, valid_blocks
+from hnlq_jax.config import NORM_SLACK, HNLQConfig
 from hnlq_jax.lattices import columns, matvec, nearest_float, nearest_int, sumsq
 
-__all__ = ["Codes", "encode", "decode", "quantize", "codebook", "to_blocks", "from_blocks"]
+__all__ = ["codebook", "to_blocks", "from_blocks", "encode_blocks", "decode_xla"]
 
 MAX_CODEBOOK = 2**22
-
-
-class Codes(NamedTuple):
-    """HNLQ codes of a batch of d-blocks (a pytree).
-
-    Attributes:
-      labels: ``[..., M, d]`` uint8, ``labels[..., m, :]`` = b_m; level 0 is the finest.
-      T: ``[...]`` int8 overload steps; ``-1`` marks a block that could not be encoded
-        (non-finite input, or still overloaded at ``max_T``).
-    """
-
-    labels: jax.Array
-    T: jax.Array
 
 
 def default_float():
@@ -132,10 +121,9 @@ def unpack_digits(digits: list, config: HNLQConfig) -> list:
     return [[jnp.remainder(jnp.floor_divide(c, q**m), q) for c in digits] for m in range(config.M)]
 
 
-def labels_from_digits(digits: list, config: HNLQConfig):
-    """``[..., M, d]`` uint8 labels from base-q digit columns of shape ``[...]``."""
-    b = unpack_digits(digits, config)
-    return jnp.stack([jnp.stack(bm, -1) for bm in b], -2).astype(jnp.uint8)
+def index_from_digits(digits: list, config: HNLQConfig) -> list:
+    """The ``M`` codebook-index columns (uint32) from :func:`encode_at`'s base-q digits."""
+    return [flat_index(bm, config.q) for bm in unpack_digits(digits, config)]
 
 
 def _next_state(g: list, b: list, config: HNLQConfig, lookup: bool) -> list:
@@ -156,19 +144,24 @@ def _next_state(g: list, b: list, config: HNLQConfig, lookup: bool) -> list:
 
 
 def flat_index(b: list, q: int):
-    """Codebook row ``k = sum_i b_i q^(d-1-i)`` of label columns ``b`` (SPEC §5 order)."""
-    idx = b[0].astype(jnp.int32)
+    """Codebook index ``k = sum_i b_i q^(d-1-i)`` (uint32) of label columns ``b`` (the codebook
+    order of ``docs/format.md``)."""
+    idx = b[0].astype(jnp.uint32)
     for c in b[1:]:
-        idx = idx * q + c.astype(jnp.int32)
+        idx = idx * jnp.uint32(q) + c.astype(jnp.uint32)
     return idx
 
 
 def _lookup(b: list, config: HNLQConfig) -> list:
     """Codebook columns ``r(b)`` (P coordinates) for label columns ``b``."""
-    q = config.q
-    idx = flat_index(b, q)
-    table = codebook_table(config.lattice, q)
-    return [jnp.asarray(table[:, i])[idx] for i in range(config.d)]
+    return lookup_index(flat_index(b, config.q), config)
+
+
+def lookup_index(k, config: HNLQConfig) -> list:
+    """Codebook columns ``r`` (int32 P coordinates) of codebook indices ``k``."""
+    table = codebook_table(config.lattice, config.q)
+    k = k.astype(jnp.int32)
+    return [jnp.asarray(table[:, i])[k] for i in range(config.d)]
 
 
 def encoder_states(y, config: HNLQConfig) -> list:
@@ -270,12 +263,12 @@ def scale_tables(config: HNLQConfig, beta, dtype):
     lower bound on T (SPEC §3): step t surely overloads while ``|x| > thresholds[t]``
     (``|x| / s_t - |z|`` beyond the overload radius).
     """
-    scales = jnp.asarray(beta, dtype) * jnp.asarray(pow2_table(config.alpha, config.max_T), dtype)
+    scales = jnp.asarray(beta, dtype) * _numerics.pow2(config, dtype)
     znorm = float(np.linalg.norm(config.dither_array))
     return scales, scales * (config.overload_radius * (1 + NORM_SLACK) + znorm)
 
 
-def encode_blocks(x, config: HNLQConfig, beta) -> Codes:
+def encode_blocks(x, config: HNLQConfig, beta):
     """Encode with the overload loop; ``beta`` may be traced (the beta grid search maps it).
 
     Args:
@@ -284,7 +277,8 @@ def encode_blocks(x, config: HNLQConfig, beta) -> Codes:
       beta: scalar scale.
 
     Returns:
-      ``Codes`` with ``labels[N, M, d]`` uint8 and ``T[N]`` int8.
+      ``(index [N, M], T [N] int32)``: codebook indices in :func:`~hnlq_jax.codes.index_dtype`
+      and the overload steps (-1 for failed blocks).
     """
     N = x.shape[0]
     if N > 2 * _CHUNK:
@@ -292,9 +286,8 @@ def encode_blocks(x, config: HNLQConfig, beta) -> Codes:
         # passes over its arrays, which at 10^6 blocks would each go to memory.
         nc = -(-N // _CHUNK)
         xc = jnp.pad(x, ((0, nc * _CHUNK - N), (0, 0))).reshape(nc, _CHUNK, x.shape[1])
-        c = jax.lax.map(lambda xi: encode_blocks(xi, config, beta), xc)
-        return Codes(c.labels.reshape((nc * _CHUNK,) + c.labels.shape[2:])[:N],
-                     c.T.reshape(-1)[:N])
+        index, T = jax.lax.map(lambda xi: encode_blocks(xi, config, beta), xc)
+        return index.reshape(nc * _CHUNK, config.M)[:N], T.reshape(-1)[:N]
     dtype = x.dtype
     scales, thresholds = scale_tables(config, beta, dtype)
     z = [dtype.type(v) for v in config.dither_array]
@@ -306,68 +299,43 @@ def encode_blocks(x, config: HNLQConfig, beta) -> Codes:
                  # Built from t0, so that under shard_map they carry x's varying axes.
                  jnp.broadcast_to(jnp.zeros_like(t0), (config.d, N)), jnp.full_like(t0, -1))
     st = _search(st, config, scales, z)
-    return Codes(labels_from_digits(list(st.digits), config), st.T.astype(jnp.int8))
+    index = jnp.stack(index_from_digits(list(st.digits), config), axis=-1)
+    return index.astype(index_dtype(config)), st.T
 
 
-_encode_jit = jax.jit(lambda x, config: encode_blocks(x, config, config.beta), static_argnums=1)
-
-
-def encode(x, config: HNLQConfig) -> Codes:
-    """Algorithm 1 with overload rescaling, over every leading axis.
+def lattice_sum(index, config: HNLQConfig, first: int = 0, use_table=None) -> list:
+    """``sum_{m >= first} q^m r(k_m)`` in integer P coordinates, for ``index[..., M]``.
 
     Args:
-      x: ``[..., d]`` floating array (half precision is computed in float32).
+      index: ``[..., M]`` codebook indices (any unsigned or int32 dtype).
       config: the quantizer.
-
-    Returns:
-      ``Codes(labels[..., M, d] uint8, T[...] int8)``.
-
-    Raises:
-      ValueError: wrong last-axis size, or NaN/Inf in a concrete input.
-      TypeError: non-floating input.
-    """
-    x = check_x(x, config, "encode")
-    codes = _encode_jit(x.reshape(-1, config.d), config)  # flat: one compile per block count
-    return Codes(codes.labels.reshape(x.shape[:-1] + (config.M, config.d)),
-                 codes.T.reshape(x.shape[:-1]))
-
-
-def lattice_sum(labels, config: HNLQConfig, levels: int | None = None, use_table=None):
-    """``sum_m q^m r(b_m)`` over the top ``levels`` levels, in integer P coordinates.
-
-    Args:
-      labels: ``[..., M, d]`` integer labels in ``0..q-1`` (any integers for the computed path:
-        ``r`` depends on ``b mod q`` only).
-      config: the quantizer.
-      levels: how many of the coarsest levels to keep (default: all M).
-      use_table: look ``r(b)`` up in the ``q^d``-row codebook (default when ``q^d <= 2^16``)
-        instead of computing ``G b - q Q_L(G b / q)``. Both are exact and agree.
+      first: the finest level kept (``M - levels`` for successive refinement).
+      use_table: look ``r`` up in the ``q^d``-row codebook (default when ``q^d <= 2^16``)
+        instead of computing ``G b - q Q_L(G b / q)`` from the digits. Both are exact.
 
     Returns:
       ``d`` int32 P-coordinate columns of shape ``[...]`` (exact).
     """
-    M = config.M
-    levels = M if levels is None else levels
-    b = [columns(labels[..., m, :].astype(jnp.int32)) for m in range(M)]
-    return level_sum(b, config, M - levels, use_table)
+    return level_sum([index[..., m] for m in range(config.M)], config, first, use_table)
 
 
-def level_sum(b: list, config: HNLQConfig, first: int = 0, use_table=None) -> list:
-    """:func:`lattice_sum` on label columns ``b[m][j]`` (int32), levels ``first..M-1``.
+def level_sum(index: list, config: HNLQConfig, first: int = 0, use_table=None) -> list:
+    """:func:`lattice_sum` on per-level index columns ``index[m]`` (levels ``first..M-1``).
 
     Shared by the XLA path and the Pallas kernels (``use_table=False``: no gathers).
     """
     lat, q, M, d = config.lat, config.q, config.M, config.d
     if use_table is None:
         use_table = q**d <= _TABLE_MAX
+    weights = _numerics.level_weights(config)
     total = None
     for m in range(first, M):
         if use_table:
-            r = _lookup(b[m], config)
+            r = lookup_index(index[m], config)
         else:
-            Pb = matvec(lat.P_from_basis, b[m])
+            Pb = matvec(lat.P_from_basis, digits_of_index(index[m], q, d))
             r = [p - q * c for p, c in zip(Pb, nearest_int(Pb, q, lat))]
-        r = [c * (q**m) for c in r]
+        r = [c * weights[m] for c in r]
         total = r if total is None else [u + v for u, v in zip(total, r)]
     return total
 
@@ -377,154 +345,48 @@ _TABLE_MAX = 2**16
 
 @functools.lru_cache(maxsize=None)
 def codebook_table(lattice: str, q: int) -> np.ndarray:
-    """``[q^d, d]`` int32 numpy codebook in P coordinates (SPEC §5 order), computed once."""
+    """``[q^d, d]`` int32 numpy codebook in P coordinates (codebook order), computed once."""
     config = HNLQConfig(lattice, q, 1)
     with jax.ensure_compile_time_eval():  # may be first needed while tracing decode
-        labels = jnp.asarray(all_labels(q, config.d)[:, None, :])
-        cols = jax.jit(lattice_sum, static_argnums=(1, 2, 3))(labels, config, None, False)
+        k = jnp.arange(q**config.d, dtype=jnp.uint32)[:, None]
+        cols = jax.jit(lattice_sum, static_argnums=(1, 2, 3))(k, config, 0, False)
         return np.stack([np.asarray(c) for c in cols], axis=-1)
 
 
-def check_codes(codes, config: HNLQConfig, levels, fn: str):
-    if not isinstance(config, HNLQConfig):
-        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
-    labels, T = jnp.asarray(codes[0]), jnp.asarray(codes[1])
-    M, d = config.M, config.d
-    if labels.shape[-2:] != (M, d) or labels.shape[:-2] != T.shape:
-        raise ValueError(
-            f"{fn}: expected labels [..., M={M}, d={d}] and T [...] with the same leading shape, "
-            f"got labels {labels.shape} and T {T.shape}"
-        )
-    if not (jnp.issubdtype(labels.dtype, jnp.integer) and jnp.issubdtype(T.dtype, jnp.integer)):
-        raise TypeError(f"{fn}: labels and T must be integer arrays, got {labels.dtype}, {T.dtype}")
-    if levels is not None and not (isinstance(levels, int) and 1 <= levels <= M):
-        raise ValueError(f"{fn}: levels must be an int in 1..M={M}, got {levels!r}")
-    def in_range(b):  # int32: q = 256 does not fit uint8
-        b = b.astype(jnp.int32)
-        return (b >= 0) & (b < config.q)
-
-    if not concrete_all(labels, in_range):
-        b = np.asarray(labels)
-        raise ValueError(
-            f"{fn}: labels must be in 0..q-1 = 0..{config.q - 1}, got values in "
-            f"{b.min()}..{b.max()}"
-        )
-    if not concrete_all(T, lambda t: (t >= -1) & (t.astype(jnp.int32) <= config.max_T)):
-        t = np.asarray(T)
-        raise ValueError(
-            f"{fn}: T must be in -1..max_T = -1..{config.max_T}, got values in {t.min()}..{t.max()}"
-        )
-    return labels, T
-
-
-def decode_blocks(labels, T, config: HNLQConfig, levels, dtype, beta):
+def decode_blocks(index, u, config: HNLQConfig, levels, dtype, beta):
     """Algorithm 2: ``(beta (x_hat - z)) 2^(alpha T)``; invalid blocks give NaN.
 
     Args:
-      labels: ``[..., M, d]``; T: ``[...]``.
+      index: ``[..., M]`` codebook indices; u: ``[...]`` int32 ``T + 1``.
 
     Returns:
       ``[..., d]`` in ``dtype``.
     """
-    if T.ndim != 1:  # one flat batch axis: 1.6x faster on XLA:CPU than [n, nb] leading axes
-        out = decode_blocks(labels.reshape((-1,) + labels.shape[-2:]), T.reshape(-1), config,
-                            levels, dtype, beta)
-        return out.reshape(T.shape + out.shape[-1:])
+    if u.ndim != 1:  # one flat batch axis: 1.6x faster on XLA:CPU than [n, nb] leading axes
+        out = decode_blocks(index.reshape(-1, index.shape[-1]), u.reshape(-1), config, levels,
+                            dtype, beta)
+        return out.reshape(u.shape + out.shape[-1:])
     lat = config.lat
-    xhat = jnp.stack(
-        lat.cart_from_P([c.astype(dtype) for c in lattice_sum(labels, config, levels)]), axis=-1
-    )
+    first = config.M - (config.M if levels is None else levels)
+    xhat = jnp.stack(lat.cart_from_P([c.astype(dtype) for c in lattice_sum(index, config, first)]),
+                     axis=-1)
     z = jnp.asarray(config.dither_array, dtype)
     # The reference rounds beta * (x_hat - z) first; the barrier stops XLA from reassociating
     # the two broadcast multiplies into x_hat * (beta * 2^(alpha T)), which rounds differently.
     scaled = jax.lax.optimization_barrier(jnp.asarray(beta, dtype) * (xhat - z))
-    out = scaled * overload_scale(T, config, dtype)[..., None]
-    return jnp.where(valid_blocks(labels, T, config)[..., None], out, jnp.nan)
+    out = scaled * _numerics.overload_scale(u, config, _numerics.pow2(config, dtype))[..., None]
+    return jnp.where(valid_blocks(index, u, config)[..., None], out, jnp.nan)
 
 
-def overload_scale(T, config: HNLQConfig, dtype):
-    """``2^(alpha T)`` per block (from the reference's table; T outside 0..max_T clipped)."""
-    pow2 = jnp.asarray(pow2_table(config.alpha, config.max_T), dtype)
-    return pow2[jnp.clip(T.astype(jnp.int32), 0, config.max_T)]
-
-
-def valid_blocks(labels, T, config: HNLQConfig):
-    """``[...]`` bool: T in ``0..max_T`` and every label of ``labels[..., M, d]`` in ``0..q-1``."""
-    T = T.astype(jnp.int32)
-    in_range = (labels >= 0) & (labels < config.q)
-    return (T >= 0) & (T <= config.max_T) & jnp.all(in_range, axis=(-2, -1))
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _decode_jit(labels, T, config, levels, dtype):
-    return decode_blocks(labels, T, config, levels, dtype, config.beta)
-
-
-def decode(codes: Codes, config: HNLQConfig, levels: int | None = None, dtype=None):
-    """Algorithm 2: reconstruct ``x_hat[..., d]`` from codes.
-
-    Args:
-      codes: ``Codes(labels[..., M, d], T[...])``.
-      config: the quantizer that made them.
-      levels: keep only the ``levels`` coarsest levels (successive refinement): the result is
-        the input quantized on ``q^(M - levels) L``. Default: all.
-      dtype: output dtype; default float64 under x64, float32 otherwise.
-
-    Returns:
-      ``[..., d]`` reconstruction; NaN in blocks with ``T = -1``.
-
-    Raises:
-      ValueError: shapes that do not match ``config``, labels outside ``0..q-1`` or T outside
-        ``-1..max_T`` (checked when the codes are concrete; under jit such blocks give NaN).
-    """
-    labels, T = check_codes(codes, config, levels, "decode")
-    dtype = jnp.dtype(default_float() if dtype is None else dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"decode: dtype must be floating, got {dtype}")
-    compute = jnp.promote_types(dtype, jnp.float32)  # half precision: float32, then round
-    flat = _decode_jit(labels.reshape((-1, config.M, config.d)), T.reshape(-1), config, levels,
-                       compute)
-    return flat.reshape(T.shape + (config.d,)).astype(dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _quantize_ste(x, config):
-    flat = x.reshape(-1, config.d)
-    c = encode_blocks(flat, config, config.beta)
-    return decode_blocks(c.labels, c.T, config, None, x.dtype, config.beta).reshape(x.shape)
-
-
-def _quantize_fwd(x, config):
-    return _quantize_ste(x, config), None
-
-
-def _quantize_bwd(config, _, g):
-    return (g,)
-
-
-_quantize_ste.defvjp(_quantize_fwd, _quantize_bwd)
-
-
-def quantize(x, config: HNLQConfig):
-    """``decode(encode(x))`` with a straight-through (identity) gradient.
-
-    Args:
-      x: ``[..., d]`` floating array.
-      config: the quantizer.
-
-    Returns:
-      ``[..., d]`` quantized values in ``x``'s dtype (half precision is computed in float32
-      and rounded back); NaN in blocks that could not be encoded.
-    """
-    dtype = jnp.asarray(x).dtype
-    return _quantize_jit(check_x(x, config, "quantize"), config).astype(dtype)
-
-
-_quantize_jit = jax.jit(_quantize_ste, static_argnums=1)
+def decode_xla(codes: Codes, levels, dtype):
+    """Decoded blocks ``[..., d]`` of validated codes on the XLA path (no row reshaping)."""
+    lead = codes.blocks_shape
+    u = unpack_t(codes.tfield, codes.config, lead[-1] if lead else None)
+    return decode_blocks(codes.index, u, codes.config, levels, dtype, codes.config.beta)
 
 
 def codebook(config: HNLQConfig, dtype=None):
-    """All ``q^d`` representatives ``r(b)`` in SPEC §5 order (coordinate 0 most significant).
+    """All ``q^d`` representatives ``r(b)`` in codebook order (coordinate 0 most significant).
 
     Args:
       config: the quantizer (only lattice and q matter).

@@ -6,14 +6,16 @@ import dataclasses
 import functools
 import math
 
+import jax
 import numpy as np
 
 from hnlq_jax.lattices import Lattice, closest_point, lattice
 
 __all__ = ["HNLQConfig"]
 
-MAX_Q_POW_M = 2**20  # keeps every integer of the encoder and decoder inside int32 (SPEC §3)
-MAX_T_CAP = 127  # T is stored as int8
+MAX_Q_POW_M = 2**20  # keeps every integer of the encoder and decoder inside int32 (docs/math.md)
+MAX_T_CAP = 127  # T + 1 is stored in at most 8 bits
+MAX_CODEBOOK_SIZE = 2**32  # one codebook index per level fits uint32
 # Relative slack on norm bounds: float rounding of a norm is far below it, so "norm > bound *
 # (1 + slack)" proves overload, and skipping such t's never changes T.
 NORM_SLACK = 1e-3
@@ -21,7 +23,7 @@ NORM_SLACK = 1e-3
 
 @dataclasses.dataclass(frozen=True)
 class HNLQConfig:
-    """Hierarchical nested-lattice quantizer (SPEC §1-2).
+    """Hierarchical nested-lattice quantizer (``docs/math.md``).
 
     Frozen and hashable, so it can be a static argument of ``jax.jit``. Validated at
     construction.
@@ -33,7 +35,8 @@ class HNLQConfig:
       beta: scale; the encoder quantizes ``x / beta`` (see :func:`hnlq_jax.calibrate_beta`).
       alpha: overload step: block ``k`` is encoded at ``beta * 2**(alpha * T_k)``.
       max_T: largest rescaling step tried (inclusive). ``0`` turns the overload loop off: an
-        overloaded block is then marked ``T = -1`` rather than rescaled.
+        overloaded block is then marked ``T = -1`` rather than rescaled. Up to 14 a block's T
+        takes 4 bits in :class:`~hnlq_jax.Codes`; above, 8 bits (``docs/format.md``).
       dither: optional fixed subtractive dither ``z`` (length ``d``, inside the Voronoi cell).
     """
 
@@ -42,7 +45,7 @@ class HNLQConfig:
     M: int = 2
     beta: float = 1.0
     alpha: float = 1 / 3
-    max_T: int = 64
+    max_T: int = 14
     dither: tuple[float, ...] | None = None
 
     def __post_init__(self):
@@ -56,6 +59,11 @@ class HNLQConfig:
             raise ValueError(f"HNLQConfig.q must be in 2..256 (uint8 labels), got {self.q}")
         if self.M < 1:
             raise ValueError(f"HNLQConfig.M must be >= 1, got {self.M}")
+        if self.q**lat.d > MAX_CODEBOOK_SIZE:
+            raise ValueError(
+                f"HNLQConfig: q**d = {self.q}**{lat.d} codebook entries exceed 2**32, the largest "
+                "codebook index a Codes array holds (uint32); use a smaller q"
+            )
         if self.q**self.M > MAX_Q_POW_M:
             raise ValueError(
                 f"HNLQConfig: q**M = {self.q}**{self.M} exceeds 2**20, the limit that keeps "
@@ -87,7 +95,9 @@ class HNLQConfig:
                 )
             if not np.all(np.isfinite(z)):
                 raise ValueError("HNLQConfig.dither must be finite")
-            if np.any(np.asarray(closest_point(z, lat)) != 0):
+            with jax.ensure_compile_time_eval():  # configs are also made while tracing
+                inside = not np.any(np.asarray(closest_point(z, lat)) != 0)
+            if not inside:
                 raise ValueError(
                     f"HNLQConfig.dither {z.tolist()} is outside the Voronoi cell of 0 of "
                     f"{lat.name} (its nearest lattice point is not 0)"
@@ -126,7 +136,8 @@ class HNLQConfig:
         return np.zeros(self.d) if self.dither is None else np.asarray(self.dither)
 
     def beta_min(self) -> float:
-        """Start of the paper's beta grid: ``q^-M sqrt(d/(d+2)) / sqrt(sigma_L^2)`` (SPEC §7)."""
+        """Start of the paper's beta grid: ``q^-M sqrt(d/(d+2)) / sqrt(sigma_L^2)``
+        (``docs/math.md``, "Choosing beta")."""
         return beta_min(self.lattice, self.q, self.M)
 
     def replace(self, **changes) -> HNLQConfig:

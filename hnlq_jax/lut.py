@@ -1,8 +1,10 @@
-"""Inner products and matrix products of HNLQ codes through lookup tables (SPEC §5).
+"""Inner products and matrix products of HNLQ codes through lookup tables.
 
-Codes of a length-n vector are its d-block codes along the last axis: ``labels[..., nb, M, d]``
-and ``T[..., nb]`` with ``nb = ceil(n / d)`` (zero-padded), i.e.
-``encode(to_blocks(x, d), config)``.
+The math is in ``docs/math.md`` ("Lookup tables and inner products"). Codes of a length-n vector
+are its d-block codes along the last axis, blocks ``[..., nb]`` with ``nb = ceil(n / d)``
+(zero-padded): ``encode(to_blocks(x, d), config)`` or the row codes of
+:func:`hnlq_jax.encode_rows` (whose row scales multiply the result). The tables are indexed by
+the codes' codebook indices directly.
 
 Per block k, with the lattice point ``c_k = sum_m q^m r(b_m)`` and the scale
 ``s_k = beta 2^(alpha T_k)``, the decoder returns ``x_k = s_k (c_k - z)`` (``z`` the dither),
@@ -26,19 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax.codec import (
-    check_codes,
-    codebook,
-    codebook_table,
-    default_float,
-    flat_index,
-    concrete_all,
-    overload_scale,
-    to_blocks,
-    valid_blocks,
-)
+from hnlq_jax import _numerics
+from hnlq_jax.codec import codebook, codebook_table, concrete_all, default_float, to_blocks
+from hnlq_jax.codes import Codes, check_codes, unpack_t, valid_blocks
 from hnlq_jax.config import HNLQConfig
-from hnlq_jax.lattices import columns
 
 __all__ = [
     "MAX_ONE_SIDED",
@@ -124,7 +117,7 @@ def check_one_sided(config, fn: str):
 
 
 def two_sided(config: HNLQConfig) -> jax.Array:
-    """The two-sided table ``LUT[b, b'] = <r(b), r(b')>`` (SPEC §5 row order).
+    """The two-sided table ``LUT[b, b'] = <r(b), r(b')>`` (codebook order).
 
     Args:
       config: the quantizer (only lattice and q matter).
@@ -142,14 +135,14 @@ def two_sided(config: HNLQConfig) -> jax.Array:
     return jnp.asarray(_two_sided_np(config))
 
 
-def _block_codes(codes, config, fn: str):
-    labels, T = check_codes(codes, config, None, fn)
-    if labels.ndim < 3:
-        raise ValueError(
-            f"{fn}: expected the codes of a vector, labels [..., nb, M, d] and T [..., nb], got "
-            f"labels {labels.shape}; encode to_blocks(x, d) to make them"
-        )
-    return labels, T
+def _block_codes(codes, fn: str):
+    """``(index [..., nb, M], u [..., nb], scale or None)`` of the codes of vectors."""
+    check_codes(codes, fn)
+    if len(codes.blocks_shape) < 1:
+        raise ValueError(f"{fn}: expected the codes of vectors, blocks [..., nb]; encode "
+                         "to_blocks(x, d) or use hnlq_jax.encode_rows to make them")
+    nb = codes.blocks_shape[-1]
+    return codes.index, unpack_t(codes.tfield, codes.config, nb), codes.scale
 
 
 def _check_real(y, nb: int, config, fn: str, what: str):
@@ -168,14 +161,15 @@ def _check_real(y, nb: int, config, fn: str, what: str):
     return y
 
 
-def _block_scale(labels, T, config, dtype):
+def _block_scale(index, u, config, dtype):
     """``beta 2^(alpha T)`` per block, NaN where the block is invalid (so the sum is NaN)."""
-    s = config.beta * overload_scale(T, config, dtype)
-    return jnp.where(valid_blocks(labels, T, config), s, jnp.nan)
+    s = config.beta * _numerics.overload_scale(u, config, _numerics.pow2(config, dtype))
+    return jnp.where(valid_blocks(index, u, config), s, jnp.nan)
 
 
-def _level_weights(config, dtype):
-    return jnp.asarray([float(config.q**m) for m in range(config.M)], dtype)
+def _row_scale(out, scale):
+    """``out[..., j] * scale[...]`` for one coded operand's row scale (None: unchanged)."""
+    return out if scale is None else out * scale.astype(out.dtype)
 
 
 def _z_terms(config, dtype):
@@ -186,16 +180,11 @@ def _z_terms(config, dtype):
     return jnp.matmul(codebook(config, dtype), z, precision=_HIGHEST), jnp.dot(z, z)
 
 
-def _index(labels, config):
-    """``[..., M]`` int32 codebook rows of ``labels[..., M, d]``."""
-    return flat_index(columns(labels), config.q)
-
-
 @functools.partial(jax.jit, static_argnums=4)
-def _dot(la, Ta, lb, Tb, config):
+def _dot(a, ua, b, ub, config):
     dtype = default_float()
     Q, M = config.q**config.d, config.M
-    a, b = _index(la, config), _index(lb, config)  # [..., nb, M]
+    a, b = a.astype(jnp.int32), b.astype(jnp.int32)  # [..., nb, M]
     lut = jnp.asarray(_two_sided_np(config)).reshape(-1)
     pairs = lut[a[..., :, None] * Q + b[..., None, :]].astype(jnp.int32)  # [..., nb, M, M]
     w = np.array([[config.q ** (i + j) for j in range(M)] for i in range(M)], np.int32)
@@ -203,19 +192,25 @@ def _dot(la, Ta, lb, Tb, config):
     zt = _z_terms(config, dtype)
     if zt is not None:
         tz, zz = zt
-        wl = _level_weights(config, dtype)
+        wl = _numerics.level_weights(config, dtype)
         v = v - (jnp.sum(tz[a] * wl, -1) + jnp.sum(tz[b] * wl, -1)) + zz  # symmetric in x, y
-    s = _block_scale(la, Ta, config, dtype) * _block_scale(lb, Tb, config, dtype)
+    s = _block_scale(a, ua, config, dtype) * _block_scale(b, ub, config, dtype)
     return jnp.sum(s * v, axis=-1)
 
 
-def dot(codes_x, codes_y, config: HNLQConfig):
+def _same_config(ca: Codes, cb: Codes, fn: str) -> HNLQConfig:
+    if ca.config != cb.config:
+        raise ValueError(f"{fn}: the two codes were made with different configs: {ca.config} "
+                         f"and {cb.config}")
+    return ca.config
+
+
+def dot(codes_x, codes_y):
     """``<x_hat, y_hat>`` of two coded vectors through the two-sided table.
 
     Args:
-      codes_x, codes_y: codes of vectors, labels ``[..., nb, M, d]``, T ``[..., nb]``; the
-        leading shapes broadcast, ``nb`` must agree.
-      config: the quantizer that made both.
+      codes_x, codes_y: codes of vectors (blocks ``[..., nb]``) of one config; the leading
+        shapes broadcast, ``nb`` must agree. Row scales multiply the result.
 
     Returns:
       ``[...]`` inner products (float64 under x64, else float32). The per-block integer part is
@@ -223,13 +218,14 @@ def dot(codes_x, codes_y, config: HNLQConfig):
       block has ``T = -1``.
 
     Raises:
-      ValueError: table too large, mismatched shapes, labels or T out of range.
+      ValueError: table too large, mismatched shapes or configs, corrupted codes.
     """
+    a, ua, sa = _block_codes(codes_x, "dot")
+    b, ub, sb = _block_codes(codes_y, "dot")
+    config = _same_config(codes_x, codes_y, "dot")
     _check_two_sided(config, "dot")
-    la, Ta = _block_codes(codes_x, config, "dot")
-    lb, Tb = _block_codes(codes_y, config, "dot")
-    _same_blocks(Ta.shape, Tb.shape, "dot")
-    return _dot(la, Ta, lb, Tb, config)
+    _same_blocks(ua.shape, ub.shape, "dot")
+    return _row_scale(_row_scale(_dot(a, ua, b, ub, config), sa), sb)
 
 
 def _same_blocks(sa, sb, fn: str):
@@ -257,7 +253,7 @@ def one_sided(y, config: HNLQConfig):
       config: the quantizer (only lattice and q matter).
 
     Returns:
-      ``[..., nb, q^d]`` in y's dtype (at least float32), rows in SPEC §5 order: ``q^d / d``
+      ``[..., nb, q^d]`` in y's dtype (at least float32), rows in codebook order: ``q^d / d``
       numbers per entry of y (64 for D4 q=4, 8192 for E8 q=4), so batch large products.
 
     Raises:
@@ -277,35 +273,35 @@ def dither_dot(yb, config):
 
 
 @functools.partial(jax.jit, static_argnums=3)
-def _dot_one_sided(la, Ta, y, config):
+def _dot_one_sided(index, u, y, config):
     t = _one_sided(y, config)  # [..., nb, Q]
     dtype = t.dtype
-    a = _index(la, config)  # [..., nb, M]
+    a = index.astype(jnp.int32)  # [..., nb, M]
     lead = jnp.broadcast_shapes(t.shape[:-2], a.shape[:-2])
     t = jnp.broadcast_to(t, lead + t.shape[-2:])
     a = jnp.broadcast_to(a, lead + a.shape[-2:])
-    v = jnp.sum(jnp.take_along_axis(t, a, axis=-1) * _level_weights(config, dtype), -1)
+    v = jnp.sum(jnp.take_along_axis(t, a, axis=-1) * _numerics.level_weights(config, dtype), -1)
     v = v - dither_dot(to_blocks(y.astype(dtype), config.d), config)
-    return jnp.sum(_block_scale(la, Ta, config, dtype) * v, axis=-1)
+    return jnp.sum(_block_scale(index, u, config, dtype) * v, axis=-1)
 
 
-def dot_one_sided(codes_x, y, config: HNLQConfig):
+def dot_one_sided(codes_x, y):
     """``<x_hat, y>`` of a coded vector and a real one through ``y``'s one-sided tables.
 
     Args:
-      codes_x: codes of vectors, labels ``[..., nb, M, d]``, T ``[..., nb]``.
+      codes_x: codes of vectors, blocks ``[..., nb]`` (a row scale multiplies the result).
       y: ``[..., n]`` real vectors with ``ceil(n/d) = nb``; leading shapes broadcast.
-      config: the quantizer that made ``codes_x``.
 
     Returns:
       ``[...]`` inner products in y's dtype (at least float32); equal to
       ``<decode(x), y>`` up to float rounding; NaN where a block has ``T = -1``.
     """
+    index, u, scale = _block_codes(codes_x, "dot_one_sided")
+    config = codes_x.config
     check_one_sided(config, "dot_one_sided")
-    la, Ta = _block_codes(codes_x, config, "dot_one_sided")
-    y = _check_real(y, Ta.shape[-1], config, "dot_one_sided", "y")
-    _same_blocks(Ta.shape, y.shape[:-1] + (Ta.shape[-1],), "dot_one_sided")
-    return _dot_one_sided(la, Ta, y, config)
+    y = _check_real(y, u.shape[-1], config, "dot_one_sided", "y")
+    _same_blocks(u.shape, y.shape[:-1] + (u.shape[-1],), "dot_one_sided")
+    return _row_scale(_dot_one_sided(index, u, y, config), scale)
 
 
 def _gather_matmul(U, E, idx, s, config):
@@ -314,18 +310,20 @@ def _gather_matmul(U, E, idx, s, config):
     Args:
       U: ``[m, nb, Q]`` per-block tables of the m rows.
       E: ``[m, nb]`` per-block offsets, or ``None``.
-      idx: ``[n, nb, M]`` int32 codebook rows of the n coded columns.
+      idx: ``[n, nb, M]`` codebook indices of the n coded columns.
       s: ``[n, nb]`` their block scales.
     """
     m, nb, Q = U.shape
     n, M = idx.shape[0], config.M
+    if m == 0 or n == 0 or nb == 0:
+        return jnp.zeros((m, n), U.dtype)
     # Gathering along the table axis of each block (not from one flattened table) is ~1.7x
     # faster on XLA:CPU; columns go in chunks so the gathered [m, nb, chunk, M] stays small.
     chunk = min(n, max(1, _GATHER_CHUNK // (m * nb * M)))
     pad = (-n) % chunk
-    idx = jnp.pad(idx, [(0, pad), (0, 0), (0, 0)]).reshape(-1, chunk, nb, M)
+    idx = jnp.pad(idx.astype(jnp.int32), [(0, pad), (0, 0), (0, 0)]).reshape(-1, chunk, nb, M)
     s = jnp.pad(s, [(0, pad), (0, 0)]).reshape(-1, chunk, nb)
-    w = _level_weights(config, U.dtype)
+    w = _numerics.level_weights(config, U.dtype)
 
     def columns_of(args):
         ik, sk = args  # [chunk, nb, M], [chunk, nb]
@@ -341,41 +339,35 @@ def _gather_matmul(U, E, idx, s, config):
     return out
 
 
-def _flat_codes(labels, T):
-    return labels.reshape((-1,) + labels.shape[-3:]), T.reshape((-1, T.shape[-1]))
-
-
 @functools.partial(jax.jit, static_argnums=4)
-def _matmul(la, Ta, lb, Tb, config):
+def _matmul(a, ua, b, ub, config):
     dtype = default_float()
-    lead = Ta.shape[:-1]
-    la, Ta = _flat_codes(la, Ta)
-    a, b = _index(la, config), _index(lb, config)  # [m, nb, M], [n, nb, M]
+    lead = ua.shape[:-1]
+    a = a.reshape((-1,) + a.shape[-2:]).astype(jnp.int32)  # [m, nb, M]
+    ua = ua.reshape((-1, ua.shape[-1]))
     lut = jnp.asarray(_two_sided_np(config))
     U = sum(lut[a[..., i]].astype(jnp.int32) * config.q**i for i in range(config.M))
     U = U.astype(dtype) / table_den(config)  # [m, nb, Q]: <c_a, r(b)>, exact
-    sA = _block_scale(la, Ta, config, dtype)
+    sA = _block_scale(a, ua, config, dtype)
     E = None
     zt = _z_terms(config, dtype)
     if zt is not None:  # rows become <c_a - z, r(b)>; E = <c_a - z, z>
         tz, zz = zt
         U = U - tz
-        E = sA * (jnp.sum(tz[a] * _level_weights(config, dtype), -1) - zz)
-    out = _gather_matmul(sA[..., None] * U, E, b, _block_scale(lb, Tb, config, dtype), config)
+        E = sA * (jnp.sum(tz[a] * _numerics.level_weights(config, dtype), -1) - zz)
+    out = _gather_matmul(sA[..., None] * U, E, b, _block_scale(b, ub, config, dtype), config)
     return out.reshape(lead + out.shape[-1:])
 
 
-def _matrix_codes(codes, config, fn: str, what: str):
-    labels, T = _block_codes(codes, config, fn)
-    if labels.ndim != 4:
-        raise ValueError(
-            f"{fn}: {what} must be coded as n rows of length k: labels [n, nb, M, d], got "
-            f"{labels.shape}"
-        )
-    return labels, T
+def _matrix_codes(codes, fn: str, what: str):
+    index, u, scale = _block_codes(codes, fn)
+    if index.ndim != 3:
+        raise ValueError(f"{fn}: {what} must be coded as n rows of length k: blocks [n, nb], "
+                         f"got blocks {list(codes.blocks_shape)}")
+    return index, u, scale
 
 
-def matmul(codes_A, codes_B, config: HNLQConfig):
+def matmul(codes_A, codes_B):
     """``A_hat @ B_hat`` of two coded matrices through the two-sided table.
 
     ``A`` is given by its rows and ``B`` by its columns, both coded along the contraction
@@ -383,47 +375,53 @@ def matmul(codes_A, codes_B, config: HNLQConfig):
     ``B_hat = decode(codes_B)^T``.
 
     Args:
-      codes_A: labels ``[..., nb, M, d]``, T ``[..., nb]`` (rows of length k, any leading shape).
-      codes_B: labels ``[n, nb, M, d]``, T ``[n, nb]`` (the n columns of B).
-      config: the quantizer that made both.
+      codes_A: blocks ``[..., nb]`` (rows of length k, any leading shape).
+      codes_B: blocks ``[n, nb]`` (the n columns of B), of the same config. Row scales of
+        either multiply the result.
 
     Returns:
       ``[..., n]`` (float64 under x64, else float32), equal to decode-then-matmul up to float
       rounding; NaN in entries that touch a block with ``T = -1``.
     """
+    a, ua, sa = _block_codes(codes_A, "matmul")
+    b, ub, sb = _matrix_codes(codes_B, "matmul", "B")
+    config = _same_config(codes_A, codes_B, "matmul")
     _check_two_sided(config, "matmul")
-    la, Ta = _block_codes(codes_A, config, "matmul")
-    lb, Tb = _matrix_codes(codes_B, config, "matmul", "B")
-    if Ta.shape[-1] != Tb.shape[-1]:
-        raise ValueError(f"matmul: A has {Ta.shape[-1]} blocks per row, B {Tb.shape[-1]} per column")
-    return _matmul(la, Ta, lb, Tb, config)
+    if ua.shape[-1] != ub.shape[-1]:
+        raise ValueError(f"matmul: A has {ua.shape[-1]} blocks per row, B {ub.shape[-1]} per column")
+    out = _matmul(a, ua, b, ub, config)
+    if sa is not None:
+        out = out * sa.astype(out.dtype)[..., None]
+    return _row_scale(out, sb)
 
 
 @functools.partial(jax.jit, static_argnums=3)
-def _matmul_one_sided(lw, Tw, x, config):
+def _matmul_one_sided(index, u, x, config):
     lead = x.shape[:-1]
     t = _one_sided(x.reshape((-1, x.shape[-1])), config)  # [m, nb, Q]
     E = None
     if config.dither is not None:
         E = dither_dot(to_blocks(x.reshape((-1, x.shape[-1])).astype(t.dtype), config.d), config)
-    out = _gather_matmul(t, E, _index(lw, config), _block_scale(lw, Tw, config, t.dtype), config)
+    out = _gather_matmul(t, E, index, _block_scale(index, u, config, t.dtype), config)
     return out.reshape(lead + out.shape[-1:])
 
 
-def matmul_one_sided(codes_W, x, config: HNLQConfig):
+def matmul_one_sided(codes_W, x):
     """``x @ W_hat^T``: real activations times coded weights (weight-only quantization).
 
     Args:
-      codes_W: labels ``[n, nb, M, d]``, T ``[n, nb]``: the n output rows of W, each coded
-        along its length-k input axis.
+      codes_W: blocks ``[n, nb]``: the n output rows of W, each coded along its length-k input
+        axis (row scales are applied).
       x: ``[..., k]`` real activations, ``ceil(k/d) = nb``.
-      config: the quantizer that made ``codes_W``.
 
     Returns:
       ``[..., n]`` in x's dtype (at least float32), equal to ``x @ decode(W)^T`` up to float
       rounding.
     """
+    index, u, scale = _matrix_codes(codes_W, "matmul_one_sided", "W")
+    config = codes_W.config
     check_one_sided(config, "matmul_one_sided")
-    lw, Tw = _matrix_codes(codes_W, config, "matmul_one_sided", "W")
-    x = _check_real(x, Tw.shape[-1], config, "matmul_one_sided", "x")
-    return _matmul_one_sided(lw, Tw, x, config)
+    x = _check_real(x, u.shape[-1], config, "matmul_one_sided", "x")
+    if x.size == 0 or u.shape[0] == 0:
+        return jnp.zeros(x.shape[:-1] + (u.shape[0],), jnp.promote_types(x.dtype, jnp.float32))
+    return _row_scale(_matmul_one_sided(index, u, x, config), scale)

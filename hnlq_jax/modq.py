@@ -1,4 +1,6 @@
-"""Mod-q arithmetic on HNLQ labels: compressed-domain sums and when they are right (SPEC §5).
+"""Mod-q arithmetic on HNLQ labels: compressed-domain sums and when they are right.
+
+(``docs/math.md``, "Mod-q arithmetic".)
 
 Labels add componentwise mod q, level by level: ``r((b + b') mod q) = r(b) + r(b') mod qL``, so
 the sum of two level-m labels is the sum of their lattice points modulo ``qL``. What the
@@ -20,26 +22,27 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hnlq_jax.codec import (
-    Codes,
-    check_codes,
-    decode_blocks,
-    default_float,
-    lattice_sum,
-)
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.codec import decode_blocks, default_float, lattice_sum
+from hnlq_jax.codes import Codes, check_codes, index_dtype, index_from_labels, pack_t, unpack_t
 
 __all__ = ["add", "accumulate", "validate", "sum_with_fallback"]
 
 
-def check(codes, config, fn: str):
-    labels, T = check_codes(codes, config, None, fn)
+def check(codes, fn: str):
+    """``(labels [..., M, d] int32, T [...] int32)`` of block codes fit for mod-q sums."""
+    check_codes(codes, fn)
+    config = codes.config
     if config.dither is not None:
         raise ValueError(
             f"{fn}: mod-q sums need a config without dither (each dithered code decodes with "
             "-z, a sum of K codes would need -K z)"
         )
-    return labels, T
+    if codes.scale is not None:
+        raise ValueError(f"{fn}: mod-q sums need codes without row scales (the summands of a "
+                         "block must share one scale)")
+    lead = codes.blocks_shape
+    u = unpack_t(codes.tfield, config, lead[-1] if lead else None)
+    return codes.labels.astype(jnp.int32), u - 1
 
 
 def leading_axis(axis, T, fn: str) -> int:
@@ -55,27 +58,36 @@ def _same_T(T, axis: int):
     """T along ``axis`` when all equal and valid, else -1 (the block has no common scale)."""
     first = jnp.take(T, 0, axis=axis)
     ok = jnp.all(T == jnp.expand_dims(first, axis), axis=axis) & (first >= 0)
-    return jnp.where(ok, first, -1).astype(jnp.int8)
+    return jnp.where(ok, first, -1)
+
+
+def _sum_labels(labels, T, config, axis):
+    """``(labels [..., M, d] int32, T [...])`` of the label-wise sum mod q along ``axis``."""
+    return jnp.remainder(jnp.sum(labels, axis=axis), config.q), _same_T(T, axis)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _accumulate(labels, T, config, axis):
-    s = jnp.sum(labels.astype(jnp.int32), axis=axis)
-    return Codes(jnp.remainder(s, config.q).astype(jnp.uint8), _same_T(T, axis))
+    lab, T = _sum_labels(labels, T, config, axis)
+    return Codes(index_from_labels(lab, config.q, index_dtype(config)), pack_t(T, config), config)
 
 
-def add(codes_a: Codes, codes_b: Codes, config: HNLQConfig) -> Codes:
+def add(codes_a: Codes, codes_b: Codes) -> Codes:
     """Label-wise sum mod q of two codes, per level.
 
     Args:
-      codes_a, codes_b: ``Codes(labels[..., M, d], T[...])`` with broadcastable leading shapes.
-      config: the quantizer that made both (without dither).
+      codes_a, codes_b: block codes of one config (without dither) with broadcastable leading
+        shapes.
 
     Returns:
       ``Codes`` of the broadcast shape; T is the common T, or -1 where the two differ.
     """
-    la, Ta = check(codes_a, config, "add")
-    lb, Tb = check(codes_b, config, "add")
+    la, Ta = check(codes_a, "add")
+    lb, Tb = check(codes_b, "add")
+    config = codes_a.config
+    if codes_b.config != config:
+        raise ValueError(f"add: the two codes were made with different configs: {config} and "
+                         f"{codes_b.config}")
     try:
         shape = jnp.broadcast_shapes(Ta.shape, Tb.shape)
     except ValueError:
@@ -86,64 +98,72 @@ def add(codes_a: Codes, codes_b: Codes, config: HNLQConfig) -> Codes:
                        config, 0)
 
 
-def accumulate(codes: Codes, config: HNLQConfig, axis: int = 0) -> Codes:
+def accumulate(codes: Codes, axis: int = 0) -> Codes:
     """Label-wise sum mod q along a leading axis: the compressed-domain sum.
 
     Args:
-      codes: ``Codes(labels[..., M, d], T[...])``.
-      config: the quantizer that made them (without dither).
-      axis: the leading axis to sum over (an axis of ``T``).
+      codes: block codes (config without dither).
+      axis: the leading axis to sum over (an axis of ``codes.T``).
 
     Returns:
       ``Codes`` with ``axis`` removed; T is the common T of the summands, or -1 where they
       differ. Decoding it gives the true sum only where :func:`validate` says so.
     """
-    labels, T = check(codes, config, "accumulate")
+    labels, T = check(codes, "accumulate")
     axis = leading_axis(axis, T, "accumulate")
-    return _accumulate(labels, T, config, axis)
+    return _accumulate(labels, T, codes.config, axis)
 
 
 def _lattice_points(labels, config):
-    return jnp.stack(lattice_sum(labels, config), axis=-1)  # [..., d] int32 P coordinates
+    """``[..., d]`` int32 P coordinates of ``labels[..., M, d]``."""
+    return jnp.stack(lattice_sum(index_from_labels(labels, config.q, jnp.uint32), config), -1)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
 def _validate(labels, T, config, axis):
-    acc = _accumulate(labels, T, config, axis)
-    modq = _lattice_points(acc.labels, config)
+    lab, T_acc = _sum_labels(labels, T, config, axis)
+    modq = _lattice_points(lab, config)
     true = jnp.sum(_lattice_points(labels, config), axis=axis)
-    return acc, (acc.T >= 0) & jnp.all(modq == true, axis=-1)
+    return lab, T_acc, (T_acc >= 0) & jnp.all(modq == true, axis=-1)
 
 
-def validate(codes: Codes, config: HNLQConfig, axis: int = 0):
+def validate(codes: Codes, axis: int = 0):
     """Per block: does the decoded mod-q sum equal the sum of the decoded summands?
 
     Compared exactly, on the integer lattice points. True iff the summands share one T and
     ``sum_m q^m r(b'_m) = sum_i sum_m q^m r(b_{i,m})`` for the accumulated labels ``b'``.
 
     Args:
-      codes: ``Codes(labels[..., M, d], T[...])``.
-      config: the quantizer that made them (without dither).
+      codes: block codes (config without dither).
       axis: the leading axis summed over.
 
     Returns:
       ``[...]`` bool (``axis`` removed).
     """
-    labels, T = check(codes, config, "validate")
+    labels, T = check(codes, "validate")
     axis = leading_axis(axis, T, "validate")
-    return _validate(labels, T, config, axis)[1]
+    return _validate_jit(labels, T, codes.config, axis)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _validate_jit(labels, T, config, axis):
+    return _validate(labels, T, config, axis)[2]
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _sum_with_fallback(labels, T, config, axis):
-    acc, exact = _validate(labels, T, config, axis)
+    lab, T_acc, exact = _validate(labels, T, config, axis)
     dtype = default_float()
-    from_modq = decode_blocks(acc.labels, acc.T, config, None, dtype, config.beta)
-    decoded = decode_blocks(labels, T, config, None, dtype, config.beta)
+
+    def dec(lb, t):
+        k = index_from_labels(lb, config.q, jnp.uint32)
+        return decode_blocks(k, t + 1, config, None, dtype, config.beta)
+
+    from_modq = dec(lab, T_acc)
+    decoded = dec(labels, T)
     return jnp.where(exact[..., None], from_modq, jnp.sum(decoded, axis=axis)), exact
 
 
-def sum_with_fallback(codes: Codes, config: HNLQConfig, axis: int = 0):
+def sum_with_fallback(codes: Codes, axis: int = 0):
     """The sum of the decoded codes along ``axis``, through the mod-q sum where it is exact.
 
     Blocks where :func:`validate` is true decode the accumulated labels once; the others fall
@@ -151,14 +171,13 @@ def sum_with_fallback(codes: Codes, config: HNLQConfig, axis: int = 0):
     rounding; the fallback keeps the answer right when carries are lost.
 
     Args:
-      codes: ``Codes(labels[..., M, d], T[...])``.
-      config: the quantizer that made them (without dither).
+      codes: block codes (config without dither).
       axis: the leading axis summed over.
 
     Returns:
       ``(x, exact)``: ``x[..., d]`` the sum (float64 under x64, else float32; NaN for blocks
       with a ``T = -1`` summand) and ``exact[...]`` the mask of blocks taken from the mod-q sum.
     """
-    labels, T = check(codes, config, "sum_with_fallback")
+    labels, T = check(codes, "sum_with_fallback")
     axis = leading_axis(axis, T, "sum_with_fallback")
-    return _sum_with_fallback(labels, T, config, axis)
+    return _sum_with_fallback(labels, T, codes.config, axis)

@@ -1,7 +1,9 @@
-"""Per-row scaled quantization of matrices: the weight format of QDense and QLinear.
+"""Per-row scaled quantization of matrices: the weight format of QDense, QLinear and PTQ.
 
-Row ``r`` of ``w[r, k]`` is divided by ``c_r = beta * rms(w_r)`` and encoded in d-blocks along k
-with the codec at unit beta, so ``w_hat_r = c_r * decode(codes_r)``.
+Row ``r`` of ``w[..., n]`` is divided by ``c_r = beta * rms(w_r)`` and encoded in d-blocks along
+its length with the codec at unit beta, so ``w_hat_r = c_r * decode(codes_r)``. The result is row
+:class:`~hnlq_jax.Codes` (``scale = c``, ``n`` the row length) that :func:`hnlq_jax.decode` and
+:func:`hnlq_jax.matmul` take directly.
 """
 
 from __future__ import annotations
@@ -11,41 +13,68 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hnlq_jax.codec import Codes, decode_blocks, encode_blocks, from_blocks, to_blocks
+from hnlq_jax import ops
+from hnlq_jax.codec import check_x, encode_blocks, to_blocks
+from hnlq_jax.codes import Codes, pack_t
 from hnlq_jax.config import HNLQConfig
 
-__all__ = ["row_rms", "rows_codes", "rows_decode", "unit"]
+__all__ = ["encode_rows", "row_rms", "rows_codes", "unit"]
 
 
 def unit(config: HNLQConfig) -> HNLQConfig:
-    """The codec config used inside the layers: beta lives in the channel scales."""
+    """The codec config of row codes: beta lives in the row scales."""
     return config.replace(beta=1.0)
 
 
 def row_rms(w):
-    """RMS of each row of ``w[r, k]`` (1 for an all-zero row, which then codes to zeros)."""
+    """RMS of each row of ``w[..., k]`` (1 for an all-zero row, which then codes to zeros)."""
     rms = jnp.sqrt(jnp.mean(jnp.square(w), axis=-1))
     return jnp.where(rms > 0, rms, 1.0)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def rows_codes(w, config: HNLQConfig, beta):
-    """Codes of the rows of ``w[r, k]`` with per-row scales ``c = beta * rms``.
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def rows_codes(w, config: HNLQConfig, beta, implementation: str = "xla") -> Codes:
+    """Row codes of ``w[..., k]`` with per-row scales ``c = beta * rms`` (``beta`` may be traced).
 
     Returns:
-      ``(Codes(labels[r, nb, M, d], T[r, nb]), c[r])``.
+      Row :class:`Codes` with blocks ``[..., ceil(k/d)]``, ``scale = c`` (float32 or wider) and
+      config ``unit(config)``.
     """
     w = w.astype(jnp.promote_types(w.dtype, jnp.float32))  # half precision: code in float32
     c = beta * row_rms(w)
-    blocks = to_blocks(w / c[:, None].astype(w.dtype), config.d)  # [r, nb, d]
-    codes = encode_blocks(blocks.reshape(-1, config.d), unit(config), 1.0)
-    r, nb = blocks.shape[:2]
-    return Codes(codes.labels.reshape(r, nb, config.M, config.d), codes.T.reshape(r, nb)), c
+    blocks = to_blocks(w / c[..., None].astype(w.dtype), config.d)  # [..., nb, d]
+    ucfg = unit(config)
+    flat = blocks.reshape(-1, config.d)
+    if implementation == "xla":
+        index, T = encode_blocks(flat, ucfg, 1.0)
+    else:
+        index, T = ops.encode_flat(flat, ucfg, implementation, None)
+    lead = blocks.shape[:-1]
+    codes = Codes(index.reshape(lead + (config.M,)), pack_t(T.reshape(lead), ucfg), ucfg)
+    return codes.with_rows(scale=c, n=w.shape[-1])
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def rows_decode(codes: Codes, c, config: HNLQConfig, k: int, dtype):
-    """``[r, k]`` reconstruction ``c_r * decode(codes_r)`` in ``dtype`` (computed in >= float32)."""
-    compute = jnp.promote_types(dtype, jnp.float32)
-    dec = decode_blocks(codes.labels, codes.T, unit(config), None, compute, 1.0)  # [r, nb, d]
-    return (from_blocks(dec, k) * c[:, None].astype(compute)).astype(dtype)
+def encode_rows(w, config: HNLQConfig, *, implementation=None) -> Codes:
+    """Quantizes the rows of ``w[..., k]`` with a per-row scale ``c = config.beta * rms(row)``.
+
+    This is the weight format of the quantized layers: ``beta`` is relative to each row's RMS
+    (:func:`hnlq_jax.gaussian_beta` is a good default).
+
+    Args:
+      w: ``[..., k]`` floating array (e.g. a weight ``[out, in]``).
+      config: the quantizer; ``config.beta`` multiplies each row's RMS.
+      implementation: ``None``, ``"xla"`` or ``"pallas"`` (the encoder).
+
+    Returns:
+      Row :class:`~hnlq_jax.Codes`: ``decode(codes)`` is ``[..., k]``, ``matmul(x, codes)`` is
+      ``x @ w_hat^T`` for a 2-D ``w``.
+
+    Raises:
+      ValueError, TypeError: as :func:`hnlq_jax.encode` (non-finite or non-floating ``w``).
+    """
+    w = jnp.asarray(w)
+    if w.ndim == 0:
+        raise ValueError("encode_rows: expected an array with a row axis [..., k]")
+    check_x(to_blocks(w, config.d), config, "encode_rows")
+    impl = ops.resolve(implementation, config, "encode")
+    return rows_codes(w, config, config.beta, impl)

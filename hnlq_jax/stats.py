@@ -1,4 +1,4 @@
-"""Rate statistics of codes and the paper's beta grid search (SPEC §7)."""
+"""Rate statistics of codes and the paper's beta grid search (``docs/math.md``, "Choosing beta")."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax.codec import Codes, check_codes, check_x, decode_blocks, encode_blocks
+from hnlq_jax.codec import check_x, decode_blocks, encode_blocks
+from hnlq_jax.codes import Codes, check_codes
 from hnlq_jax.config import HNLQConfig
 
 __all__ = ["RateStats", "rate_stats", "calibrate_beta", "gaussian_beta", "search_beta", "BetaSearch"]
@@ -49,18 +50,17 @@ def _rate_stats(T, config: HNLQConfig) -> RateStats:
     )
 
 
-def rate_stats(codes: Codes, config: HNLQConfig) -> RateStats:
+def rate_stats(codes: Codes) -> RateStats:
     """Overload rate, histogram and entropy of T, and the effective rate.
 
     Args:
-      codes: ``Codes(labels[..., M, d], T[...])`` over any leading shape.
-      config: the quantizer that made them.
+      codes: :class:`~hnlq_jax.Codes` of any leading shape.
 
     Returns:
       :class:`RateStats` (scalars and a ``[max_T + 1]`` histogram).
     """
-    _, T = check_codes(codes, config, None, "rate_stats")
-    return jax.jit(_rate_stats, static_argnums=1)(T, config)
+    check_codes(codes, "rate_stats")
+    return jax.jit(_rate_stats, static_argnums=1)(codes.T, codes.config)
 
 
 class BetaSearch(NamedTuple):
@@ -86,9 +86,9 @@ class BetaSearch(NamedTuple):
 @functools.partial(jax.jit, static_argnums=1)
 def _beta_grid(x, config, betas):
     def one(beta):
-        c = encode_blocks(x, config, beta)
-        xh = decode_blocks(c.labels, c.T, config, None, x.dtype, beta)
-        st = _rate_stats(c.T, config)
+        index, T = encode_blocks(x, config, beta)
+        xh = decode_blocks(index, T + 1, config, None, x.dtype, beta)
+        st = _rate_stats(T, config)
         mse = jnp.mean((x - xh) ** 2)
         mse = jnp.where(st.failure_rate > 0, jnp.inf, mse)
         return mse, st.entropy_T, st.rate, mse * 2 ** (2 * st.rate), st.overload_rate

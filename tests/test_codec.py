@@ -1,4 +1,4 @@
-"""The codec against the golden vectors, the identities of SPEC §6, and bad input."""
+"""The codec against the golden vectors, the identities of docs/math.md, and bad input."""
 
 import functools
 
@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hnlq_jax as hq
-from hnlq_jax.codec import encode_at, encoder_states, labels_from_digits, lattice_sum
+from hnlq_jax.codec import encode_at, encoder_states, index_from_digits, lattice_sum
+from hnlq_jax.codes import index_from_labels, labels_of_index
 from hnlq_jax.lattices import columns
 
 
@@ -30,9 +31,14 @@ def test_golden_x64(name, x64):
     np.testing.assert_array_equal(codes.labels, g["labels"])
     np.testing.assert_array_equal(codes.T, g["T"])
     assert codes.labels.dtype == jnp.uint8 and codes.T.dtype == jnp.int8
-    np.testing.assert_array_equal(hq.decode(codes, cfg), g["decoded"])
+    assert codes.config == cfg
+    np.testing.assert_array_equal(hq.decode(codes), g["decoded"])
     for k in range(1, cfg.M + 1):
-        np.testing.assert_array_equal(hq.decode(codes, cfg, levels=k), g["decoded_depth"][:, k - 1])
+        np.testing.assert_array_equal(hq.decode(codes, levels=k), g["decoded_depth"][:, k - 1])
+    # Codes made elsewhere (the reference) hold the same fields.
+    ref = hq.Codes.from_labels(g["labels"], g["T"], cfg)
+    np.testing.assert_array_equal(ref.index, codes.index)
+    np.testing.assert_array_equal(ref.tfield, codes.tfield)
     np.testing.assert_array_equal(level_reps(codes.labels, cfg), g["level_reps"])
     np.testing.assert_array_equal(hq.codebook(cfg), g["codebook"])
     np.testing.assert_array_equal(hq.closest_point(g["X"], cfg.lattice), g["QL_X"])
@@ -43,7 +49,8 @@ def test_golden_x64(name, x64):
     np.testing.assert_array_equal(labels0, g["labels_T0"])
     np.testing.assert_array_equal(over0, g["overload_T0"])
     np.testing.assert_array_equal(hq.closest_point(y0, cfg.lattice), g["QL_T0"])
-    P0 = jnp.stack(lattice_sum(jnp.asarray(g["labels_T0"]), cfg), -1)
+    P0 = jnp.stack(lattice_sum(index_from_labels(jnp.asarray(g["labels_T0"]), cfg.q, jnp.uint32),
+                               cfg), -1)
     np.testing.assert_array_equal(P0, g["decoded_T0_lattice"])
     # Encoder states at the final T.
     yT = g["X"] / (cfg.beta * 2.0 ** (cfg.alpha * g["T"].astype(np.float64)))[:, None] + z
@@ -64,7 +71,7 @@ def test_golden_float32(name):
     near_face = np.sum(np.any(np.asarray(codes.labels) != g["labels"][rows], axis=(1, 2))
                        | (np.asarray(codes.T) != g["T"][rows]))
     assert near_face == 0
-    out = hq.decode(codes, cfg)
+    out = hq.decode(codes)
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(out, g["decoded"][rows], rtol=2e-6, atol=2e-6 * cfg.beta)
 
@@ -85,9 +92,9 @@ SHAPES = st.sampled_from([(12,), (3, 4), (2, 3, 2), (1, 12)])
 @functools.partial(jax.jit, static_argnums=1)
 def _encode_at(y, cfg):
     digits, over = encode_at(columns(y), cfg)
-    return labels_from_digits(digits, cfg), over
+    return labels_of_index(jnp.stack(index_from_digits(digits, cfg), -1), cfg), over
 _states = jax.jit(encoder_states, static_argnums=1)
-_lattice_sum = jax.jit(lattice_sum, static_argnums=(1, 2))
+_lattice_sum = jax.jit(lattice_sum, static_argnums=(1, 2, 3))
 
 
 def _data(cfg, seed, shape):
@@ -98,7 +105,7 @@ def _data(cfg, seed, shape):
 @settings(max_examples=6)  # each example compiles (a new config): 6 of the 8 configs
 @given(cfg=CONFIGS, seed=st.integers(0, 2**31 - 1), shape=SHAPES)
 def test_identities(cfg, seed, shape):
-    """SPEC §6 (1)-(4): exact reconstruction, telescoping, no overload after the loop, labels."""
+    """Identities 1-4: exact reconstruction, telescoping, no overload after the loop, labels."""
     with jax.enable_x64(True):
         _check_identities(cfg, _data(cfg, seed, shape), shape)
 
@@ -111,7 +118,7 @@ def _check_identities(cfg, x, shape):
     assert np.all(np.asarray(codes.labels) < cfg.q)
     scale = cfg.beta * 2.0 ** (cfg.alpha * T.astype(np.float64))
     y = x / scale[..., None]
-    xhat = np.asarray(hq.decode(codes, cfg))
+    xhat = np.asarray(hq.decode(codes))
     # (1) decode = beta_T * Q_L(x / beta_T) exactly (in lattice units: x_hat = g_0).
     states = [np.asarray(s) for s in _states(jnp.asarray(y), cfg)]
     np.testing.assert_array_equal(xhat, (cfg.beta * states[0]) * 2.0 ** (cfg.alpha * T[..., None]))
@@ -125,7 +132,7 @@ def _check_identities(cfg, x, shape):
         assert np.all(np.asarray(_encode_at(jnp.asarray(yp), cfg)[1])[:k])
     # (2) telescoping: sum_{m >= j} q^m r(b_m) = q^j g_j.
     for j in range(cfg.M):
-        P = np.stack([np.asarray(c) for c in _lattice_sum(codes.labels, cfg, cfg.M - j)], -1)
+        P = np.stack([np.asarray(c) for c in _lattice_sum(codes.index, cfg, j)], -1)
         cart = P / 2 if cfg.lattice == "E8" else (P @ cfg.lat.G.T if cfg.lattice == "A2" else P)
         np.testing.assert_allclose(cart, cfg.q**j * states[j], rtol=0, atol=1e-9)
 
@@ -133,26 +140,32 @@ def _check_identities(cfg, x, shape):
 @settings(max_examples=6)
 @given(cfg=CONFIGS)
 def test_codebook_identities(cfg):
-    """SPEC §6 (4)-(5): Q_L(r(b)/q) = 0, distinct representatives, coset consistency."""
+    """Identities 4-5: Q_L(r(b)/q) = 0, distinct representatives, coset consistency."""
     cfg = cfg.replace(M=1, q=min(cfg.q, 4) if cfg.lattice == "E8" else cfg.q)
     with jax.enable_x64(True):
         cb = np.asarray(hq.codebook(cfg))
         assert np.all(np.asarray(hq.closest_point(cb / cfg.q, cfg.lattice)) == 0)
     assert len(np.unique(cb, axis=0)) == cfg.q**cfg.d
     labels = np.random.default_rng(cfg.q).integers(0, cfg.q, size=(50, 1, cfg.d))
+    index = index_from_labels(jnp.asarray(labels), cfg.q, jnp.uint32)
+    a = np.stack(lattice_sum(index, cfg, use_table=False), -1)
+    # r(b) = G b - q Q_L(G b / q) depends on b mod q only (coset consistency).
     shifted = labels + cfg.q * np.random.default_rng(1).integers(-3, 4, size=labels.shape)
-    a = np.stack(lattice_sum(jnp.asarray(labels), cfg, use_table=False), -1)
-    b = np.stack(lattice_sum(jnp.asarray(shifted), cfg, use_table=False), -1)
-    np.testing.assert_array_equal(a, b)
+    P = cfg.lat.P_from_basis @ shifted[:, 0].T.astype(np.int64)  # P coordinates of G b
+    from hnlq_jax.lattices import nearest_int
+    Pc = [jnp.asarray(c, jnp.int32) for c in P]
+    r = np.stack([np.asarray(p - cfg.q * c) for p, c in zip(Pc, nearest_int(Pc, cfg.q, cfg.lat))],
+                 -1)
+    np.testing.assert_array_equal(a, r)
     # The table lookup of the decoder equals the computed representatives.
-    c = np.stack(lattice_sum(jnp.asarray(labels), cfg, use_table=True), -1)
+    c = np.stack(lattice_sum(index, cfg, use_table=True), -1)
     np.testing.assert_array_equal(a, c)
 
 
 @settings(max_examples=6)
 @given(cfg=CONFIGS, seed=st.integers(0, 2**31 - 1))
 def test_idempotence(cfg, seed):
-    """SPEC §6 (5): re-encoding a decoded non-overloaded point (beta = 1) is a fixed point."""
+    """Identity 5: re-encoding a decoded non-overloaded point (beta = 1) is a fixed point."""
     with jax.enable_x64(True):
         _check_idempotence(cfg.replace(beta=1.0), seed)
 
@@ -161,7 +174,7 @@ def _check_idempotence(cfg, seed):
     x = _data(cfg, seed, (12,))
     c1 = hq.encode(x, cfg)
     keep = np.asarray(c1.T) == 0
-    x1 = np.asarray(hq.decode(c1, cfg))[keep]
+    x1 = np.asarray(hq.decode(c1))[keep]
     c2 = hq.encode(x1, cfg)
     np.testing.assert_array_equal(c2.labels, np.asarray(c1.labels)[keep])
     np.testing.assert_array_equal(c2.T, 0)
@@ -169,7 +182,7 @@ def _check_idempotence(cfg, seed):
 
 @pytest.mark.parametrize("lat,q", [("Z2", 3), ("A2", 3), ("D4", 3), ("D4", 4), ("E8", 2)])
 def test_sandwich(lat, q, x64):
-    """SPEC §6 (6): lattice points well inside q^M(1-r)V are in the constellation; every
+    """Identity 6 (sandwich): lattice points well inside q^M(1-r)V are in the constellation; every
     constellation point lies within q^M(1+r) covering radii."""
     M = 2
     cfg = hq.HNLQConfig(lat, q, M, beta=1.0, max_T=0)
@@ -183,11 +196,11 @@ def test_sandwich(lat, q, x64):
     inner = pts[np.linalg.norm(pts, axis=1) < q**M * (1 - r) * rpack - 1e-9]
     codes = hq.encode(inner, cfg)
     assert np.all(np.asarray(codes.T) == 0)
-    np.testing.assert_allclose(hq.decode(codes, cfg), inner, atol=1e-12)
+    np.testing.assert_allclose(hq.decode(codes), inner, atol=1e-12)
     allcodes = np.array(np.meshgrid(*[np.arange(q)] * (M * L.d))).reshape(M * L.d, -1).T
     allcodes = allcodes[:: max(1, len(allcodes) // 5000)].reshape(-1, M, L.d)
-    xs = np.asarray(hq.decode(hq.Codes(jnp.asarray(allcodes, jnp.uint8),
-                                       jnp.zeros(len(allcodes), jnp.int8)), cfg))
+    xs = np.asarray(hq.decode(hq.Codes.from_labels(allcodes, np.zeros(len(allcodes), np.int8),
+                                                   cfg)))
     assert np.max(np.linalg.norm(xs, axis=1)) <= q**M * (1 + r) * L.covering_radius + 1e-9
 
 
@@ -215,11 +228,11 @@ def test_chunked_encode_matches(monkeypatch):
     x = np.random.default_rng(5).normal(size=(9000, 8)).astype(np.float32)
     x[17] = np.nan
     enc = jax.jit(codec.encode_blocks, static_argnums=1)
-    big = enc(jnp.asarray(x), cfg, cfg.beta)
+    big_index, big_T = enc(jnp.asarray(x), cfg, cfg.beta)
     parts = [enc(jnp.asarray(x[i : i + 1000]), cfg, cfg.beta) for i in range(0, 9000, 1000)]
-    np.testing.assert_array_equal(big.labels, np.concatenate([p.labels for p in parts]))
-    np.testing.assert_array_equal(big.T, np.concatenate([p.T for p in parts]))
-    assert int(big.T[17]) == -1 and np.mean(np.asarray(big.T) > 0) > 0.3
+    np.testing.assert_array_equal(big_index, np.concatenate([p[0] for p in parts]))
+    np.testing.assert_array_equal(big_T, np.concatenate([p[1] for p in parts]))
+    assert int(big_T[17]) == -1 and np.mean(np.asarray(big_T) > 0) > 0.3
 
 
 def test_jit_vmap_and_grad():
@@ -231,11 +244,10 @@ def test_jit_vmap_and_grad():
     for c in (jitted, vmapped):
         np.testing.assert_array_equal(c.labels, ref.labels)
         np.testing.assert_array_equal(c.T, ref.T)
-    np.testing.assert_array_equal(jax.jit(hq.decode, static_argnums=1)(ref, cfg),
-                                  hq.decode(ref, cfg))
+    np.testing.assert_array_equal(jax.jit(hq.decode)(ref), hq.decode(ref))
     g = jax.grad(lambda v: jnp.sum(hq.quantize(v, cfg) * 3.0))(x)
     np.testing.assert_array_equal(g, jnp.full_like(x, 3.0))
-    np.testing.assert_array_equal(hq.quantize(x, cfg), hq.decode(ref, cfg))
+    np.testing.assert_array_equal(hq.quantize(x, cfg), hq.decode(ref))
 
 
 def test_quantize_dtypes():
@@ -244,7 +256,7 @@ def test_quantize_dtypes():
     out = hq.quantize(x, cfg)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_array_equal(out, hq.quantize(x.astype(jnp.float32), cfg).astype(jnp.bfloat16))
-    assert hq.decode(hq.encode(x, cfg), cfg, dtype=jnp.float16).dtype == jnp.float16
+    assert hq.decode(hq.encode(x, cfg), dtype=jnp.float16).dtype == jnp.float16
 
 
 def test_dither_roundtrip(x64):
@@ -252,7 +264,7 @@ def test_dither_roundtrip(x64):
     cfg = golden_config(g)
     assert cfg.dither is not None
     codes = hq.encode(g["X"], cfg)
-    np.testing.assert_array_equal(hq.decode(codes, cfg), g["decoded"])
+    np.testing.assert_array_equal(hq.decode(codes), g["decoded"])
 
 
 def test_blocks_helpers():
@@ -284,7 +296,7 @@ def test_nonfinite_eager_error_and_jit_marking():
         hq.quantize(x, cfg)
     codes = jax.jit(hq.encode, static_argnums=1)(x, cfg)
     np.testing.assert_array_equal(np.asarray(codes.T) == -1, [False, True, False, True, False])
-    out = np.asarray(hq.decode(codes, cfg))
+    out = np.asarray(hq.decode(codes))
     assert np.all(np.isnan(out[[1, 3]])) and np.all(np.isfinite(out[[0, 2, 4]]))
 
 
@@ -293,9 +305,9 @@ def test_overload_beyond_cap_is_marked():
     x = np.array([[0.1, 0.2, 0.3, 0.4], [1e4, -1e4, 3e3, 0.0], [300.0, 0, 0, 0]], np.float32)
     codes = hq.encode(x, cfg)
     np.testing.assert_array_equal(codes.T, [0, -1, -1])
-    out = np.asarray(hq.decode(codes, cfg))
+    out = np.asarray(hq.decode(codes))
     assert np.all(np.isnan(out[1:])) and np.all(np.isfinite(out[0]))
-    assert float(hq.rate_stats(codes, cfg).failure_rate) == pytest.approx(2 / 3)
+    assert float(hq.rate_stats(codes).failure_rate) == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize(
@@ -313,6 +325,7 @@ def test_overload_beyond_cap_is_marked():
         (dict(max_T=-1), ValueError, "max_T must be in 0..127"),
         (dict(max_T=200), ValueError, "max_T must be in 0..127"),
         (dict(q=256, M=3), ValueError, "exceeds 2\\*\\*20"),
+        (dict(lattice="E8", q=32, M=1), ValueError, "exceed 2\\*\\*32"),
         (dict(dither=(0.1, 0.2)), ValueError, "length d=4"),
         (dict(dither=(0.9, 0.9, 0.0, 0.0)), ValueError, "outside the Voronoi cell"),
     ],
@@ -344,19 +357,29 @@ def test_encode_bad_input():
 
 
 def test_decode_bad_input():
-    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    cfg = hq.HNLQConfig("D4", 3, 2, beta=0.2)  # 81 of 256 index values used: room to corrupt
     codes = hq.encode(np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32), cfg)
-    bad = codes.labels.at[0, 0, 0].set(4)
-    with pytest.raises(ValueError, match="labels must be in 0..q-1 = 0..3"):
-        hq.decode(hq.Codes(bad, codes.T), cfg)
-    with pytest.raises(ValueError, match="T must be in -1..max_T"):
-        hq.decode(hq.Codes(codes.labels, codes.T.at[0].set(-3)), cfg)
-    with pytest.raises(ValueError, match=r"labels \[..., M=3, d=4\]"):
-        hq.decode(codes, cfg.replace(M=3))
+    bad = hq.Codes(codes.index.at[0, 0].set(81), codes.tfield, cfg)
+    with pytest.raises(ValueError, match="index out of range.*81 >= q\\^d = 81"):
+        hq.decode(bad)
+    with pytest.raises(ValueError, match="T field holds values above max_T"):
+        hq.decode(hq.Codes(codes.index, codes.tfield.at[0].set(0x70), cfg.replace(max_T=5)))
     with pytest.raises(ValueError, match="levels must be"):
-        hq.decode(codes, cfg, levels=3)
+        hq.decode(codes, levels=3)
+    with pytest.raises(TypeError, match="hnlq_jax.Codes"):
+        hq.decode((codes.labels, codes.T))
+    with pytest.raises(TypeError, match="decode"):
+        hq.decode(codes, cfg)  # the config travels with the codes
+    with pytest.raises(ValueError, match="expected index uint8"):
+        hq.decode(hq.Codes(codes.index.astype(jnp.uint16), codes.tfield, cfg))
+    with pytest.raises(ValueError, match="T field of shape"):
+        hq.decode(hq.Codes(codes.index, codes.tfield[:1], cfg))
+    with pytest.raises(ValueError, match="labels must be in 0..q-1 = 0..2"):
+        hq.Codes.from_labels(codes.labels.at[0, 0, 0].set(3), codes.T, cfg)
+    with pytest.raises(ValueError, match="T must be in -1..max_T"):
+        hq.Codes.from_labels(codes.labels, codes.T.at[0].set(-3), cfg)
     with pytest.raises(TypeError, match="integer"):
-        hq.decode(hq.Codes(codes.labels.astype(jnp.float32), codes.T), cfg)
+        hq.Codes.from_labels(codes.labels.astype(jnp.float32), codes.T, cfg)
     # Under jit the values are not known: an out-of-range block decodes to NaN.
-    out = jax.jit(hq.decode, static_argnums=1)(hq.Codes(bad, codes.T), cfg)
+    out = jax.jit(hq.decode)(bad)
     assert np.all(np.isnan(out[0])) and np.all(np.isfinite(out[1:]))

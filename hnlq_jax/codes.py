@@ -1,0 +1,336 @@
+"""``Codes``: the compact, self-describing form of HNLQ codes that every operation takes.
+
+Layout (``docs/format.md`` has the full description):
+
+* ``index``: ``[..., M]`` unsigned, one codebook index per block and level,
+  ``k_m = sum_i b_{m,i} q^(d-1-i)`` (coordinate 0 most significant, the codebook order), in the
+  smallest of uint8 / uint16 / uint32 that holds ``q^d``.
+* ``tfield``: the overload steps as ``u = T + 1`` (``u = 0``: a failed block), in
+  :func:`t_bits` bits. With 4 bits two neighbouring blocks of the *last* leading axis share a
+  byte (block ``2j`` in the low nibble, ``2j + 1`` in the high one): ``uint8 [..., ceil(L/2)]``.
+  With 8 bits it is ``uint8 [...]``.
+* ``scale``: optional real per-row scale ``[...rows]`` (row codes only, see below).
+* static (pytree aux data): the :class:`~hnlq_jax.config.HNLQConfig` and, for *row codes*, the
+  logical row length ``n``.
+
+Two kinds of codes share the class:
+
+* *block codes* (``n is None``): the codes of ``x[..., d]``; ``decode`` gives ``[..., d]``.
+* *row codes* (``n`` set): the codes of ``w[..., n]`` split into ``nb = ceil(n/d)`` zero-padded
+  blocks, so ``index`` is ``[..., nb, M]``; ``decode`` gives ``[..., n]``, times ``scale``.
+
+Codes are a pytree: they pass through ``jit``, ``vmap`` (over any leading axis but the last,
+along which the 4-bit T field pairs blocks), ``scan``, ``shard_map`` and checkpoints, and carry
+no gradient (their arrays are integers; ``scale`` is the one real leaf).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hnlq_jax.config import HNLQConfig
+
+__all__ = ["Codes", "FORMAT_VERSION", "index_dtype", "t_bits"]
+
+# Bumped whenever the meaning of a stored field changes; serialized forms record it.
+FORMAT_VERSION = 1
+
+
+@functools.lru_cache(maxsize=None)
+def index_dtype(config: HNLQConfig) -> np.dtype:
+    """Smallest unsigned dtype that holds the ``q^d`` codebook indices of ``config``."""
+    size = config.q**config.d
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if size - 1 <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    raise AssertionError("HNLQConfig validation keeps q^d <= 2^32")  # pragma: no cover
+
+
+def t_bits(config: HNLQConfig) -> int:
+    """Bits of one block's T field: 4 when ``max_T <= 14`` (``u = T + 1 <= 15``), else 8."""
+    return 4 if config.max_T <= 14 else 8
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+# ------------------------------------------------------------------ field conversions (jnp)
+
+
+def index_from_labels(labels, q: int, dtype):
+    """``[..., M]`` codebook indices of ``labels[..., M, d]`` (any integer dtype, in 0..q-1)."""
+    b = labels.astype(jnp.uint32)
+    k = b[..., 0]
+    for i in range(1, labels.shape[-1]):
+        k = k * jnp.uint32(q) + b[..., i]
+    return k.astype(dtype)
+
+
+def digits_of_index(k, q: int, d: int) -> list:
+    """The ``d`` label columns (int32) of codebook indices ``k``, coordinate 0 first."""
+    k = k.astype(jnp.uint32)
+    out = []
+    for i in range(d - 1, -1, -1):
+        if q & (q - 1) == 0:  # a power of two: shifts and masks
+            out.append(((k >> jnp.uint32(i * (q.bit_length() - 1))) & jnp.uint32(q - 1)))
+        else:
+            out.append((k // jnp.uint32(q**i)) % jnp.uint32(q))
+    return [c.astype(jnp.int32) for c in out]
+
+
+def labels_of_index(index, config: HNLQConfig):
+    """``[..., M, d]`` uint8 labels of ``index[..., M]``."""
+    return jnp.stack(digits_of_index(index, config.q, config.d), axis=-1).astype(jnp.uint8)
+
+
+def pack_t(T, config: HNLQConfig):
+    """The T field of ``T[...]`` (int, -1 = failed); see the module docstring."""
+    u = (T.astype(jnp.int32) + 1).astype(jnp.uint8)
+    if t_bits(config) == 8 or u.ndim == 0:
+        return u
+    L = u.shape[-1]
+    if L % 2:
+        u = jnp.concatenate([u, jnp.zeros(u.shape[:-1] + (1,), jnp.uint8)], axis=-1)
+    u = u.reshape(u.shape[:-1] + (u.shape[-1] // 2, 2))
+    return u[..., 0] | (u[..., 1] << jnp.uint8(4))
+
+
+def unpack_t(tfield, config: HNLQConfig, L: int | None):
+    """``u = T + 1`` (int32) of ``L`` blocks along the last leading axis from a T field."""
+    if t_bits(config) == 8 or L is None:
+        return tfield.astype(jnp.int32)
+    f = tfield.astype(jnp.int32)
+    u = jnp.stack([f & 15, f >> 4], axis=-1).reshape(f.shape[:-1] + (2 * f.shape[-1],))
+    return u[..., :L]
+
+
+def tfield_shape(lead: tuple, config: HNLQConfig) -> tuple:
+    """Shape of the T field for blocks of leading shape ``lead``."""
+    if t_bits(config) == 8 or len(lead) == 0:
+        return tuple(lead)
+    return tuple(lead[:-1]) + (-(-lead[-1] // 2),)
+
+
+# ------------------------------------------------------------------------------ the class
+
+
+@jax.tree_util.register_pytree_node_class
+class Codes:
+    """HNLQ codes of a batch of blocks or of the rows of a matrix (a pytree).
+
+    Build them with :func:`hnlq_jax.encode`, :func:`hnlq_jax.encode_rows` or
+    :meth:`Codes.from_labels`; read them back with :func:`hnlq_jax.decode`, which needs no
+    config: it travels with the codes.
+
+    Attributes:
+      index: ``[..., M]`` codebook indices (uint8 / uint16 / uint32, see :func:`index_dtype`).
+      tfield: packed ``T + 1``, see the module docstring and :func:`t_bits`.
+      scale: ``None``, or ``[...rows]`` real per-row scales of row codes.
+      config: the quantizer that made the codes (static).
+      n: the logical row length of row codes, ``None`` for block codes (static).
+    """
+
+    __slots__ = ("index", "tfield", "scale", "config", "n")
+
+    def __init__(self, index, tfield, config: HNLQConfig, *, scale=None, n: int | None = None):
+        self.index = index
+        self.tfield = tfield
+        self.scale = scale
+        self.config = config
+        self.n = n
+
+    # -- pytree
+    def tree_flatten(self):
+        return (self.index, self.tfield, self.scale), (self.config, self.n)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj.index, obj.tfield, obj.scale = children
+        obj.config, obj.n = aux
+        return obj
+
+    # -- views
+    @property
+    def blocks_shape(self) -> tuple:
+        """Leading shape of the blocks: ``index.shape[:-1]``."""
+        return tuple(self.index.shape[:-1])
+
+    @property
+    def shape(self) -> tuple:
+        """Shape of the decoded array: ``[..., d]`` (block codes) or ``[..., n]`` (row codes)."""
+        lead = self.blocks_shape
+        if self.n is None:
+            return lead + (self.config.d,)
+        return lead[:-1] + (self.n,)
+
+    @property
+    def labels(self) -> jax.Array:
+        """``[..., M, d]`` uint8 digit view ``b_m`` (derived on demand; level 0 the finest)."""
+        return labels_of_index(self.index, self.config)
+
+    @property
+    def T(self) -> jax.Array:
+        """``[...]`` int8 overload steps, ``-1`` for a block that could not be encoded."""
+        lead = self.blocks_shape
+        u = unpack_t(self.tfield, self.config, lead[-1] if lead else None)
+        return (u - 1).astype(jnp.int8)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays held: index, T field and scale."""
+        return sum(int(a.nbytes) for a in jax.tree.leaves(self))
+
+    def bits_per_value(self) -> float:
+        """Bits held per coded value (``nbytes * 8`` over the number of decoded entries)."""
+        size = int(np.prod(self.shape, dtype=np.int64))
+        return 8 * self.nbytes / size if size else float("nan")
+
+    # -- construction
+    @classmethod
+    def from_labels(cls, labels, T, config: HNLQConfig, *, scale=None, n: int | None = None):
+        """Codes from a digit view (e.g. made by a reference implementation).
+
+        Args:
+          labels: ``[..., M, d]`` integers in ``0..q-1``.
+          T: ``[...]`` integers in ``-1..max_T``.
+          config: the quantizer that made them.
+          scale: optional per-row scale ``[...rows]`` (row codes).
+          n: logical row length for row codes (``ceil(n/d)`` = the last leading axis).
+
+        Raises:
+          TypeError, ValueError: shapes, dtypes or values that do not fit ``config``.
+        """
+        labels, T = check_labels(labels, T, config, "Codes.from_labels")
+        index = index_from_labels(labels, config.q, index_dtype(config))
+        codes = cls(index, pack_t(T, config), config)
+        return codes.with_rows(scale=scale, n=n) if (n is not None or scale is not None) \
+            else codes
+
+    def with_rows(self, *, scale=None, n: int | None = None) -> Codes:
+        """These block codes read as row codes of logical length ``n`` with optional ``scale``.
+
+        Raises:
+          ValueError: ``n`` does not split into the last leading axis, or ``scale`` has the
+            wrong shape.
+        """
+        lead = self.blocks_shape
+        if not lead:
+            raise ValueError("Codes.with_rows: row codes need a block axis [..., nb, M]")
+        nb, d = lead[-1], self.config.d
+        n = nb * d if n is None else int(n)
+        if not (nb * d - d < n <= nb * d or (n == 0 and nb == 0)):
+            raise ValueError(f"Codes.with_rows: n={n} does not split into {nb} blocks of d={d}")
+        if scale is not None:
+            scale = jnp.asarray(scale)
+            if scale.shape != lead[:-1] or not jnp.issubdtype(scale.dtype, jnp.floating):
+                raise ValueError(f"Codes.with_rows: scale must be a real array of shape "
+                                 f"{lead[:-1]}, got {scale.dtype}{list(scale.shape)}")
+        return Codes(self.index, self.tfield, self.config, scale=scale, n=n)
+
+    def __repr__(self) -> str:
+        c = self.config
+        kind = "blocks" if self.n is None else f"rows n={self.n}"
+        scale = "" if self.scale is None else f", scale {self.scale.dtype}{list(self.scale.shape)}"
+        return (f"Codes({c.lattice} q={c.q} M={c.M}, {kind}, shape {list(self.shape)}: index "
+                f"{self.index.dtype}{list(self.index.shape)}, T {t_bits(c)}-bit "
+                f"{list(self.tfield.shape)}{scale})")
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+def _concrete_all(x, predicate) -> bool:
+    """``all(predicate(x))`` for a concrete array (evaluated now even while tracing); True for a
+    tracer (such values are marked invalid at run time instead)."""
+    if not _is_concrete(x):
+        return True
+    with jax.ensure_compile_time_eval():
+        return bool(jnp.all(predicate(x)))
+
+
+def check_labels(labels, T, config: HNLQConfig, fn: str):
+    """Validates a digit view ``(labels[..., M, d], T[...])`` against ``config``."""
+    if not isinstance(config, HNLQConfig):
+        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
+    labels, T = jnp.asarray(labels), jnp.asarray(T)
+    M, d = config.M, config.d
+    if labels.shape[-2:] != (M, d) or labels.shape[:-2] != T.shape:
+        raise ValueError(
+            f"{fn}: expected labels [..., M={M}, d={d}] and T [...] with the same leading shape, "
+            f"got labels {labels.shape} and T {T.shape}")
+    if not (jnp.issubdtype(labels.dtype, jnp.integer) and jnp.issubdtype(T.dtype, jnp.integer)):
+        raise TypeError(f"{fn}: labels and T must be integer arrays, got {labels.dtype}, {T.dtype}")
+    if not _concrete_all(labels, lambda b: (b.astype(jnp.int32) >= 0)
+                         & (b.astype(jnp.int32) < config.q)):
+        b = np.asarray(labels)
+        raise ValueError(f"{fn}: labels must be in 0..q-1 = 0..{config.q - 1}, got values in "
+                         f"{b.min()}..{b.max()}")
+    if not _concrete_all(T, lambda t: (t.astype(jnp.int32) >= -1)
+                         & (t.astype(jnp.int32) <= config.max_T)):
+        t = np.asarray(T)
+        raise ValueError(f"{fn}: T must be in -1..max_T = -1..{config.max_T}, got values in "
+                         f"{t.min()}..{t.max()}")
+    return labels, T
+
+
+def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
+    """Validates a :class:`Codes` value: types, shapes, and (when concrete) the index and T
+    ranges. ``config``, when given, must equal the codes' own.
+
+    Raises:
+      TypeError: not a ``Codes`` (e.g. a tuple of the old ``(labels, T)`` form).
+      ValueError: a config mismatch, inconsistent shapes, an index ``>= q^d`` or a T field
+        value above ``max_T + 1`` (corrupted codes).
+    """
+    if not isinstance(codes, Codes):
+        raise TypeError(
+            f"{fn}: expected hnlq_jax.Codes, got {type(codes).__name__}; build codes with "
+            "hnlq_jax.encode or hnlq_jax.Codes.from_labels(labels, T, config)")
+    cfg = codes.config
+    if not isinstance(cfg, HNLQConfig):
+        raise TypeError(f"{fn}: codes carry no HNLQConfig (got {type(cfg).__name__})")
+    if config is not None and config != cfg:
+        raise ValueError(f"{fn}: the codes were made with {cfg}, not {config}")
+    index, tfield = jnp.asarray(codes.index), jnp.asarray(codes.tfield)
+    idt = index_dtype(cfg)
+    if index.dtype != idt or index.ndim < 1 or index.shape[-1] != cfg.M:
+        raise ValueError(f"{fn}: expected index {idt}[..., M={cfg.M}] for {cfg.lattice} "
+                         f"q={cfg.q}, got {index.dtype}{list(index.shape)}")
+    lead = tuple(index.shape[:-1])
+    if tfield.dtype != jnp.uint8 or tuple(tfield.shape) != tfield_shape(lead, cfg):
+        raise ValueError(f"{fn}: expected a uint8 T field of shape "
+                         f"{list(tfield_shape(lead, cfg))} for blocks {list(lead)}, got "
+                         f"{tfield.dtype}{list(tfield.shape)}")
+    size = cfg.q**cfg.d
+    if size - 1 < np.iinfo(idt).max and not _concrete_all(index, lambda k: k < size):
+        raise ValueError(f"{fn}: codebook index out of range: values up to "
+                         f"{int(np.max(np.asarray(index)))} >= q^d = {size} (corrupted codes?)")
+    top = cfg.max_T + 1
+    if not _concrete_all(tfield, lambda f: _t_ok(f, cfg, top)):
+        raise ValueError(f"{fn}: T field holds values above max_T = {cfg.max_T} (corrupted "
+                         "codes, or codes of a config with a larger max_T?)")
+    if codes.n is not None:
+        Codes(index, tfield, cfg).with_rows(scale=codes.scale, n=codes.n)  # raises on mismatch
+    return codes
+
+
+def _t_ok(f, cfg, top):
+    f = f.astype(jnp.int32)
+    if t_bits(cfg) == 8:
+        return f <= top
+    return ((f & 15) <= top) & ((f >> 4) <= top)
+
+
+def valid_blocks(index, u, config: HNLQConfig):
+    """``[...]`` bool: the block decodes (``1 <= u <= max_T + 1`` and every index ``< q^d``)."""
+    ok = (u >= 1) & (u <= config.max_T + 1)
+    size = config.q**config.d
+    if size - 1 < np.iinfo(index_dtype(config)).max:
+        ok = ok & jnp.all(index < size, axis=-1)
+    return ok

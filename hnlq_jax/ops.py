@@ -1,0 +1,326 @@
+"""The front doors: ``encode``, ``decode``, ``quantize`` and ``matmul``, one per operation.
+
+Each takes ``implementation=``:
+
+* ``None``: the best measured choice on the default backend (:func:`default_implementation`);
+* ``"xla"``: the pure-JAX reference (:mod:`hnlq_jax.codec`);
+* ``"pallas"``: the Pallas kernels (:mod:`hnlq_jax.kernels`), interpret mode on a CPU;
+* ``"lut"`` (``matmul`` only): the one-sided lookup-table product (:mod:`hnlq_jax.lut`).
+
+Every implementation gives the same codes and the same decoded values bit for bit (matmul: the
+same up to float summation order, except ``"xla"`` and ``"pallas"`` which agree exactly in the
+decoded weights).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hnlq_jax import codec, kernels, lut
+from hnlq_jax.codes import Codes, check_codes, pack_t, unpack_t
+from hnlq_jax.config import HNLQConfig
+
+__all__ = ["IMPLEMENTATIONS", "encode", "decode", "quantize", "matmul", "default_implementation",
+           "resolve"]
+
+IMPLEMENTATIONS = {
+    "encode": ("xla", "pallas"),
+    "decode": ("xla", "pallas"),
+    "quantize": ("xla", "pallas"),
+    "matmul": ("xla", "pallas", "lut"),
+}
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def default_implementation(op: str, config: HNLQConfig, batch: int | None = None) -> str:
+    """What ``implementation=None`` runs for ``op`` on the default backend.
+
+    On a GPU, the kernel when one supports ``config``. Elsewhere Pallas only runs in interpret
+    mode (slower than XLA), with one measured exception: a matmul of a single vector through the
+    LUT GEMV kernel (``experiments/bench_kernels.py``).
+
+    Raises:
+      ValueError: an unknown op.
+    """
+    if op not in IMPLEMENTATIONS:
+        raise ValueError(f"default_implementation: op must be one of {tuple(IMPLEMENTATIONS)}, "
+                         f"got {op!r}")
+    if kernels.unsupported(config):
+        return "xla"
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    return "xla"
+
+
+def resolve(implementation, config: HNLQConfig, op: str, batch=None) -> str:
+    """``implementation`` checked for ``op`` (``None``: :func:`default_implementation`)."""
+    allowed = IMPLEMENTATIONS[op]
+    if implementation is None:
+        return default_implementation(op, config, batch)
+    if implementation not in allowed:
+        raise ValueError(f"{op}: implementation must be one of {allowed} or None, got "
+                         f"{implementation!r}")
+    why = kernels.unsupported(config)
+    if implementation == "pallas" and why:
+        raise ValueError(f"{op}: no Pallas kernel for {config.lattice}: {why}; use "
+                         "implementation='xla'")
+    return implementation
+
+
+def encode(x, config: HNLQConfig, *, implementation=None, interpret=None) -> Codes:
+    """Algorithm 1 with overload rescaling, over every leading axis.
+
+    Args:
+      x: ``[..., d]`` floating array (half precision is computed in float32).
+      config: the quantizer.
+      implementation: ``None``, ``"xla"`` or ``"pallas"``.
+      interpret: Pallas interpret mode (default: on a CPU).
+
+    Returns:
+      Block :class:`Codes` of shape ``x.shape``: ``index [..., M]``, T field, the config.
+
+    Raises:
+      ValueError: wrong last-axis size, or NaN/Inf in a concrete input.
+      TypeError: non-floating input or a config that is not an ``HNLQConfig``.
+    """
+    x = codec.check_x(x, config, "encode")
+    impl = resolve(implementation, config, "encode")
+    if x.size == 0:
+        impl = "xla"
+    return _encode(x, config, impl, interpret)
+
+
+def encode_flat(flat, config: HNLQConfig, impl: str, interpret):
+    """``(index [N, M], T [N] int32)`` of blocks ``flat[N, d]``."""
+    if impl == "xla":
+        return codec.encode_blocks(flat, config, config.beta)
+    return kernels.encode(flat, config, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _encode(x, config: HNLQConfig, impl: str, interpret) -> Codes:
+    lead = x.shape[:-1]
+    index, T = encode_flat(x.reshape(-1, config.d), config, impl, interpret)
+    return Codes(index.reshape(lead + (config.M,)), pack_t(T.reshape(lead), config), config)
+
+
+def _out_dtype(dtype, fn: str):
+    dtype = jnp.dtype(codec.default_float() if dtype is None else dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{fn}: dtype must be floating, got {dtype}")
+    return dtype
+
+
+def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementation=None,
+           interpret=None):
+    """Algorithm 2: the values the codes stand for. The config travels with the codes.
+
+    Args:
+      codes: :class:`Codes` (block or row codes).
+      levels: keep only the ``levels`` coarsest levels (successive refinement): the result is
+        the input quantized on ``q^(M - levels) L``. Default: all.
+      dtype: output dtype; default float64 under x64, float32 otherwise.
+      implementation: ``None``, ``"xla"`` or ``"pallas"``.
+      interpret: Pallas interpret mode (default: on a CPU).
+
+    Returns:
+      ``codes.shape``: ``[..., d]`` for block codes, ``[..., n]`` (times the row scale) for row
+      codes; NaN in blocks with ``T = -1``.
+
+    Raises:
+      TypeError: not ``Codes`` or a non-floating dtype.
+      ValueError: corrupted codes (index or T out of range, checked when concrete; under jit
+        such blocks give NaN) or ``levels`` outside ``1..M``.
+    """
+    check_codes(codes, "decode")
+    config = codes.config
+    if levels is not None and not (isinstance(levels, int) and 1 <= levels <= config.M):
+        raise ValueError(f"decode: levels must be an int in 1..M={config.M}, got {levels!r}")
+    dtype = _out_dtype(dtype, "decode")
+    compute = jnp.promote_types(dtype, jnp.float32)  # half precision: float32, then round
+    impl = resolve(implementation, config, "decode")
+    if int(np.prod(codes.blocks_shape, dtype=np.int64)) == 0:
+        impl = "xla"
+    return _decode(codes, levels, compute, impl, interpret).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _decode(codes: Codes, levels, compute, impl: str, interpret):
+    blocks = Codes(codes.index, codes.tfield, codes.config)
+    if impl == "xla":
+        out = codec.decode_xla(blocks, levels, compute)
+    else:
+        out = kernels.decode(blocks, levels, compute, interpret=interpret)
+    return _finish_rows(out, codes, compute)
+
+
+def _finish_rows(blocks, codes: Codes, compute):
+    """Block values ``[..., nb, d]`` as the logical array of row codes (else unchanged)."""
+    if codes.n is None:
+        return blocks
+    out = codec.from_blocks(blocks, codes.n)
+    if codes.scale is not None:
+        out = out * codes.scale.astype(compute)[..., None]
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _quantize(x, config, impl, interpret):
+    index, T = encode_flat(x.reshape(-1, config.d), config, impl, interpret)
+    c = Codes(index, pack_t(T, config), config)
+    if impl == "xla":
+        out = codec.decode_xla(c, None, x.dtype)
+    else:
+        out = kernels.decode(c, None, x.dtype, interpret=interpret)
+    return out.reshape(x.shape)
+
+
+def _quantize_fwd(x, config, impl, interpret):
+    return _quantize(x, config, impl, interpret), None
+
+
+def _quantize_bwd(config, impl, interpret, _, g):
+    return (g,)
+
+
+_quantize.defvjp(_quantize_fwd, _quantize_bwd)
+
+
+def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None):
+    """``decode(encode(x))`` with a straight-through (identity) gradient.
+
+    Args:
+      x: ``[..., d]`` floating array.
+      config: the quantizer.
+      implementation: ``None``, ``"xla"`` or ``"pallas"``.
+      interpret: Pallas interpret mode (default: on a CPU).
+
+    Returns:
+      ``[..., d]`` in ``x``'s dtype (half precision is computed in float32 and rounded back);
+      NaN in blocks that could not be encoded.
+    """
+    dtype = jnp.asarray(x).dtype
+    x = codec.check_x(x, config, "quantize")
+    impl = resolve(implementation, config, "quantize")
+    if x.size == 0:
+        return x.astype(dtype)
+    return _quantize_jit(x, config, impl, interpret).astype(dtype)
+
+
+_quantize_jit = jax.jit(_quantize, static_argnums=(1, 2, 3))
+
+
+# ------------------------------------------------------------------------------------ matmul
+
+
+def _weight_codes(codes, fn: str) -> Codes:
+    check_codes(codes, fn)
+    if len(codes.blocks_shape) != 2:
+        raise ValueError(f"{fn}: the weight must be coded as n rows of length k: codes with "
+                         f"blocks [n, nb], got blocks {list(codes.blocks_shape)}; see "
+                         "hnlq_jax.encode_rows")
+    return codes
+
+
+def _check_activations(x, codes: Codes, fn: str):
+    x = jnp.asarray(x)
+    k = codes.shape[-1]
+    if x.ndim == 0 or x.shape[-1] != k:
+        raise ValueError(f"{fn}: x must be [..., k] with k = {k} (the codes' row length), got "
+                         f"shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{fn}: x must be floating, got {x.dtype}")
+    return x
+
+
+def _dense_weight(codes: Codes):
+    """``[n, k]`` float32 decoded weight without the row scale (the XLA reference)."""
+    config = codes.config
+    n, nb = codes.blocks_shape
+    u = unpack_t(codes.tfield, config, nb)
+    w = codec.decode_blocks(codes.index, u, config, None, jnp.float32, config.beta)
+    return w.reshape(n, nb * config.d)[:, :codes.shape[-1]]
+
+
+def _matmul_xla(x, codes: Codes):
+    w = _dense_weight(codes)
+    if codes.scale is not None:
+        w = w * codes.scale.astype(jnp.float32)[:, None]
+    compute, out_dtype = _compute_dtypes(x.dtype)
+    y = jnp.einsum("...k,nk->...n", x.astype(compute), w.astype(compute), precision=_HIGHEST,
+                   preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+def _compute_dtypes(dtype):
+    """bfloat16 runs a bfloat16 product with float32 accumulation; others at least float32."""
+    if dtype == jnp.bfloat16:
+        return dtype, dtype
+    wide = jnp.promote_types(dtype, jnp.float32)
+    return wide, wide
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul(x, codes, impl, interpret):
+    if impl == "xla":
+        return _matmul_xla(x, codes)
+    if impl == "lut":
+        return lut.matmul_one_sided(codes, x).astype(_compute_dtypes(x.dtype)[1])
+    compute, out_dtype = _compute_dtypes(x.dtype)
+    return kernels.decode_matmul(x, codes, compute, out_dtype, interpret=interpret)
+
+
+def _matmul_fwd(x, codes, impl, interpret):
+    return _matmul(x, codes, impl, interpret), (x, codes)
+
+
+def _matmul_bwd(impl, interpret, res, g):
+    x, codes = res
+    w = _dense_weight(codes)  # [n, k], unscaled
+    g = g.astype(jnp.float32)
+    gs = g if codes.scale is None else g * codes.scale.astype(jnp.float32)
+    dx = jnp.einsum("...n,nk->...k", gs, w, precision=_HIGHEST).astype(x.dtype)
+    dscale = None
+    if codes.scale is not None:
+        xw = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w, precision=_HIGHEST)
+        dscale = jnp.sum((g * xw).reshape(-1, w.shape[0]), axis=0).astype(codes.scale.dtype)
+    zeros = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0),
+                         (codes.index, codes.tfield))
+    return dx, Codes(zeros[0], zeros[1], codes.config, scale=dscale, n=codes.n)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def matmul(x, codes: Codes, *, implementation=None, interpret=None):
+    """``y = x @ W_hat^T`` with the weight given only by its codes (weight-only quantization).
+
+    Args:
+      x: ``[..., k]`` real activations (float32, bfloat16 or float64; bfloat16 runs a
+        bfloat16 product with float32 accumulation).
+      codes: the weight ``W[n, k]`` as codes with blocks ``[n, nb]`` (row codes from
+        :func:`hnlq_jax.encode_rows`, whose row scales are applied, or block codes with
+        ``k = nb d``).
+      implementation: ``None``, ``"xla"`` (decode, then ``dot``), ``"pallas"`` (the fused
+        decode-matmul kernel: the dense weight never exists in memory) or ``"lut"`` (x's
+        one-sided tables gathered by the codes' indices).
+      interpret: Pallas interpret mode (default: on a CPU).
+
+    Returns:
+      ``[..., n]`` in x's dtype (at least float32 unless bfloat16). Differentiable in x and in
+      the row scale; the integer code arrays get no gradient.
+    """
+    codes = _weight_codes(codes, "matmul")
+    x = _check_activations(x, codes, "matmul")
+    batch = int(np.prod(x.shape[:-1], dtype=np.int64))
+    impl = resolve(implementation, codes.config, "matmul", batch)
+    if impl == "lut":
+        lut.check_one_sided(codes.config, "matmul")
+    if batch == 0 or codes.blocks_shape[0] == 0:
+        return jnp.zeros(x.shape[:-1] + (codes.blocks_shape[0],), _compute_dtypes(x.dtype)[1])
+    return _matmul(x, codes, impl, interpret)
+

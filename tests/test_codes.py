@@ -1,0 +1,135 @@
+"""Compact codes: memory, field layout, pytree behaviour, row codes and the matmul front door."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import hnlq_jax as hq
+from hnlq_jax.codes import index_dtype, pack_t, t_bits, unpack_t
+
+D4 = hq.HNLQConfig("D4", 4, 2, beta=0.2016)
+E8 = hq.HNLQConfig("E8", 4, 2, beta=0.2)
+
+
+@pytest.mark.parametrize("cfg,shape,limit", [(D4, (4096, 1024, 4), 5.0), (E8, (4096, 512, 8), 4.6)])
+def test_memory_target(cfg, shape, limit):
+    """Bytes of the codes' arrays for float32 x of the issue's shapes (eval_shape: no data)."""
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    codes = jax.eval_shape(lambda v: hq.encode(v, cfg, implementation="xla"), x)
+    nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(codes))
+    assert 8 * nbytes / np.prod(shape) <= limit
+    # The same accounting on real (smaller) codes.
+    small = hq.encode(np.zeros((8,) + shape[1:], np.float32), cfg)
+    assert small.bits_per_value() == pytest.approx(8 * nbytes / np.prod(shape))
+
+
+@pytest.mark.parametrize("cfg,dtype", [
+    (hq.HNLQConfig("D4", 4, 2), np.uint8), (hq.HNLQConfig("D4", 5, 2), np.uint16),
+    (hq.HNLQConfig("A2", 16, 1), np.uint8), (hq.HNLQConfig("Z2", 17, 1), np.uint16),
+    (hq.HNLQConfig("E8", 4, 2), np.uint16), (hq.HNLQConfig("E8", 5, 1), np.uint32),
+])
+def test_index_dtype(cfg, dtype):
+    assert index_dtype(cfg) == dtype
+
+
+@pytest.mark.parametrize("max_T,bits", [(0, 4), (14, 4), (15, 8), (127, 8)])
+@pytest.mark.parametrize("L", [1, 6, 7])
+def test_t_field_roundtrip(max_T, bits, L):
+    """Every T in -1..max_T survives the field, at both widths and odd lengths (max_T = 14:
+    u = 15 is the largest nibble; 15 needs the 8-bit field)."""
+    cfg = hq.HNLQConfig("D4", 4, 2, max_T=max_T)
+    assert t_bits(cfg) == bits
+    T = np.random.default_rng(L).integers(-1, max_T + 1, size=(3, L))
+    T[0, 0], T[-1, -1] = max_T, -1
+    field = pack_t(jnp.asarray(T), cfg)
+    assert field.dtype == jnp.uint8
+    assert field.shape == ((3, -(-L // 2)) if bits == 4 else (3, L))
+    np.testing.assert_array_equal(unpack_t(field, cfg, L) - 1, T)
+
+
+def test_nibble_order():
+    """Block 2j in the low nibble, 2j + 1 in the high one (docs/format.md)."""
+    cfg = hq.HNLQConfig("D4", 4, 2)
+    np.testing.assert_array_equal(pack_t(jnp.asarray([2, 5, -1]), cfg), [3 | 6 << 4, 0])
+
+
+def test_codes_views_and_from_labels():
+    x = np.random.default_rng(0).normal(size=(5, 7, 4)).astype(np.float32)
+    c = hq.encode(x, D4)
+    assert c.shape == (5, 7, 4) and c.blocks_shape == (5, 7) and c.n is None
+    assert c.index.dtype == jnp.uint8 and c.index.shape == (5, 7, 2)
+    k = np.sum(np.asarray(c.labels, np.int64) * 4 ** np.arange(3, -1, -1), axis=-1)
+    np.testing.assert_array_equal(c.index, k)  # coordinate 0 most significant
+    again = hq.Codes.from_labels(c.labels, c.T, D4)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(c)):
+        np.testing.assert_array_equal(a, b)
+    assert "D4 q=4 M=2" in repr(c)
+
+
+def test_pytree_transforms():
+    """Codes cross jit, vmap (over a non-last leading axis), scan and shard_map unchanged."""
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 6, 4)), jnp.float32)
+    c = hq.encode(x, D4)
+    ref = hq.decode(c)
+    np.testing.assert_array_equal(jax.jit(hq.decode)(c), ref)
+    np.testing.assert_array_equal(jax.vmap(hq.decode)(c), ref)
+    vm = jax.vmap(lambda v: hq.encode(v, D4))(x)
+    np.testing.assert_array_equal(vm.index, c.index)
+    np.testing.assert_array_equal(vm.tfield, c.tfield)
+    _, scanned = jax.lax.scan(lambda carry, ci: (carry, hq.decode(ci)), 0, c)
+    np.testing.assert_array_equal(scanned, ref)
+    mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+    sm = jax.shard_map(lambda ci: hq.decode(ci), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    np.testing.assert_array_equal(jax.jit(sm)(c), ref)
+
+
+def test_row_codes_decode_and_scale():
+    W = np.random.default_rng(2).normal(size=(16, 30)).astype(np.float32)
+    W[3] *= 100.0
+    cfg = D4.replace(beta=hq.gaussian_beta(D4))
+    rc = hq.encode_rows(W, cfg)
+    assert rc.shape == (16, 30) and rc.blocks_shape == (16, 8) and rc.n == 30
+    assert rc.config == cfg.replace(beta=1.0)
+    rms = np.sqrt(np.mean(W.astype(np.float64) ** 2, axis=1))
+    np.testing.assert_allclose(rc.scale, cfg.beta * rms, rtol=1e-6)
+    blocks = hq.decode(hq.Codes(rc.index, rc.tfield, rc.config))  # unit-scale blocks
+    expect = np.asarray(blocks).reshape(16, 32)[:, :30] * np.asarray(rc.scale)[:, None]
+    np.testing.assert_array_equal(hq.decode(rc), expect)
+    rel = np.linalg.norm(hq.decode(rc) - W, axis=1) / np.linalg.norm(W, axis=1)
+    assert np.all(rel < 0.15)  # the 100x row is as accurate as the others
+
+
+@pytest.mark.parametrize("cfg", [D4, hq.HNLQConfig("E8", 2, 2, beta=0.3),
+                                 D4.replace(dither=(0.01, -0.02, 0.03, 0.0))])
+def test_matmul_front_door(cfg):
+    """xla and lut agree with x @ decode(W)^T; gradients reach x and the row scale only."""
+    rng = np.random.default_rng(3)
+    W = rng.normal(size=(12, 37)).astype(np.float32)
+    rc = hq.encode_rows(W, cfg.replace(beta=hq.gaussian_beta(cfg)))
+    x = rng.normal(size=(2, 3, 37)).astype(np.float32)
+    ref = np.einsum("...k,nk->...n", x.astype(np.float64), np.asarray(hq.decode(rc), np.float64))
+    for impl in ("xla", "lut"):
+        np.testing.assert_allclose(hq.matmul(x, rc, implementation=impl), ref, rtol=1e-5,
+                                   atol=1e-5)
+    gx, gc = jax.grad(lambda v, c: jnp.sum(hq.matmul(v, c) ** 2), argnums=(0, 1),
+                      allow_int=True)(x, rc)
+    y = np.asarray(hq.matmul(x, rc), np.float64)
+    np.testing.assert_allclose(gx, 2 * np.einsum("...n,nk->...k", y, hq.decode(rc)), rtol=1e-4,
+                               atol=1e-4)
+    assert gc.index.dtype == jax.dtypes.float0 and gc.scale.shape == (12,)
+    assert np.all(np.isfinite(gc.scale)) and np.any(np.asarray(gc.scale) != 0)
+
+
+def test_matmul_bad_input_and_empty():
+    rc = hq.encode_rows(np.ones((4, 8), np.float32), D4)
+    with pytest.raises(ValueError, match="k = 8"):
+        hq.matmul(np.ones((2, 9), np.float32), rc)
+    with pytest.raises(TypeError, match="floating"):
+        hq.matmul(np.ones((2, 8), np.int32), rc)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        hq.matmul(np.ones((2, 8), np.float32), rc, implementation="bogus")
+    with pytest.raises(ValueError, match="blocks \\[n, nb\\]"):
+        hq.matmul(np.ones((2, 4), np.float32), hq.encode(np.ones((4, 4), np.float32), D4))
+    assert hq.matmul(np.ones((0, 8), np.float32), rc).shape == (0, 4)

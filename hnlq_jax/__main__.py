@@ -1,4 +1,4 @@
-"""Command line: ``python -m hnlq_jax [demo|info] ...``.
+"""Command line: ``python -m hnlq_jax [demo|rd|info] ...``.
 
 * ``demo`` (the default): quantizes iid Gaussian data at a calibrated beta and prints rate,
   MSE, distance to the Gaussian bound, overload rate and throughput.
@@ -13,6 +13,8 @@ import argparse
 import importlib.metadata
 import json
 import math
+import os
+import pathlib
 import platform
 import sys
 import time
@@ -90,11 +92,11 @@ def rate_distortion(args) -> list:
                                 callback=lambda p: print(rd.format_table([p]).split("\n")[1],
                                                          flush=True))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([p._asdict() for p in points], f, indent=1)
+        _write_atomic(args.json, lambda t: t.write_text(json.dumps([p._asdict() for p in points],
+                                                                  indent=1)))
         print(f"table written to {args.json}")
     if args.plot:
-        rd.plot(points, args.plot)
+        _write_atomic(args.plot, lambda t: rd.plot(points, str(t)))
         print(f"plot written to {args.plot}")
     return points
 
@@ -124,38 +126,71 @@ def info(args) -> None:
               f"{nsm:9.6f}")
 
 
+def _count(text: str) -> int:
+    """A positive count written as an int or in float notation (``1e6``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number such as 1000 or 1e6, got {text!r}")
+    if not (v >= 1 and v == int(v)):
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(v)
+
+
+def _output(force: bool):
+    """An argparse type for an output file: its folder must exist; an existing file needs
+    ``--force`` (checked before any work)."""
+    def check(text: str) -> pathlib.Path:
+        path = pathlib.Path(text)
+        if not path.parent.is_dir():
+            raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} does not exist")
+        if path.exists() and not force:
+            raise argparse.ArgumentTypeError(f"{text!r} exists; pass --force to overwrite it")
+        return path
+    return check
+
+
+def _write_atomic(path: pathlib.Path, write) -> None:
+    """``write(tmp_path)`` then an atomic rename onto ``path`` (no half-written file)."""
+    tmp = path.with_name(f".tmp-{path.name}")  # keeps the suffix (matplotlib reads it)
+    write(tmp)
+    os.replace(tmp, path)
+
+
+COMMANDS = ("demo", "rd", "info")
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["demo"] + argv  # demo is the default command, options included
+    force = "--force" in argv
     parser = argparse.ArgumentParser(prog="python -m hnlq_jax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("demo", help="quantize Gaussian data and report (default)")
     p.add_argument("--lattice", default="D4", help="Z2, A2, D4, E8, Z{n} or D{n} (default D4)")
     p.add_argument("--q", type=int, default=4, help="nesting ratio (default 4)")
     p.add_argument("--M", type=int, default=2, help="levels (default 2)")
-    p.add_argument("--n", type=int, default=1_000_000, help="vectors to quantize (default 1e6)")
+    p.add_argument("--n", type=_count, default=1_000_000, help="vectors to quantize (default 1e6)")
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("rd", help="the paper's rate-distortion table")
     p.add_argument("--lattices", nargs="+", default=["Z2", "A2", "D4", "E8"])
     p.add_argument("--q", nargs="+", type=int, default=[3, 4, 8])
     p.add_argument("--M", nargs="+", type=int, default=[1, 2, 3])
-    p.add_argument("--n", type=int, default=4000, help="sample size (default 4000)")
+    p.add_argument("--n", type=_count, default=4000, help="sample size (default 4000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-voronoi", action="store_true", help="skip the q^2 Voronoi codes")
-    p.add_argument("--plot", help="save f versus R to this PNG")
-    p.add_argument("--json", help="save the table to this JSON file")
+    p.add_argument("--plot", type=_output(force), help="save f versus R to this PNG")
+    p.add_argument("--json", type=_output(force), help="save the table to this JSON file")
+    p.add_argument("--force", action="store_true", help="overwrite existing output files")
     sub.add_parser("info", help="versions, backend, devices, lattices")
     args = parser.parse_args(argv)
-    if args.command in (None, "demo"):
-        if args.command is None:
-            args = parser.parse_args(["demo"])
-        if args.n < 1:
-            parser.error("--n must be >= 1")
+    if args.command == "demo":
         try:
             demo(args)
         except (ValueError, TypeError) as e:
             parser.error(str(e))
     elif args.command == "rd":
-        if args.n < 1:
-            parser.error("--n must be >= 1")
         try:
             rate_distortion(args)
         except (ValueError, TypeError) as e:

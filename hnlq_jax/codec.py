@@ -425,6 +425,8 @@ def to_blocks(x, d: int):
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError("to_blocks: expected an array with at least one axis")
+    if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
+        raise ValueError(f"to_blocks: d must be a positive int (the lattice dimension), got {d!r}")
     n = x.shape[-1]
     pad = (-n) % d
     if pad:

@@ -24,8 +24,8 @@ from hnlq_jax import codec, kernels, lut
 from hnlq_jax.codes import Codes, check_codes, pack_t, unpack_t
 from hnlq_jax.config import HNLQConfig
 
-__all__ = ["IMPLEMENTATIONS", "encode", "decode", "quantize", "matmul", "default_implementation",
-           "resolve"]
+__all__ = ["IMPLEMENTATIONS", "FAILURES", "encode", "decode", "quantize", "matmul",
+           "default_implementation", "resolve", "bucket"]
 
 IMPLEMENTATIONS = {
     "encode": ("xla", "pallas"),
@@ -71,7 +71,23 @@ def resolve(implementation, config: HNLQConfig, op: str, batch=None) -> str:
     return implementation
 
 
-def encode(x, config: HNLQConfig, *, implementation=None, interpret=None) -> Codes:
+FAILURES = ("raise", "mark")
+
+
+def bucket(n: int) -> int:
+    """Padded size of a batch of ``n`` blocks: 1024, or the next of four sizes per octave.
+
+    Eager calls pad their flat batch to a bucket so that a new batch size reuses a compiled
+    program (at most 25 % padding) instead of compiling anew.
+    """
+    if n <= 1024:
+        return 1024
+    step = 1 << (n.bit_length() - 3)  # a quarter of the octave n lies in
+    return -(-n // step) * step
+
+
+def encode(x, config: HNLQConfig, *, implementation=None, interpret=None,
+           failures: str = "raise") -> Codes:
     """Algorithm 1 with overload rescaling, over every leading axis.
 
     Args:
@@ -79,19 +95,50 @@ def encode(x, config: HNLQConfig, *, implementation=None, interpret=None) -> Cod
       config: the quantizer.
       implementation: ``None``, ``"xla"`` or ``"pallas"``.
       interpret: Pallas interpret mode (default: on a CPU).
+      failures: what an eager call does with blocks that still overload at ``max_T``:
+        ``"raise"`` (default) a ``ValueError``, or ``"mark"`` them ``T = -1`` (they decode to
+        NaN). Under ``jit`` they are always marked (the values are not known at trace time).
 
     Returns:
       Block :class:`Codes` of shape ``x.shape``: ``index [..., M]``, T field, the config.
 
     Raises:
-      ValueError: wrong last-axis size, or NaN/Inf in a concrete input.
+      ValueError: wrong last-axis size, NaN/Inf in a concrete input, or (``failures="raise"``)
+        values too large for ``beta 2^(alpha max_T)``.
       TypeError: non-floating input or a config that is not an ``HNLQConfig``.
     """
     x = codec.check_x(x, config, "encode")
+    if failures not in FAILURES:
+        raise ValueError(f"encode: failures must be one of {FAILURES}, got {failures!r}")
     impl = resolve(implementation, config, "encode")
     if x.size == 0:
         impl = "xla"
-    return _encode(x, config, impl, interpret)
+    if not codec.is_concrete(x):
+        return _encode(x, config, impl, interpret)
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, config.d)
+    N = flat.shape[0]
+    index, T = _encode_bucket(jnp.pad(flat, ((0, bucket(N) - N), (0, 0))), config, impl,
+                              interpret)
+    T = T[:N]
+    if failures == "raise":
+        _raise_on_failures(flat, T, config, "encode")
+    return Codes(index[:N].reshape(lead + (config.M,)), pack_t(T.reshape(lead), config), config)
+
+
+def _raise_on_failures(flat, T, config: HNLQConfig, fn: str):
+    """A clear error for finite blocks the overload loop could not fit (concrete only)."""
+    failed = np.asarray(T) < 0
+    if not failed.any():
+        return
+    top = float(np.max(np.linalg.norm(np.asarray(flat, np.float64)[failed], axis=-1)))
+    reach = config.beta * 2 ** (config.alpha * config.max_T) * config.overload_radius
+    raise ValueError(
+        f"{fn}: {int(failed.sum())} block(s) still overload at max_T = {config.max_T}: the "
+        f"largest block norm {top:.4g} exceeds about {reach:.4g} = beta 2^(alpha max_T) times "
+        f"the overload radius of {config.lattice} q={config.q} M={config.M}. Raise beta (see "
+        "calibrate_beta) or max_T (up to 127; T then takes 8 bits), or pass failures='mark' to "
+        "mark such blocks T = -1 (they decode to NaN)")
 
 
 def encode_flat(flat, config: HNLQConfig, impl: str, interpret):
@@ -99,6 +146,9 @@ def encode_flat(flat, config: HNLQConfig, impl: str, interpret):
     if impl == "xla":
         return codec.encode_blocks(flat, config, config.beta)
     return kernels.encode(flat, config, interpret=interpret)
+
+
+_encode_bucket = jax.jit(encode_flat, static_argnums=(1, 2, 3))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -143,9 +193,19 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
     dtype = _out_dtype(dtype, "decode")
     compute = jnp.promote_types(dtype, jnp.float32)  # half precision: float32, then round
     impl = resolve(implementation, config, "decode")
-    if int(np.prod(codes.blocks_shape, dtype=np.int64)) == 0:
+    N = int(np.prod(codes.blocks_shape, dtype=np.int64))
+    if N == 0:
         impl = "xla"
-    return _decode(codes, levels, compute, impl, interpret).astype(dtype)
+    if not codec.is_concrete(codes.index):
+        return _decode(codes, levels, compute, impl, interpret).astype(dtype)
+    # Eager: one flat, bucket-padded batch, so a new batch size reuses the compiled decoder.
+    lead = codes.blocks_shape
+    index = codes.index.reshape(N, config.M)
+    T = codes.T.reshape(N)
+    pad = bucket(N) - N
+    flat = Codes(jnp.pad(index, ((0, pad), (0, 0))), pack_t(jnp.pad(T, (0, pad)), config), config)
+    out = _decode(flat, levels, compute, impl, interpret)[:N].reshape(lead + (config.d,))
+    return _finish_rows(out, codes, compute).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
@@ -201,14 +261,20 @@ def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None):
 
     Returns:
       ``[..., d]`` in ``x``'s dtype (half precision is computed in float32 and rounded back);
-      NaN in blocks that could not be encoded.
+      NaN in blocks that could not be encoded (values beyond ``beta 2^(alpha max_T)``'s reach:
+      :func:`encode` raises on those when called eagerly).
     """
     dtype = jnp.asarray(x).dtype
     x = codec.check_x(x, config, "quantize")
     impl = resolve(implementation, config, "quantize")
     if x.size == 0:
         return x.astype(dtype)
-    return _quantize_jit(x, config, impl, interpret).astype(dtype)
+    if not codec.is_concrete(x):
+        return _quantize_jit(x, config, impl, interpret).astype(dtype)
+    flat = x.reshape(-1, config.d)  # eager: a bucket-padded flat batch (see bucket)
+    N = flat.shape[0]
+    out = _quantize_jit(jnp.pad(flat, ((0, bucket(N) - N), (0, 0))), config, impl, interpret)
+    return out[:N].reshape(x.shape).astype(dtype)
 
 
 _quantize_jit = jax.jit(_quantize, static_argnums=(1, 2, 3))

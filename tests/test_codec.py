@@ -210,11 +210,11 @@ def test_new_batch_sizes_reuse_compiled_programs():
     from hnlq_jax import ops
 
     cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
-    assert [ops.bucket(n) for n in (1, 1024, 1025, 1280, 1281, 5000)] == [
-        1024, 1024, 1280, 1280, 1536, 5120]
+    assert [ops.bucket(n) for n in (1, 1024, 1025, 2048, 2049, 5000)] == [
+        1024, 1024, 2048, 2048, 4096, 8192]
     hq.decode(hq.encode(np.zeros((1100, 4), np.float32), cfg))
     before = (ops._encode_bucket._cache_size(), ops._decode._cache_size())
-    for n in (1030, 1111, 1279):
+    for n in (1030, 1500, 2047):
         x = np.random.default_rng(n).normal(size=(n, 4)).astype(np.float32)
         c = hq.encode(x, cfg)
         np.testing.assert_array_equal(hq.decode(c), jax.jit(hq.decode)(c))

@@ -17,8 +17,12 @@ from hnlq_jax import ops
 from hnlq_jax.codec import check_x, encode_blocks, to_blocks
 from hnlq_jax.codes import Codes, pack_t
 from hnlq_jax.config import HNLQConfig
+from hnlq_jax.stats import search_beta
 
-__all__ = ["encode_rows", "row_rms", "rows_codes", "unit"]
+__all__ = ["CALIBRATION_BLOCKS", "calibrate_rows", "encode_rows", "row_rms", "rows_codes", "unit"]
+
+# Blocks the per-layer beta search looks at: a fixed-size sample compiles once for every layer.
+CALIBRATION_BLOCKS = 4096
 
 
 def unit(config: HNLQConfig) -> HNLQConfig:
@@ -30,6 +34,28 @@ def row_rms(w):
     """RMS of each row of ``w[..., k]`` (1 for an all-zero row, which then codes to zeros)."""
     rms = jnp.sqrt(jnp.mean(jnp.square(w), axis=-1))
     return jnp.where(rms > 0, rms, 1.0)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def calibrate_rows(w, config: HNLQConfig):
+    """The per-layer beta of the row format: the paper's grid search on row-normalized blocks.
+
+    The one calibration routine of the quantized layers (Flax ``QDense`` / ``QuantDotGeneral``,
+    PyTorch ``QLinear`` / ``quantize_model``): the same weights give the same beta everywhere.
+    It searches :data:`CALIBRATION_BLOCKS` blocks of ``w / rms(row)`` taken at evenly spaced
+    positions (every block when fewer, repeated to the fixed size).
+
+    Args:
+      w: ``[..., k]`` weight rows (traceable).
+      config: the quantizer (its beta is ignored).
+
+    Returns:
+      ``[]`` float32 beta, relative to each row's RMS.
+    """
+    w = w.astype(jnp.promote_types(w.dtype, jnp.float32))
+    blocks = to_blocks(w / row_rms(w)[..., None], config.d).reshape(-1, config.d)
+    idx = (jnp.arange(CALIBRATION_BLOCKS) * blocks.shape[0]) // CALIBRATION_BLOCKS
+    return search_beta(blocks[idx], config).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 3))

@@ -3,17 +3,21 @@
 An MLP 64-256-256-10 trained with optax Adam (batch 64, 40 epochs, several seeds) as:
 
 * float32 (nn.Dense);
-* QAT, weights only: QDense, D4 q=4 M=2 (4 bits/weight of labels), calibrated beta;
+* QAT, weights only: QDense, D4 q=4 M=2 (compact codes: 4 bits of codebook index and 1 bit of
+  T field per weight, one float32 scale per output unit), beta from gaussian_beta;
 * QAT, weights + activations (per-token activation quantization, same config);
 * PTQ: the float32 model's weights quantized after training (no retraining).
 
+The quantized models are evaluated in their inference form (export_params: codes, scales and
+biases only, computed with hnlq_jax.matmul), checked to predict exactly as the training form.
 Reports test accuracy (mean, min, max over seeds), test loss, agreement of the predictions
-with float32's, loss curves (PNG), model sizes (float32 vs
-exported packed codes) and the time of one jitted training step (QAT at quantize_every = 1, 8
-and 32, and with quantize_every = 0 plus refresh_codes from the loop every 8 and 32 steps,
-against float32, same process). Accuracy runs use quantize_every = 1. Writes results/qat_digits.{json,png}.
+with float32's, loss curves (PNG), model sizes (float32 vs the inference form) and the time of
+one jitted training step (QAT at quantize_every = 1, 8 and 32, and with quantize_every = 0 plus
+refresh_codes from the loop every 8 and 32 steps, against float32, same process). Accuracy runs
+use quantize_every = 1. Writes <out>/qat_digits.{json,png} (default: results/).
 
-Usage: python experiments/qat_digits.py [--seeds 0 1 2] [--epochs 40]
+Usage: python experiments/qat_digits.py [--seeds 0 1 2] [--epochs 40] [--iters 320] [--out DIR]
+(a smoke run: --seeds 0 --epochs 1 --iters 8 --out /tmp/qat)
 """
 
 from __future__ import annotations
@@ -83,9 +87,13 @@ def make_step(model, opt):
 
 
 def evaluate(model, v, x, y):
-    """``(accuracy, mean test cross-entropy, predictions)``."""
-    kw = {} if model.kind == "float" else {"deterministic": True}
-    logits = model.apply(v, x, **kw)
+    """``(accuracy, mean test cross-entropy, predictions)``; a quantized model in its inference
+    form, whose logits must equal the training form's."""
+    if model.kind == "float":
+        logits = model.apply(v, x)
+    else:
+        logits = model.apply(export_params(v, CFG)[0], x)
+        np.testing.assert_array_equal(logits, model.apply(v, x, deterministic=True))
     pred = jnp.argmax(logits, -1)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     return float(jnp.mean(pred == y)), float(loss), np.asarray(pred)
@@ -114,10 +122,12 @@ def train(kind, seed, epochs, xtr, ytr, quantize_every=1):
 
 
 def ptq(float_model_vars, xtr):
+    """The float32 model's weights quantized: beta calibrated on them and their codes (QDense's
+    initializers run on the trained kernels)."""
     q = MLP("qat_w")
-    v = dict(q.init(jax.random.key(0), xtr[:1]))
-    v["params"] = float_model_vars["params"]
-    return q, refresh_codes(v, CFG)
+    params = float_model_vars["params"]
+    _, hnlq = q.apply({"params": params}, xtr[:1], deterministic=True, mutable=["hnlq"])
+    return q, {"params": params, **hnlq}
 
 
 def stepper(kind, quantize_every, xtr, ytr, manual_every=None):
@@ -131,7 +141,7 @@ def stepper(kind, quantize_every, xtr, ytr, manual_every=None):
     step = make_step(model, opt)
     x, y = xtr[:BATCH], ytr[:BATCH]
 
-    def run(iters=320):
+    def run(iters):
         v, st = state
         t = time.perf_counter()
         for i in range(iters):
@@ -150,7 +160,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--epochs", type=int, default=40)
+    ap.add_argument("--iters", type=int, default=320, help="timed training steps per round")
+    ap.add_argument("--out", type=pathlib.Path, default=RESULTS, help="output directory")
     args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)  # fail now, not after the runs
     xtr, xte, ytr, yte = data()
     acc = {k: [] for k in ("float32", "QAT weights", "QAT weights+acts", "PTQ weights")}
     test_loss = {k: [] for k in acc}
@@ -184,7 +197,7 @@ def main():
     times = {k: np.inf for k in runs}
     for _ in range(5):  # interleaved rounds: every variant sees the same machine noise
         for k, run in runs.items():
-            times[k] = min(times[k], run())
+            times[k] = min(times[k], run(args.iters))
 
     print(f"\nMLP 64-256-256-10, D4 q=4 M=2, {args.epochs} epochs, seeds {args.seeds}\n")
     print("| model | test accuracy mean (min–max) | vs float32 (pp) | test loss | same "
@@ -197,10 +210,10 @@ def main():
     print("\n| training step (batch 64) | ms | vs float32 |\n|---|---|---|")
     for k, t in times.items():
         print(f"| {k} | {1e3 * t:.3f} | {t / times['float32']:.2f}x |")
-    print(f"\nmodel size: float32 {sizes['float32_bytes']:,} bytes, exported "
-          f"{sizes['deployed_bytes']:,} bytes ({sizes['ratio']:.2f}x smaller)")
+    print(f"\nmodel size: float32 {sizes['float32_bytes']:,} bytes, inference form "
+          f"{sizes['deployed_bytes']:,} bytes ({sizes['ratio']:.2f}x smaller; "
+          f"{sizes['bits_per_weight']:.3f} bits per quantized weight)")
 
-    RESULTS.mkdir(exist_ok=True)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for (k, cs), col in zip(curves.items(), ("k", "C0", "C1")):
         for i, c in enumerate(cs):
@@ -212,13 +225,13 @@ def main():
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(RESULTS / "qat_digits.png", dpi=120)
+    fig.savefig(args.out / "qat_digits.png", dpi=120)
     out = {"config": "D4 q=4 M=2", "epochs": args.epochs, "seeds": args.seeds, "batch": BATCH,
            "accuracy": acc, "test_loss": test_loss, "agreement_with_float32": agree,
            "step_seconds": times, "sizes": sizes, "loss_curves": curves,
            "jax": jax.__version__, "backend": jax.default_backend()}
-    (RESULTS / "qat_digits.json").write_text(json.dumps(out, indent=1))
-    print(f"wrote {RESULTS / 'qat_digits.json'} and .png")
+    (args.out / "qat_digits.json").write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out / 'qat_digits.json'} and .png")
 
 
 if __name__ == "__main__":

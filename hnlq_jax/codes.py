@@ -235,6 +235,9 @@ class Codes:
 
     def __repr__(self) -> str:
         c = self.config
+        if not all(hasattr(a, "shape") for a in (self.index, self.tfield)):
+            # e.g. after jax.tree.map turned the leaves into something else
+            return f"Codes({c!r}, n={self.n}, leaves {self.index!r}, {self.tfield!r}, {self.scale!r})"
         kind = "blocks" if self.n is None else f"rows n={self.n}"
         scale = "" if self.scale is None else f", scale {self.scale.dtype}{list(self.scale.shape)}"
         return (f"Codes({c.lattice} q={c.q} M={c.M}, {kind}, shape {list(self.shape)}: index "

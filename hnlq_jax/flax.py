@@ -1,40 +1,59 @@
-"""Quantization-aware training in Flax: :class:`QDense` and the :class:`QuantDotGeneral` hook.
+"""Quantization-aware training and quantized inference in Flax: :class:`QDense`,
+:class:`QuantDotGeneral` and the inference form (:func:`export_params`).
 
-A kernel ``W[in, out]`` is quantized in d-blocks along its input (contraction) axis with a
-per-output-channel scale: column j is divided by ``c_j = beta * rms(W[:, j])`` and encoded with
-the codec at unit beta, so ``W_hat[:, j] = c_j * decode(codes_j)``. Activations, when quantized,
-get the same treatment per token (row of ``x``). The forward pass uses ``W_hat``; the backward
-pass is straight-through:
+**Weight format.** A kernel ``W[in, out]`` is held as the row :class:`~hnlq_jax.Codes` of
+``W^T`` (:func:`hnlq_jax.rows.rows_codes`): output unit ``j`` is divided by
+``c_j = beta * rms(W[:, j])`` and coded in d-blocks along the input features at unit beta, so
+``codes.config == unit(config)`` and ``codes.scale == c``. For D4 q=4 M=2 that is 4 bits of
+codebook index and 1 bit of T field per weight, plus one float32 scale per output unit.
 
-* ``ste="identity"``: ``dL/dW = dL/dW_hat``;
-* ``ste="clipped"``: the same, but zero in blocks that overloaded (``T > 0``), whose values the
-  quantizer had to rescale.
+**Beta.** The same rule in :class:`QDense` and :class:`QuantDotGeneral` (and PyTorch's
+``QLinear``): with ``calibrate=True`` the weights' beta is
+:func:`hnlq_jax.rows.calibrate_rows` of the kernel (the paper's grid search on a fixed sample of
+its row-normalized blocks), so the same kernel gets the same beta and the same codes everywhere;
+QDense runs it once, at initialization, and stores it; the stateless hook runs it per call.
+Activations, normalized per token to unit RMS, use :func:`~hnlq_jax.gaussian_beta`. With
+``calibrate=False`` both use ``config.beta``.
 
-Variables of :class:`QDense` (linen): ``params`` holds ``kernel [in, out]`` and ``bias [out]``
-exactly as ``nn.Dense`` (a checkpoint moves between the two); the ``hnlq`` collection holds the
-per-layer ``beta``, the cached codes (``labels [out, nb, M, d]`` uint8, ``T [out, nb]`` int8), the
-channel scales ``scale [out]``, their decoded kernel ``w_hat [in, out]`` (so that steps between
-refreshes and inference do not decode again) and the training ``step``.
+**Forward and backward.** The forward pass is :func:`hnlq_jax.matmul` on the codes
+(``compute="decode"``: its default implementation, XLA decode-then-dot on a CPU, the fused
+Pallas decode-matmul on a GPU; ``"kernel"``: the Pallas kernel everywhere; ``"lut"``: x's
+one-sided lookup tables gathered by the codes). The backward pass is straight-through
+(:func:`hnlq_jax._numerics.straight_through`), as for ``x @ W_hat``:
+
+* ``ste="identity"``: ``dL/dW = dL/dW_hat``, ``dL/dx = dL/dy W_hat^T``;
+* ``ste="clipped"``: the same, but ``dL/dW`` is zero in blocks that overloaded (``T != 0``).
+
+**Variables.** Training form (``QDense.init``): ``params`` holds ``kernel [in, out]`` and
+``bias [out]`` exactly as ``nn.Dense`` (a checkpoint moves between the two); the ``hnlq``
+collection holds ``beta`` (float32), ``codes`` (the kernel's row codes) and the training
+``step``. Inference form (:func:`export_params`): ``params`` without the quantized kernels and
+``hnlq`` with only ``codes``; the same model applies it through :func:`hnlq_jax.matmul`.
+
+**Saving.** ``Codes`` are registered with :mod:`flax.serialization`: their state dict records
+:data:`hnlq_jax.FORMAT_VERSION` and the config next to the arrays, so
+``flax.serialization.to_bytes`` / ``from_bytes`` and orbax checkpoints of ``to_state_dict``
+round-trip bit for bit, and restoring codes of another config or format version raises.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import flax.linen as nn
-from flax import traverse_util
+from flax import serialization, traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax import kernels, lut
-from hnlq_jax.codec import Codes, to_blocks
+from hnlq_jax import ops
+from hnlq_jax._numerics import straight_through
+from hnlq_jax.codec import is_concrete
+from hnlq_jax.codes import FORMAT_VERSION, Codes, check_codes
 from hnlq_jax.config import HNLQConfig
-from hnlq_jax.packing import Packed, pack, unpack
-from hnlq_jax.rows import row_rms, rows_codes, rows_decode, unit
-from hnlq_jax.stats import gaussian_beta, search_beta
+from hnlq_jax.rows import calibrate_rows, rows_codes, unit
+from hnlq_jax.stats import gaussian_beta
 
 __all__ = [
     "QDense",
@@ -46,9 +65,9 @@ __all__ = [
 ]
 
 STE_MODES = ("identity", "clipped")
-COMPUTE_MODES = ("decode", "lut", "kernel")
+# compute mode -> hnlq_jax.matmul implementation (None: the backend's default).
+COMPUTE_MODES = {"decode": None, "kernel": "pallas", "lut": "lut"}
 COLLECTION = "hnlq"
-CALIBRATION_BLOCKS = 4096  # blocks of a layer's kernel that its beta is calibrated on
 
 
 def _check_knobs(config, ste, compute, quantize_every, where: str):
@@ -57,103 +76,93 @@ def _check_knobs(config, ste, compute, quantize_every, where: str):
     if ste not in STE_MODES:
         raise ValueError(f"{where}: ste must be one of {STE_MODES}, got {ste!r}")
     if compute not in COMPUTE_MODES:
-        raise ValueError(f"{where}: compute must be one of {COMPUTE_MODES}, got {compute!r}")
-    if isinstance(quantize_every, bool) or not isinstance(quantize_every, int) or quantize_every < 0:
+        raise ValueError(f"{where}: compute must be one of {tuple(COMPUTE_MODES)}, got "
+                         f"{compute!r}")
+    if (isinstance(quantize_every, bool) or not isinstance(quantize_every, int)
+            or quantize_every < 0):
         raise ValueError(f"{where}: quantize_every must be an int >= 0, got {quantize_every!r}")
 
 
-@jax.custom_vjp
-def _straight_through(w, w_hat, mask):
-    """``w_hat`` forward (exactly); the gradient goes to ``w``, times ``mask`` unless None."""
-    return w_hat
+def _weight_beta(kernel, config: HNLQConfig, calibrate: bool):
+    """``[]`` float32 beta of a kernel ``[in, out]``: :func:`calibrate_rows` of its rows
+    (output units) when ``calibrate``, else ``config.beta``."""
+    if calibrate:
+        return calibrate_rows(jax.lax.stop_gradient(kernel).T, config)
+    return jnp.asarray(config.beta, jnp.float32)
 
 
-def _st_fwd(w, w_hat, mask):
-    return w_hat, mask
-
-
-def _st_bwd(mask, g):
-    if mask is None:
-        return g, None, None
-    return g * mask, None, None
-
-
-_straight_through.defvjp(_st_fwd, _st_bwd)
-
-
-def _ste_mask(T, k: int, ste: str, dtype):
-    """Straight-through mask ``[r, k]`` for codes with ``T[r, nb]`` (None: pass everything)."""
-    if ste == "identity":
+def _act_beta(config: HNLQConfig, calibrate: bool, quantize_activations: bool):
+    """Beta of the per-token activations (None: not quantized)."""
+    if not quantize_activations:
         return None
-    d = -(-k // T.shape[-1]) if T.shape[-1] else 1
-    keep = jnp.repeat((T == 0).astype(dtype), d, axis=-1)  # [r, nb * d]
-    return keep[:, :k]
+    return gaussian_beta(config) if calibrate else config.beta
 
 
-def _quantize_rows(x, config, beta, ste):
-    """Straight-through quantization of the rows of ``x[..., k]`` (per-row scales)."""
-    k = x.shape[-1]
-    flat = x.reshape(-1, k)
-    codes, c = rows_codes(jax.lax.stop_gradient(flat), config, beta)
-    x_hat = rows_decode(codes, c, config, k, x.dtype)
-    return _straight_through(flat, x_hat, _ste_mask(codes.T, k, ste, x.dtype)).reshape(x.shape)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _coded_product(config, compute, x, w_ste, labels, T, c):
-    """``x @ W_hat`` from the codes (``"lut"``: one-sided tables; ``"kernel"``: the fused
-    Pallas decode-matmul); gradients as for ``x @ w_ste``."""
-    codes = Codes(labels, T)
-    if compute == "lut":
-        y = lut.matmul_one_sided(codes, x, unit(config))
-        return y * c.astype(y.dtype)
-    return kernels.decode_matmul(x, codes, unit(config), scale=c, implementation="pallas")
-
-
-def _coded_fwd(config, compute, x, w_ste, labels, T, c):
-    return _coded_product(config, compute, x, w_ste, labels, T, c), (x, w_ste)
-
-
-def _coded_bwd(config, compute, res, g):
-    x, w_ste = res
-    dx = jnp.einsum("...o,io->...i", g, w_ste)
-    dw = jnp.einsum("...i,...o->io", x, g)
-    return dx, dw, None, None, None
-
-
-_coded_product.defvjp(_coded_fwd, _coded_bwd)
-
-
-def _product(x, w_ste, codes, c, config, compute, precision):
-    """``x[..., in] @ W_hat[in, out]`` by the chosen path (same gradients)."""
-    if compute != "decode":
-        return _coded_product(config, compute, x, w_ste, codes.labels, codes.T, c)
-    return jax.lax.dot_general(x, w_ste, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
-
-
-def _kernel_codes(kernel, config, beta):
-    """Codes of a kernel ``[in, out]`` (rows = output channels) and its channel scales."""
+def _kernel_codes(kernel, config: HNLQConfig, beta) -> Codes:
+    """Row codes of a kernel ``[in, out]``: blocks ``[out, ceil(in/d)]``, scales ``[out]``."""
     return rows_codes(jax.lax.stop_gradient(kernel).T, config, beta)
 
 
-def _fresh(kernel, config, beta):
-    """``(codes, c, w_hat[in, out])`` of a kernel, quantized now."""
-    codes, c = _kernel_codes(kernel, config, beta)
-    return codes, c, rows_decode(codes, c, config, kernel.shape[0], kernel.dtype).T
+def _ste_mask(codes: Codes, ste: str, dtype):
+    """Straight-through mask ``[rows, n]`` of row codes (None: let every gradient through)."""
+    if ste == "identity":
+        return None
+    keep = jnp.repeat((codes.T == 0).astype(dtype), codes.config.d, axis=-1)  # [rows, nb * d]
+    return keep[:, :codes.n]
 
 
-_fresh_jit = jax.jit(_fresh, static_argnums=1)
+def _quantize_rows(x, config: HNLQConfig, beta, ste: str):
+    """Straight-through quantization of the rows of ``x[..., k]`` with per-row scales."""
+    k = x.shape[-1]
+    flat = x.reshape(-1, k)
+    rows = flat.shape[0]
+    if is_concrete(flat):
+        # Eager calls pad the rows to the blocks of an ops.bucket, so a stream of batch sizes
+        # compiles the encoder O(log n) times. Under a transformation the caller's program owns
+        # the shapes.
+        nb = -(-k // config.d)
+        flat = jnp.pad(flat, ((0, -(-ops.bucket(rows * nb) // nb) - rows), (0, 0)))
+    codes = rows_codes(jax.lax.stop_gradient(flat), config, beta)
+    x_hat = ops.decode(codes, dtype=x.dtype)[:rows]
+    mask = _ste_mask(codes, ste, x.dtype)
+    mask = None if mask is None else mask[:rows]
+    return straight_through(flat[:rows], x_hat, mask).reshape(x.shape)
 
 
-def _forward(x, kernel, w_hat, codes, c, config, ste, compute, act_beta, quantize_activations,
-             precision):
-    k = kernel.shape[0]
-    mask = _ste_mask(codes.T, k, ste, kernel.dtype)
-    # Straight-through in the kernel's dtype, then the compute dtype (as Dense casts its kernel).
-    w_ste = _straight_through(kernel, w_hat, None if mask is None else mask.T).astype(x.dtype)
-    if quantize_activations:
-        x = _quantize_rows(x, config, act_beta, ste)
-    return _product(x, w_ste, codes, c, config, compute, precision).astype(x.dtype)
+def _forward(x, kernel, codes: Codes, ste: str, compute: str, act_beta, precision):
+    """``x[..., in] @ W_hat[in, out]`` from the codes, with straight-through gradients.
+
+    The value is :func:`hnlq_jax.matmul`'s. The gradients are those of ``x @ W_ste`` where
+    ``W_ste`` is ``W_hat`` forward and passes its gradient straight through to ``kernel``;
+    under ``jit`` that product is dead code when nothing differentiates it, and eager calls on
+    concrete arrays (which nothing can differentiate) skip it. ``kernel=None``: the inference
+    form, which has no kernel to train.
+    """
+    if act_beta is not None:
+        x = _quantize_rows(x, codes.config, act_beta, ste)
+    y = ops.matmul(x, codes, implementation=COMPUTE_MODES[compute]).astype(x.dtype)
+    if kernel is None or (is_concrete(x) and is_concrete(kernel)):
+        return y
+    w_hat = ops.decode(codes, dtype=kernel.dtype)  # [out, in]
+    w_ste = straight_through(kernel.T, w_hat, _ste_mask(codes, ste, kernel.dtype))
+    # In the compute dtype, as nn.Dense casts its kernel.
+    y_ste = jax.lax.dot_general(x, w_ste.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                                precision=precision)
+    return straight_through(y_ste, jax.lax.stop_gradient(y), None)
+
+
+def _check_layer_codes(codes, config: HNLQConfig, k: int, features: int, where: str):
+    """The cached codes must be this layer's: its config and a kernel^T ``[features, k]``."""
+    if not isinstance(codes, Codes):
+        raise TypeError(f"{where}: the {COLLECTION!r} collection must hold hnlq_jax.Codes under "
+                        f"'codes', got {type(codes).__name__}; see hnlq_jax.flax.import_params")
+    if codes.config != unit(config):
+        raise ValueError(f"{where}: the layer's codes were made with {codes.config}, but the "
+                         f"layer is configured with {unit(config)} (beta lives in the scales); "
+                         "re-export the model with this config or build the layer with theirs")
+    if codes.n != k or len(codes.blocks_shape) != 2 or codes.blocks_shape[0] != features:
+        raise ValueError(f"{where}: expected row codes of a kernel^T [{features}, {k}], got "
+                         f"codes of shape {list(codes.shape)} (blocks {list(codes.blocks_shape)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,17 +170,19 @@ class QuantDotGeneral:
     """A ``dot_general`` that quantizes its right operand (the kernel) with HNLQ on every call.
 
     For ``nn.Dense(dot_general_cls=functools.partial(QuantDotGeneral, config=cfg))`` (linen) and
-    ``nnx.Linear(dot_general=QuantDotGeneral(cfg))`` (nnx). Stateless: the kernel's codes are
-    recomputed per call (``QDense`` with ``quantize_every=1``), with ``beta`` from
-    :func:`gaussian_beta` (the kernel's channels are normalized to unit RMS), or
-    ``config.beta`` when ``calibrate=False``.
+    ``nnx.Linear(dot_general=QuantDotGeneral(cfg))`` (nnx). Stateless: the kernel's beta and
+    codes are made per call by the rule of the module docstring, so its outputs and gradients
+    are those of a :class:`QDense` initialized on the same kernel (``quantize_every=1``, the
+    same ``calibrate``). The beta search costs about 15 ms per call and layer on a 2-core CPU
+    whatever the layer's size: for speed, search once
+    (``calibrate_rows(kernel.T, config)``) and pass ``calibrate=False`` with that ``config.beta``.
 
     Attributes:
       config: lattice, q, M, alpha, max_T (and beta, see ``calibrate``).
       quantize_activations: also quantize the left operand per token.
       ste: ``"identity"`` or ``"clipped"``.
-      compute: ``"decode"``, ``"lut"`` or ``"kernel"`` (see :class:`QDense`).
-      calibrate: use :func:`gaussian_beta` (default) instead of ``config.beta``.
+      compute: ``"decode"``, ``"kernel"`` or ``"lut"`` (see :class:`QDense`).
+      calibrate: calibrate beta (default) instead of using ``config.beta``.
     """
 
     config: HNLQConfig = HNLQConfig()
@@ -183,28 +194,28 @@ class QuantDotGeneral:
     def __post_init__(self):
         _check_knobs(self.config, self.ste, self.compute, 1, "QuantDotGeneral")
 
-    @property
-    def beta(self) -> float:
-        """The beta in use (weights and activations)."""
-        return gaussian_beta(self.config) if self.calibrate else self.config.beta
-
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                  **_):
         (lc, rc), (lb, rb) = dimension_numbers
-        if tuple(lb) or tuple(rb) or tuple(lc) != (lhs.ndim - 1,) or tuple(rc) != (0,) or rhs.ndim != 2:
+        if (tuple(lb) or tuple(rb) or tuple(lc) != (lhs.ndim - 1,) or tuple(rc) != (0,)
+                or rhs.ndim != 2):
             raise ValueError(
                 "QuantDotGeneral: supports the Dense contraction lhs[..., k] x rhs[k, n] "
                 f"(dimension_numbers (((lhs.ndim-1,), (0,)), ((), ()))), got {dimension_numbers} "
                 f"for shapes {lhs.shape}, {rhs.shape}"
             )
-        codes, c, w_hat = _fresh(rhs, self.config, self.beta)
-        y = _forward(lhs, rhs, w_hat, codes, c, self.config, self.ste, self.compute, self.beta,
-                     self.quantize_activations, precision)
+        codes = _kernel_codes(rhs, self.config, _weight_beta(rhs, self.config, self.calibrate))
+        y = _forward(lhs, rhs, codes, self.ste, self.compute,
+                     _act_beta(self.config, self.calibrate, self.quantize_activations), precision)
         return y if preferred_element_type is None else y.astype(preferred_element_type)
 
 
 class QDense(nn.Module):
     """A drop-in for ``flax.linen.Dense`` with HNLQ quantization-aware training.
+
+    Applied to training variables (``params/kernel`` present) it trains; applied to the
+    inference form of :func:`export_params` (codes, scales and bias only) it computes
+    ``matmul(x, codes) + bias``.
 
     Attributes:
       features: output size.
@@ -212,7 +223,7 @@ class QDense(nn.Module):
         ``calibrate=False``).
       use_bias: as ``nn.Dense``.
       quantize_weights: quantize the kernel (``False``: a plain Dense, e.g. for ablations).
-      quantize_activations: also quantize the input per token (beta from :func:`gaussian_beta`).
+      quantize_activations: also quantize the input per token (row).
       ste: straight-through variant, ``"identity"`` or ``"clipped"`` (zero gradient in blocks
         that overloaded).
       quantize_every: re-quantize the kernel every N training calls; the codes are cached in
@@ -221,14 +232,16 @@ class QDense(nn.Module):
         (a separate program; in-step refreshes cost a conditional that slows every step on
         XLA:CPU). Calls with ``deterministic=True`` always use the cached codes and never
         re-quantize.
-      compute: ``"decode"`` (decode then matmul), ``"lut"`` (one-sided lookup tables) or
-        ``"kernel"`` (the fused Pallas decode-matmul :func:`hnlq_jax.kernels.decode_matmul`,
-        which reads only the codes; interpret mode on a CPU, so slow there); the outputs
-        agree to float rounding and the gradients are the same.
-      calibrate: at initialization, choose beta by the paper's grid search on this layer's
-        normalized kernel (stored as ``hnlq/beta``); ``False`` uses ``config.beta``.
+      compute: how :func:`hnlq_jax.matmul` runs: ``"decode"`` (its default implementation for
+        the backend), ``"kernel"`` (the fused Pallas decode-matmul, which reads only the codes;
+        interpret mode on a CPU, so slow there) or ``"lut"`` (one-sided lookup tables). The
+        outputs agree to float rounding and the gradients are the same.
+      calibrate: the weights' beta from :func:`~hnlq_jax.rows.calibrate_rows` of the kernel at
+        initialization (stored as ``hnlq/beta``), the activations' from :func:`gaussian_beta`;
+        ``False`` uses ``config.beta`` for both.
       deterministic: default for the call argument of the same name.
-      dtype, param_dtype, precision, kernel_init, bias_init: as ``nn.Dense``.
+      dtype, param_dtype, precision, kernel_init, bias_init: as ``nn.Dense`` (``precision``
+        applies to the product that carries the gradients).
     """
 
     features: int
@@ -254,15 +267,21 @@ class QDense(nn.Module):
         Args:
           inputs: ``[..., in]``.
           deterministic: inference mode: use the cached codes (default: the attribute, else
-            ``False``).
+            ``False``). The inference form is always deterministic.
 
         Returns:
           ``[..., features]``.
+
+        Raises:
+          ValueError: codes of another config or shape in the ``hnlq`` collection.
         """
         _check_knobs(self.config, self.ste, self.compute, self.quantize_every, "QDense")
         if deterministic is None:
             deterministic = bool(self.deterministic)
         x = jnp.asarray(inputs)
+        if (self.quantize_weights and not self.is_initializing()
+                and not self.has_variable("params", "kernel")):
+            return self._inference(x)
         kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features),
                             self.param_dtype)
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
@@ -275,166 +294,214 @@ class QDense(nn.Module):
             y = self._quantized(x, kernel, deterministic)
         return y if bias is None else y + bias
 
+    def _inference(self, x):
+        """The inference form: ``matmul(x, codes) + bias`` (no kernel exists)."""
+        if not self.has_variable(COLLECTION, "codes"):
+            raise ValueError(f"QDense {self.name}: neither params/kernel nor {COLLECTION}/codes "
+                             "found; apply the variables of QDense.init or export_params")
+        codes = self.get_variable(COLLECTION, "codes")
+        _check_layer_codes(codes, self.config, x.shape[-1], self.features, f"QDense {self.name}")
+        bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+                if self.use_bias else None)
+        x, bias = nn.dtypes.promote_dtype(x, bias, dtype=self.dtype)
+        act_beta = _act_beta(self.config, self.calibrate, self.quantize_activations)
+        y = _forward(x, None, codes, self.ste, self.compute, act_beta, self.precision)
+        return y if bias is None else y + bias
+
     def _quantized(self, x, kernel, deterministic: bool):
         cfg = self.config
-        k, n = kernel.shape
-        nb = -(-k // cfg.d)
-        beta = self.variable(COLLECTION, "beta", self._init_beta, kernel)
-        shapes = {"labels": ((n, nb, cfg.M, cfg.d), jnp.uint8), "T": ((n, nb), jnp.int8),
-                  "scale": ((n,), jnp.float32), "w_hat": ((k, n), kernel.dtype)}
-        cache = {name: self.variable(COLLECTION, name, jnp.zeros, *shape)
-                 for name, shape in shapes.items()}
+        beta = self.variable(COLLECTION, "beta", _weight_beta, kernel, cfg, self.calibrate)
+        cache = self.variable(COLLECTION, "codes", _kernel_codes, kernel, cfg, beta.value)
         step = self.variable(COLLECTION, "step", jnp.zeros, (), jnp.int32)
-
-        def cached():
-            v = {name: var.value for name, var in cache.items()}
-            return Codes(v["labels"], v["T"]), v["scale"], v["w_hat"]
+        _check_layer_codes(cache.value, cfg, kernel.shape[0], self.features,
+                           f"QDense {self.name}")
 
         def fresh():
-            codes, c, w_hat = _fresh(kernel, cfg, beta.value)
-            return codes, c.astype(jnp.float32), w_hat
+            return _kernel_codes(kernel, cfg, beta.value)
 
-        if self.is_initializing():
-            codes, c, w_hat = fresh()
-        elif deterministic or self.quantize_every == 0:
-            codes, c, w_hat = cached()
+        if self.is_initializing() or deterministic or self.quantize_every == 0:
+            codes = cache.value
         elif self.is_mutable_collection(COLLECTION):
             refresh = step.value % self.quantize_every == 0
-            codes, c, w_hat = jax.lax.cond(refresh, fresh, cached)
+            codes = jax.lax.cond(refresh, fresh, lambda: cache.value)
             step.value = step.value + 1
+            cache.value = codes
         elif self.quantize_every == 1:
-            codes, c, w_hat = fresh()
+            codes = fresh()
         else:
             raise ValueError(
                 f"QDense: quantize_every={self.quantize_every} caches codes between training "
                 "calls: apply with mutable=['hnlq'] (or deterministic=True to use the cache)"
             )
-        training = self.is_mutable_collection(COLLECTION) and not deterministic
-        if self.is_initializing() or (training and self.quantize_every):
-            for name, value in zip(("labels", "T", "scale", "w_hat"), (*codes, c, w_hat)):
-                cache[name].value = value
-        act_beta = None
-        if self.quantize_activations:
-            act_beta = gaussian_beta(cfg) if self.calibrate else cfg.beta
-        return _forward(x, kernel, w_hat, codes, c, cfg, self.ste, self.compute, act_beta,
-                        self.quantize_activations, self.precision)
-
-    def _init_beta(self, kernel):
-        if not self.calibrate:
-            return jnp.asarray(self.config.beta, jnp.float32)
-        w = jax.lax.stop_gradient(kernel).T
-        blocks = to_blocks(w / row_rms(w)[:, None], self.config.d).reshape(-1, self.config.d)
-        # A fixed-size sample (strided, or tiled when smaller): one compile for every layer.
-        idx = (jnp.arange(CALIBRATION_BLOCKS) * blocks.shape[0]) // CALIBRATION_BLOCKS
-        return search_beta(blocks[idx], self.config).astype(jnp.float32)
+        return _forward(x, kernel, codes, self.ste, self.compute,
+                        _act_beta(cfg, self.calibrate, self.quantize_activations), self.precision)
 
 
-def _layer_paths(variables) -> list:
-    """Paths (tuples) of the quantized layers: where the ``hnlq`` collection holds codes."""
-    if COLLECTION not in variables:
-        raise ValueError(f"expected variables with a {COLLECTION!r} collection (from QDense.init)")
-    flat = traverse_util.flatten_dict(variables[COLLECTION])
-    return sorted(path[:-1] for path in flat if path[-1] == "labels")
+# ------------------------------------------------------------------ variables and artifacts
 
 
-def _get(tree, path):
-    for p in path:
-        tree = tree[p]
-    return tree
-
-
-def _check_config(config):
+def _check_config(config, fn: str):
     if not isinstance(config, HNLQConfig):
-        raise TypeError(f"config must be an HNLQConfig, got {type(config).__name__}")
+        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
+
+
+def _codes_in(collection) -> dict:
+    """``{layer path: codes}`` of a ``hnlq`` collection (Codes, or their saved state dicts)."""
+    flat = traverse_util.flatten_dict(
+        collection, is_leaf=lambda _, v: isinstance(v, dict) and "format_version" in v)
+    return {path[:-1]: v for path, v in flat.items() if path[-1] == "codes"}
+
+
+def _layers(variables, fn: str) -> dict:
+    if not isinstance(variables, dict) or COLLECTION not in variables:
+        raise ValueError(f"{fn}: expected variables with a {COLLECTION!r} collection (from "
+                         "QDense.init or export_params)")
+    layers = _codes_in(variables[COLLECTION])
+    if not layers:
+        raise ValueError(f"{fn}: the {COLLECTION!r} collection holds no QDense codes")
+    return layers
 
 
 def refresh_codes(variables, config: HNLQConfig):
     """Re-quantizes every QDense kernel now (``quantize_every=0`` training, or after training).
 
     Args:
-      variables: ``{"params": ..., "hnlq": ...}`` of a model with QDense layers that share
-        ``config``.
+      variables: training variables ``{"params": ..., "hnlq": ...}`` of a model whose QDense
+        layers share ``config``.
       config: their quantizer.
 
     Returns:
-      The variables with fresh ``labels``, ``T`` and ``scale`` (``params`` unchanged).
+      The variables with fresh ``hnlq/.../codes`` (``params`` unchanged).
+
+    Raises:
+      ValueError: no QDense layers, a layer without a kernel (the inference form), or codes of
+        another config.
     """
-    _check_config(config)
+    _check_config(config, "refresh_codes")
     flat = traverse_util.flatten_dict(variables[COLLECTION]) if COLLECTION in variables else {}
-    for path in _layer_paths(variables):
-        kernel = _get(variables["params"], path)["kernel"]
-        codes, c, w_hat = _fresh_jit(kernel, config, flat[path + ("beta",)])
-        flat[path + ("labels",)], flat[path + ("T",)] = codes.labels, codes.T
-        flat[path + ("scale",)], flat[path + ("w_hat",)] = c.astype(jnp.float32), w_hat
+    params = traverse_util.flatten_dict(variables.get("params", {}))
+    for path, codes in _layers(variables, "refresh_codes").items():
+        where = f"refresh_codes: layer {'/'.join(path) or '(root)'}"
+        if path + ("kernel",) not in params:
+            raise ValueError(f"{where} has no kernel (the inference form): nothing to refresh")
+        kernel = params[path + ("kernel",)]
+        _check_layer_codes(codes, config, kernel.shape[0], kernel.shape[1], where)
+        flat[path + ("codes",)] = _kernel_codes(kernel, config, flat[path + ("beta",)])
     return {**variables, COLLECTION: traverse_util.unflatten_dict(flat)}
 
 
 def export_params(variables, config: HNLQConfig):
-    """The deployable model: packed codes and scales for every QDense kernel, the rest as is.
+    """The inference form: codes, scales and every other parameter, no quantized kernel.
 
     The kernels are quantized afresh (:func:`refresh_codes`), so the export matches the final
-    weights even when training used ``quantize_every > 1``.
+    weights even when training used ``quantize_every > 1``. The same model applies the result
+    (``model.apply(inference, x)``), computing every QDense with :func:`hnlq_jax.matmul`.
 
     Args:
-      variables: ``{"params": ..., "hnlq": ...}`` (QDense layers sharing ``config``).
+      variables: training variables ``{"params": ..., "hnlq": ...}`` (QDense layers sharing
+        ``config``).
       config: their quantizer.
 
     Returns:
-      ``(deployable, report)``: ``deployable = {"params": params without the quantized kernels,
-      "codes": {layer path: {"data", "T", "scale", "beta", "shape"}}}`` (numpy arrays), and
-      ``report = {"float32_bytes", "deployed_bytes", "ratio"}``: the model's size stored as
-      float32 against the deployable one.
+      ``(inference, report)``: ``inference = {"params": params without the quantized kernels,
+      "hnlq": {layer path: {"codes": Codes}}}``, and ``report = {"float32_bytes",
+      "deployed_bytes", "ratio", "bits_per_weight"}``: the model stored as float32 against the
+      inference form, and the bits per quantized weight of the codes (index, T field, scales).
     """
     variables = refresh_codes(variables, config)
-    params = traverse_util.flatten_dict(jax.device_get(variables["params"]))
-    codes_out = {}
-    for path in _layer_paths(variables):
-        layer = _get(variables[COLLECTION], path)
-        packed = pack(Codes(layer["labels"], layer["T"]), unit(config))
-        kernel = params.pop(path + ("kernel",))
-        codes_out["/".join(path)] = {
-            "data": np.asarray(packed.data), "T": np.asarray(packed.T),
-            "scale": np.asarray(layer["scale"]), "beta": np.asarray(layer["beta"]),
-            "shape": np.asarray(kernel.shape),
-        }
-    rest = traverse_util.unflatten_dict(params)
-    float_bytes = sum(4 * int(np.size(v)) for v in traverse_util.flatten_dict(
-        jax.device_get(variables["params"])).values())
-    deployed = sum(np.asarray(v).nbytes for v in traverse_util.flatten_dict(rest).values())
-    deployed += sum(a.nbytes for layer in codes_out.values() for k, a in layer.items()
-                    if k != "shape")
+    params = traverse_util.flatten_dict(variables["params"])
+    float_bytes = sum(4 * int(np.size(v)) for v in params.values())
+    layers = _layers(variables, "export_params")
+    weights = sum(int(np.size(params.pop(path + ("kernel",)))) for path in layers)
+    inference = {"params": traverse_util.unflatten_dict(params),
+                 COLLECTION: traverse_util.unflatten_dict(
+                     {path + ("codes",): codes for path, codes in layers.items()})}
+    code_bytes = sum(codes.nbytes for codes in layers.values())
+    deployed = code_bytes + sum(int(np.asarray(v).nbytes) for v in params.values())
     report = {"float32_bytes": float_bytes, "deployed_bytes": int(deployed),
-              "ratio": float_bytes / max(int(deployed), 1)}
-    return {"params": rest, "codes": codes_out}, report
+              "ratio": float_bytes / max(int(deployed), 1),
+              "bits_per_weight": 8 * code_bytes / max(weights, 1)}
+    return inference, report
 
 
-def import_params(deployable, config: HNLQConfig):
-    """Inverse of :func:`export_params`: variables for QDense models (kernels decoded).
+def import_params(saved, config: HNLQConfig):
+    """The inference form from a saved state dict, checked against ``config``.
 
     Args:
-      deployable: the first result of :func:`export_params`.
-      config: the quantizer it was exported with.
+      saved: ``flax.serialization.to_state_dict(inference)`` of an :func:`export_params`
+        result after a round trip (``msgpack_restore``, an orbax restore), or the inference
+        form itself.
+      config: the quantizer the model is built with (``beta`` may differ: it lives in the
+        scales).
 
     Returns:
-      ``{"params": ..., "hnlq": ...}``: each kernel is the decoded ``W_hat`` and the cached
-      codes are the exported ones, so inference (``deterministic=True``) reproduces the exported
-      model exactly.
+      ``{"params": ..., "hnlq": {layer path: {"codes": Codes}}}`` for ``model.apply``.
+
+    Raises:
+      ValueError: no codes, codes saved in another format version or with another config
+        (the message names both), or corrupted codes.
     """
-    _check_config(config)
-    params = traverse_util.flatten_dict(deployable["params"])
+    _check_config(config, "import_params")
+    params = saved.get("params", {})
     hnlq = {}
-    for name, layer in deployable["codes"].items():
-        path = tuple(name.split("/")) if name else ()
-        k, n = (int(v) for v in layer["shape"])
-        nb = -(-k // config.d)
-        codes = unpack(Packed(layer["data"], layer["T"]), unit(config))
-        if codes.labels.shape != (n, nb, config.M, config.d):
-            raise ValueError(f"import_params: layer {name} does not match config {config}")
-        scale = jnp.asarray(layer["scale"])
-        w_hat = rows_decode(codes, scale, config, k, jnp.float32).T
-        params[path + ("kernel",)] = w_hat
-        for key, v in (("labels", codes.labels), ("T", codes.T), ("scale", scale), ("w_hat", w_hat),
-                       ("beta", jnp.asarray(layer["beta"])), ("step", jnp.zeros((), jnp.int32))):
-            hnlq[path + (key,)] = v
-    return {"params": traverse_util.unflatten_dict(params),
+    for path, record in _layers(saved, "import_params").items():
+        where = f"import_params: layer {'/'.join(path) or '(root)'}"
+        if isinstance(record, Codes):
+            record = _codes_state(record)
+        hnlq[path + ("codes",)] = _codes_from_state(record, unit(config), where)
+    return {"params": jax.tree.map(jnp.asarray, params),
             COLLECTION: traverse_util.unflatten_dict(hnlq)}
+
+
+# ------------------------------------------------------------- Codes in flax.serialization
+
+
+def _config_record(config: HNLQConfig) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(HNLQConfig)}
+
+
+def _codes_state(codes: Codes) -> dict:
+    """The saved form of codes: their arrays, format version, config and row length."""
+    return {"format_version": FORMAT_VERSION, "config": _config_record(codes.config),
+            "n": codes.n, "index": codes.index, "tfield": codes.tfield, "scale": codes.scale}
+
+
+def _codes_from_state(state, config: HNLQConfig, where: str) -> Codes:
+    """Codes from their saved form; they must be of this format version and of ``config``."""
+    keys = {"format_version", "config", "n", "index", "tfield", "scale"}
+    if not isinstance(state, dict) or not keys <= set(state):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{where}: expected saved hnlq_jax.Codes with keys {sorted(keys)}, "
+                         f"got {got}")
+    version = state["format_version"]
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{where}: the codes were saved in format version {version}; this "
+                         f"hnlq_jax reads format version {FORMAT_VERSION}: export them again "
+                         "with this version")
+    try:
+        saved = HNLQConfig(**state["config"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: the saved config {state['config']!r} is not valid: {e}") \
+            from None
+    if saved != config:
+        raise ValueError(f"{where}: the codes were saved with {saved}, but {config} is "
+                         "expected (beta lives in the scales); load them into a model of their "
+                         "config")
+    scale = None if state["scale"] is None else jnp.asarray(state["scale"])
+    n = None if state["n"] is None else int(state["n"])
+    codes = Codes(jnp.asarray(state["index"]), jnp.asarray(state["tfield"]), saved, scale=scale,
+                  n=n)
+    return check_codes(codes, where)
+
+
+def _restore_codes(target: Codes, state) -> Codes:
+    where = f"restoring {serialization.current_path()}"
+    codes = _codes_from_state(state, target.config, where)
+    if (codes.shape, codes.blocks_shape) != (target.shape, target.blocks_shape):
+        raise ValueError(f"{where}: saved codes of shape {list(codes.shape)} (blocks "
+                         f"{list(codes.blocks_shape)}), the target has {list(target.shape)} "
+                         f"(blocks {list(target.blocks_shape)})")
+    return codes
+
+
+serialization.register_serialization_state(Codes, _codes_state, _restore_codes, override=True)

@@ -31,12 +31,17 @@ def unit(config: HNLQConfig) -> HNLQConfig:
 
 
 def row_rms(w):
-    """RMS of each row of ``w[..., k]`` (1 for an all-zero row, which then codes to zeros)."""
-    rms = jnp.sqrt(jnp.mean(jnp.square(w), axis=-1))
+    """RMS of each row of ``w[..., k]`` (1 for an all-zero row, which then codes to zeros).
+
+    Computed as ``m sqrt(mean((w/m)^2))`` with ``m = max |w_row|``, so an entry near the float
+    range (1e20 squares to inf in float32) gives a finite scale instead of a NaN row.
+    """
+    m = jnp.max(jnp.abs(w), axis=-1, keepdims=True)
+    m = jnp.where(m > 0, m, 1.0)
+    rms = m[..., 0] * jnp.sqrt(jnp.mean(jnp.square(w / m), axis=-1))
     return jnp.where(rms > 0, rms, 1.0)
 
 
-@functools.partial(jax.jit, static_argnums=1)
 def calibrate_rows(w, config: HNLQConfig):
     """The per-layer beta of the row format: the paper's grid search on row-normalized blocks.
 
@@ -55,6 +60,7 @@ def calibrate_rows(w, config: HNLQConfig):
     w = w.astype(jnp.promote_types(w.dtype, jnp.float32))
     blocks = to_blocks(w / row_rms(w)[..., None], config.d).reshape(-1, config.d)
     idx = (jnp.arange(CALIBRATION_BLOCKS) * blocks.shape[0]) // CALIBRATION_BLOCKS
+    # The search itself is compiled for the fixed sample shape: once per config, not per layer.
     return search_beta(blocks[idx], config).astype(jnp.float32)
 
 

@@ -101,6 +101,18 @@ def test_row_codes_decode_and_scale():
     assert np.all(rel < 0.15)  # the 100x row is as accurate as the others
 
 
+def test_extreme_entry_does_not_poison_its_row():
+    """A 1e30 entry (its square overflows float32) gives a finite row scale; the other rows and
+    the other entries of its row keep decoding to finite values."""
+    W = np.random.default_rng(4).normal(size=(4, 16)).astype(np.float32)
+    W[1, 3] = 1e30
+    rc = hq.encode_rows(W, D4.replace(beta=hq.gaussian_beta(D4)))
+    out = np.asarray(hq.decode(rc))
+    assert np.all(np.isfinite(rc.scale)) and np.all(np.isfinite(out))
+    np.testing.assert_allclose(out[[0, 2, 3]], W[[0, 2, 3]], rtol=0.5, atol=0.5)
+    assert "Codes(" in repr(jax.tree.map(jnp.shape, rc))
+
+
 @pytest.mark.parametrize("cfg", [D4, hq.HNLQConfig("E8", 2, 2, beta=0.3),
                                  D4.replace(dither=(0.01, -0.02, 0.03, 0.0))])
 def test_matmul_front_door(cfg):

@@ -1,10 +1,12 @@
 """The Pallas kernels against their XLA references, per op and size, in one process.
 
-For each op of :mod:`hnlq_jax.kernels` (encode, decode, decode_matmul, lut_gemv, modq_sum) and
-each size: best-of-``--repeat`` seconds of ``implementation="xla"`` and ``"pallas"`` (interpret
-mode on a CPU, the real kernel on a GPU), their ratio, a check that both give the same result
-(codes exactly, products to float rounding), and what ``implementation=None`` picks on this
-backend, with the reason. D4 q=4 M=2, beta calibrated on N(0,1), iid N(0,1) data.
+For each op (encode, decode, matmul through the front doors; the LUT GEMV and the mod-q sum
+kernels against :func:`hnlq_jax.lut.matmul_one_sided` and :func:`hnlq_jax.modq.accumulate`) and
+each size: best-of-``--repeat`` seconds of the XLA path and the kernel (interpret mode on a CPU,
+the real kernel on a GPU), their ratio, a check that both give the same result (codes exactly,
+products to float rounding), and what ``implementation=None`` picks on this backend. D4 q=4 M=2,
+beta calibrated on N(0,1), iid N(0,1) data; the weights are row codes (``hq.encode_rows``).
+Bytes moved count the compact codes as stored (``Codes.nbytes``).
 
 Writes ``results/bench_kernels.json`` and prints a Markdown table. ``gpu_check.py`` reuses
 :func:`cases` and :func:`measure` at GPU sizes.
@@ -15,7 +17,6 @@ Usage: ``python experiments/bench_kernels.py [--scale 1] [--repeat 3]``
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import platform
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hnlq_jax as hq
-from hnlq_jax import kernels
+from hnlq_jax import kernels, ops
 from hnlq_jax.timing import best_time
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -37,8 +38,13 @@ def config():
     return cfg.replace(beta=beta)
 
 
+def _front_door(fn):
+    """``{"xla": ..., "pallas": ...}`` of a front door taking ``implementation=``."""
+    return {impl: (lambda *a, impl=impl: fn(*a, implementation=impl)) for impl in ("xla", "pallas")}
+
+
 def cases(cfg, n_blocks, matrix, batches, dtype=jnp.float32):
-    """``(name, size, fn(implementation, *args), args, bytes moved by one call)`` per case.
+    """``(op, size, {"xla": f, "pallas": f}, args, bytes moved by one call, None-pick key)``.
 
     The inputs are arguments of the jitted call, not closed-over constants (XLA would fold
     those at compile time).
@@ -46,39 +52,38 @@ def cases(cfg, n_blocks, matrix, batches, dtype=jnp.float32):
     rng = np.random.default_rng(1)
     d = cfg.d
     x = jnp.asarray(rng.standard_normal((n_blocks, d)), jnp.float32)
-    codes = hq.encode(x, cfg)
+    codes = hq.encode(x, cfg, failures="mark")
     n = k = matrix
-    cW = hq.encode(hq.to_blocks(jnp.asarray(rng.standard_normal((n, k)), jnp.float32), d), cfg)
-    code_bytes = cfg.M * d + 1  # uint8 labels + int8 T per block
-    w_bytes = n * (k // d) * code_bytes
+    cW = hq.encode_rows(jnp.asarray(rng.standard_normal((n, k)), jnp.float32), cfg)
     out = [
-        ("encode", f"N={n_blocks}", lambda impl, x: kernels.encode(x, cfg, implementation=impl),
-         (x,), n_blocks * (4 * d + code_bytes)),
-        ("decode", f"N={n_blocks}", lambda impl, c: kernels.decode(c, cfg, implementation=impl),
-         (codes,), n_blocks * (4 * d + code_bytes)),
+        ("encode", f"N={n_blocks}",
+         _front_door(lambda v, **kw: hq.encode(v, cfg, **kw)), (x,), x.nbytes + codes.nbytes,
+         "encode"),
+        ("decode", f"N={n_blocks}", _front_door(hq.decode), (codes,), x.nbytes + codes.nbytes,
+         "decode"),
     ]
     for b in batches:
         xa = jnp.asarray(rng.standard_normal((b, k)), dtype)
-        out.append((f"decode_matmul {jnp.dtype(dtype).name}", f"{n}x{k} batch {b}",
-                    lambda impl, xa, c: kernels.decode_matmul(xa, c, cfg, implementation=impl),
-                    (xa, cW), w_bytes))
+        out.append((f"matmul {jnp.dtype(dtype).name}", f"{n}x{k} batch {b}",
+                    _front_door(hq.matmul), (xa, cW), cW.nbytes + xa.nbytes, "matmul"))
     for b in batches:
         xa = jnp.asarray(rng.standard_normal((b, k)), jnp.float32)
         out.append(("lut_gemv", f"{n}x{k} batch {b}",
-                    lambda impl, xa, c: kernels.lut_gemv(c, xa, cfg, implementation=impl),
-                    (xa, cW), w_bytes))
+                    {"xla": lambda v, c: hq.lut.matmul_one_sided(c, v),
+                     "pallas": lambda v, c: kernels.lut_gemv(c, v)},
+                    (xa, cW), cW.nbytes + xa.nbytes, None))
     terms = hq.encode(jnp.asarray(rng.standard_normal((8, n_blocks // 8, d)) * 0.2, jnp.float32),
                       cfg)
     out.append(("modq_sum", f"8 x {n_blocks // 8}",
-                lambda impl, c: kernels.modq_sum(c, cfg, 0, implementation=impl), (terms,),
-                (n_blocks + n_blocks // 8) * code_bytes))
+                {"xla": hq.modq.accumulate, "pallas": kernels.modq_sum}, (terms,),
+                terms.nbytes * 9 // 8, None))
     return out
 
 
 def same(a, b) -> str:
     """'exact' for equal codes, else the relative max difference of float results."""
     if isinstance(a, hq.Codes):
-        ok = np.array_equal(a.labels, b.labels) and np.array_equal(a.T, b.T)
+        ok = np.array_equal(a.index, b.index) and np.array_equal(a.tfield, b.tfield)
         return "exact" if ok else "DIFFERENT"
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if np.array_equal(a, b, equal_nan=True):
@@ -87,13 +92,13 @@ def same(a, b) -> str:
 
 
 def measure(case, repeat, cfg):
-    name, size, fn, args, nbytes = case
+    name, size, fns, args, nbytes, door = case
     batch = int(size.rsplit(" ", 1)[1]) if "batch" in size else None
     row = {"op": name, "size": size,
-           "none_picks": kernels.default_implementation(name.split()[0], cfg, batch)}
+           "none_picks": ops.default_implementation(door, cfg) if door else "n/a"}
     results = {}
     for impl in ("xla", "pallas"):
-        f = jax.jit(functools.partial(fn, impl))
+        f = jax.jit(fns[impl])
         row[f"{impl}_s"] = best_time(f, *args, repeat=repeat)
         results[impl] = f(*args)
         row[f"{impl}_GBps"] = nbytes / row[f"{impl}_s"] / 1e9
@@ -131,7 +136,7 @@ def main(argv=None):
     rows = [measure(c, args.repeat, cfg)
             for c in cases(cfg, 2**16 * args.scale, 1024 * args.scale, (1, 16))]
     out = {"environment": environment(), "config": repr(cfg),
-           "default": " ".join(kernels.default_implementation.__doc__.split("\n\n")[1].split()),
+           "default": " ".join(ops.default_implementation.__doc__.split("\n\n")[1].split()),
            "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "bench_kernels.json").write_text(json.dumps(out, indent=1))

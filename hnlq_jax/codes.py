@@ -331,9 +331,40 @@ def _t_ok(f, cfg, top):
 
 
 def valid_blocks(index, u, config: HNLQConfig):
-    """``[...]`` bool: the block decodes (``1 <= u <= max_T + 1`` and every index ``< q^d``)."""
+    """``[...]`` bool: the block decodes (``1 <= u <= max_T + 1`` and every index ``< q^d``).
+
+    ``index`` is ``[..., M]``, or a list of the M per-level columns (as the kernels hold them).
+    """
     ok = (u >= 1) & (u <= config.max_T + 1)
     size = config.q**config.d
     if size - 1 < np.iinfo(index_dtype(config)).max:
-        ok = ok & jnp.all(index < size, axis=-1)
+        for k in (index if isinstance(index, list) else [index[..., m] for m in range(config.M)]):
+            ok = ok & (k.astype(jnp.uint32) < jnp.uint32(size))
     return ok
+
+
+def row_length(codes: Codes) -> int:
+    """``k``: the logical row length (``n`` of row codes, ``nb d`` of block codes)."""
+    return codes.n if codes.n is not None else codes.blocks_shape[-1] * codes.config.d
+
+
+def check_weight_codes(codes, fn: str) -> Codes:
+    """Validated codes of a weight ``W[n, k]``: blocks ``[n, nb]``."""
+    check_codes(codes, fn)
+    if len(codes.blocks_shape) != 2:
+        raise ValueError(f"{fn}: the weight must be coded as n rows of length k: codes with "
+                         f"blocks [n, nb], got blocks {list(codes.blocks_shape)}; see "
+                         "hnlq_jax.encode_rows")
+    return codes
+
+
+def check_activations(x, codes: Codes, fn: str):
+    """Validated real activations ``x[..., k]`` for weight codes of row length ``k``."""
+    x = jnp.asarray(x)
+    k = row_length(codes)
+    if x.ndim == 0 or x.shape[-1] != k:
+        raise ValueError(f"{fn}: x must be [..., k] with k = {k} (the codes' row length), got "
+                         f"shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{fn}: x must be floating, got {x.dtype}")
+    return x

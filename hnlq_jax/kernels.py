@@ -1,30 +1,59 @@
-"""Pallas kernels for the hot loops, each beside its pure-JAX reference (the XLA path).
+"""Pallas kernels on compact :class:`~hnlq_jax.Codes` (Triton; Mosaic GPU for the mod-q sum).
 
-=================  ===========================================  ====================================
-kernel             what one program does                        reference (``"xla"``)
-=================  ===========================================  ====================================
-``encode``         a tile of blocks: overload loop over T,      :func:`hnlq_jax.encode`
-                   all M levels in registers
-``decode``         a tile of blocks, all levels fused           :func:`hnlq_jax.decode`
-``decode_matmul``  ``bn`` output rows: decodes W tile by tile   decode, then ``x @ W_hat^T``
-                   next to the ``dot`` (weight-only codes)
-``lut_gemv``       ``bn`` output rows of ``W_hat x`` from x's   :func:`hnlq_jax.lut.matmul_one_sided`
-                   one-sided tables (gathers)
-``modq_sum``       a tile of blocks: label sum mod q, common T  :func:`hnlq_jax.modq.accumulate`
-=================  ===========================================  ====================================
+This module holds kernels only: the front doors :func:`hnlq_jax.encode`, ``decode``,
+``quantize`` and ``matmul`` dispatch here with ``implementation="pallas"`` (and validate their
+arguments first). Each kernel equals its XLA reference bit for bit where the arithmetic allows:
+
+=================  ============================================  =================================
+kernel             what one program does                         reference (``"xla"``)
+=================  ============================================  =================================
+``encode``         a tile of blocks: overload loop over T, all   :func:`hnlq_jax.encode`
+                   M levels in registers                         (identical codes)
+``decode``         a tile of blocks, all levels fused            :func:`hnlq_jax.decode`
+                                                                 (identical values)
+``decode_matmul``  ``bb x bn`` outputs: decodes the weight tile  :func:`hnlq_jax.matmul`
+                   by tile next to the ``dot`` (weight-only)     (identical weights; sums
+                                                                 in another order)
+``lut_gemv``       ``bn`` outputs of ``W_hat x`` from x's        :func:`hnlq_jax.lut.
+                   one-sided tables (gathers, no decode)         matmul_one_sided` (sum order)
+``modq_sum``       a tile of blocks: digit-wise sum mod q,       :func:`hnlq_jax.modq.accumulate`
+                   common T                                      (identical codes)
+=================  ============================================  =================================
+
+**The codes are read where they lie.** ``index [..., M]`` is viewed (a free reshape) as
+``[N, M]`` or ``[n, nb, M]`` and loaded one level column at a time. The T field is unpacked in
+the kernel: a block's byte is gathered by address (8-bit field: byte ``row * L + l``; 4-bit:
+byte ``row * ceil(L/2) + l // 2``, the high nibble for odd ``l``, where ``L`` is the length of
+the last leading axis), so codes of any leading shape, odd ``L`` included, need no re-layout.
+Only activations are re-laid out per call (``decode_matmul``: coordinate planes of x;
+``lut_gemv``: x's one-sided tables), and ``modq_sum``, whose kernel Mosaic GPU also lowers,
+reads planar copies (Mosaic GPU has no gathers and wants contiguous rows).
+
+**The codebook** ``r(k)`` (integer P coordinates): where its int32 ``[d, q^d]`` table is at
+most 64 KiB (``q^d d <= 2^14``: D4 q <= 8, E8 q = 2, Z2 / A2 q <= 64) it is an input of the
+kernel and each level is one gather (4 KiB for D4 q = 4, resident in L1). Beyond that the
+kernel computes ``r`` from the index digits (:func:`~hnlq_jax.codec.level_sum` with
+``use_table=False``: ``G b - q Q_L(G b / q)``): E8 q = 4's table has 65,536 rows (2 MiB),
+which fits neither shared memory nor L1, so a gather would go to L2 for every block, while the
+digit path costs one more D8-pair search per level in registers. Both paths are exact and give
+identical values; ``use_table=`` forces one (for tests, and for timing the choice on a GPU:
+``experiments/gpu_check.py``). The table-versus-digits trade-off has not yet been timed on a
+GPU.
+
+**Ragged edges.** The Pallas Triton lowering neither pads nor masks a block that runs past the
+end of an array (its loads and stores are plain pointer accesses), so every kernel masks the
+loads and stores of its edge tiles (:func:`jax.experimental.pallas.triton.load` / ``store``)
+and clamps its gather addresses.
 
 The kernels run the library's own lattice code (:func:`~hnlq_jax.codec.encode_at`,
-:func:`~hnlq_jax.codec.level_sum`) on per-column loads, so codes are bit-identical to the
-reference by construction and the tie rule holds in the kernels exactly as in XLA. That code is
-written in the subset that lowers for Triton: floor-based rounding, no value slicing, no captured
-array constants, gathers as ``ref[index]``.
+:func:`~hnlq_jax.codec.level_sum`, :mod:`hnlq_jax._numerics`), so the codes and the tie rule
+are the reference's by construction. That code is written in the subset Triton lowers:
+floor-based rounding, per-column loads (no value slicing), no captured array constants,
+power-of-two tiles, gathers as ``ref[index]``.
 
-``implementation``: ``"pallas"``, ``"xla"``, or ``None``: the kernel on a GPU, XLA elsewhere
-(on a CPU a kernel only runs in interpret mode, which is slower than XLA; see
-``experiments/bench_kernels.py``). ``interpret=None`` runs the kernel in interpret mode on a CPU;
-``False`` forces the real lowering. ``gpu_backend``: ``"triton"`` (default) or
-``"mosaic_gpu"`` where the op allows (:data:`MOSAIC_GPU_OPS`); Mosaic GPU has no gathers and
-no vector while loops, which encode, decode, the fused matmul and the LUT GEMV need.
+``interpret=None`` runs a kernel in interpret mode on a CPU (the kernel body as XLA ops, slower
+than the XLA path); ``False`` forces the real lowering. ``gpu_backend``: ``"triton"`` (every
+kernel) or ``"mosaic_gpu"`` (:data:`MOSAIC_GPU_OPS`).
 """
 
 from __future__ import annotations
@@ -38,80 +67,63 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
-from hnlq_jax import codec, lut, modq
-from hnlq_jax.codec import Codes, check_codes, check_x, encode_at, level_sum, unpack_digits
-from hnlq_jax.config import HNLQConfig, pow2_table
+from hnlq_jax import _numerics, codec, lut, modq
+from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes,
+                             digits_of_index, index_dtype, pack_t, t_bits, unpack_t,
+                             valid_blocks)
+from hnlq_jax.config import HNLQConfig
 from hnlq_jax.lattices import sumsq
 
 __all__ = [
-    "IMPLEMENTATIONS",
     "GPU_BACKENDS",
     "MOSAIC_GPU_OPS",
-    "encode",
     "decode",
-    "quantize",
     "decode_matmul",
+    "encode",
     "lut_gemv",
     "modq_sum",
-    "default_implementation",
-    "resolve",
+    "unsupported",
 ]
 
-IMPLEMENTATIONS = ("pallas", "xla")
 GPU_BACKENDS = ("triton", "mosaic_gpu")
 MOSAIC_GPU_OPS = ("modq_sum",)
 _HIGHEST = jax.lax.Precision.HIGHEST
+# The codebook is a kernel input (one gather per level) up to this many int32 entries (64 KiB).
+_TABLE_ENTRIES = 2**14
+# use_table=True is refused beyond this many codebook rows (E8 q = 4 is 2^16).
+_TABLE_ROWS_MAX = 2**16
+# Mosaic GPU copies whole warpgroups of bytes: the mod-q kernel takes 256 blocks per program.
+_MOSAIC_TILE = 256
+# decode_matmul keeps a [bb, bn] float32 accumulator per program: at most this many batch rows.
+_BATCH_TILE = 64
+
+
+def unsupported(config: HNLQConfig) -> str | None:
+    """Why no kernel applies to ``config`` (``None`` when they all do)."""
+    d = config.d
+    if d & (d - 1):
+        return f"d = {d} is not a power of two (Triton tiles must be)"
+    return None
+
+
+# ---------------------------------------------------------------------------- shared helpers
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def unsupported(config: HNLQConfig) -> str | None:
-    """Why no kernel applies to ``config`` (``None`` when one does)."""
-    d = config.d
-    if d & (d - 1):
-        return f"d = {d} is not a power of two (Triton blocks must be)"
-    return None
-
-
-def default_implementation(op: str, config: HNLQConfig, batch: int | None = None) -> str:
-    """What ``implementation=None`` runs for ``op`` on the default backend.
-
-    On a GPU, the kernel (when it supports ``config``). Elsewhere Pallas only runs in interpret
-    mode (the kernel body as XLA ops in a loop over the grid), slower than the XLA path, with
-    one measured exception: ``lut_gemv`` of a single vector, where XLA's batched gathers cost
-    more than the kernel's (0.5-0.8x the time, ``experiments/bench_kernels.py``).
-    """
-    if unsupported(config):
-        return "xla"
-    if jax.default_backend() == "gpu" or (op == "lut_gemv" and batch == 1):
-        return "pallas"
-    return "xla"
-
-
-def resolve(implementation, config: HNLQConfig, fn: str, batch: int | None = None) -> str:
-    """``"pallas"`` or ``"xla"`` for an ``implementation=`` argument of op ``fn``.
-
-    ``None`` picks :func:`default_implementation`.
-
-    Raises:
-      ValueError: an unknown implementation, or ``"pallas"`` for a config no kernel supports.
-    """
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{fn}: implementation must be one of {IMPLEMENTATIONS} or None, got "
-                         f"{implementation!r}")
-    why = unsupported(config)
-    if implementation == "pallas" and why:
-        raise ValueError(f"{fn}: no Pallas kernel for {config.lattice}: {why}; use "
-                         "implementation='xla'")
-    if implementation is None:
-        return default_implementation(fn.removeprefix("kernels."), config, batch)
-    return implementation
-
-
 def _interpret(interpret) -> bool:
     return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def _check_config(config: HNLQConfig, fn: str):
+    if not isinstance(config, HNLQConfig):
+        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
+    why = unsupported(config)
+    if why:
+        raise ValueError(f"{fn}: no Pallas kernel for {config.lattice}: {why}; use "
+                         "implementation='xla'")
 
 
 def _compiler_params(gpu_backend: str, fn: str):
@@ -125,48 +137,125 @@ def _compiler_params(gpu_backend: str, fn: str):
     raise ValueError(f"{fn}: gpu_backend must be one of {GPU_BACKENDS}, got {gpu_backend!r}")
 
 
-def _rows(n: int, block: int) -> int:
-    """Rows per program: a power of two, no larger than needed."""
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of two >= 16, got {block}")
+def _tile(n: int, block: int, what: str = "block") -> int:
+    """Rows per program: a power of two >= 16 (Triton's ``dot`` minimum), no larger than needed."""
+    if not isinstance(block, int) or block < 16 or block & (block - 1):
+        raise ValueError(f"{what} must be a power of two >= 16, got {block!r}")
     return min(block, max(16, _pow2_at_least(n)))
 
 
-def _table(values, size: int):
-    """A small table padded to a power-of-two length (Triton block shapes must be)."""
+def _padded(values, size: int):
+    """A small table padded to a power-of-two length (Triton's tensor sizes must be)."""
     return jnp.pad(values, (0, size - values.shape[0]))
 
 
-def _scale(b: list, T, pow_ref, beta_ref, config: HNLQConfig, dtype, interpret: bool,
-           first: int = 0) -> list:
-    """Decoded Cartesian columns ``(beta (x_hat - z)) 2^(alpha T)`` of label columns ``b[m][j]``.
+def _tables(config: HNLQConfig, dtype):
+    """``2^(alpha t)`` (padded to a power of two) and ``[beta]``, as kernel inputs."""
+    pow2 = _numerics.pow2(config, dtype)
+    return _padded(pow2, _pow2_at_least(pow2.shape[0])), jnp.full((1,), config.beta, dtype)
 
-    NaN where T or a label is out of range (as :func:`hnlq_jax.codec.decode_blocks`). The
-    products must round in this order. Triton keeps it; XLA, which runs interpret mode, moves
+
+def _use_table(config: HNLQConfig, use_table, fn: str) -> bool:
+    rows = config.q**config.d
+    if use_table is None:
+        return rows * config.d <= _TABLE_ENTRIES
+    if use_table and rows > _TABLE_ROWS_MAX:
+        raise ValueError(f"{fn}: use_table=True needs q^d <= {_TABLE_ROWS_MAX}, got "
+                         f"{config.lattice} q={config.q} with {rows} codebook rows")
+    return bool(use_table)
+
+
+def _codebook_input(config: HNLQConfig):
+    """The codebook ``r`` as a flat int32 ``[d * q^d]`` input (column j at ``j q^d``)."""
+    table = codec.codebook_table(config.lattice, config.q).T.reshape(-1)
+    return _padded(jnp.asarray(table, jnp.int32), _pow2_at_least(table.shape[0]))
+
+
+def _whole(a):
+    """A block spec of all of ``a`` (tables, and the T field, which is gathered by address)."""
+    return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+
+
+def _iota(n: int):
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _at(i: int):
+    """A static index of a masked load or store: interpret mode wants an array of the default
+    integer dtype (as its slice starts; int64 under x64)."""
+    return jnp.asarray(i, jax.dtypes.canonicalize_dtype(jnp.int64))
+
+
+def _load(ref, mask):
+    """``ref``'s values where ``mask`` holds, 0 elsewhere (edge tiles run past the array)."""
+    return pltriton.load(ref, mask=mask, other=0)
+
+
+def _read_u(t_ref, row, col, L: int, config: HNLQConfig):
+    """``u = T + 1`` (int32) of the blocks at ``(row, col)`` of blocks ``[rows, L]``.
+
+    ``t_ref`` is the whole T field, flat. The block's byte is gathered by address: with 8 bits
+    byte ``row L + col``; with 4 bits byte ``row ceil(L/2) + col // 2``, whose high nibble
+    holds odd ``col``. ``row`` and ``col`` must be in range (callers clamp edge tiles).
+    """
+    if t_bits(config) == 8:
+        return t_ref[row * L + col].astype(jnp.int32)
+    f = t_ref[row * ((L + 1) // 2) + (col >> 1)].astype(jnp.int32)
+    return (f >> ((col & 1) * 4)) & 15
+
+
+def _lattice_point(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
+    """``sum_{m >= first} q^m r(k_m)`` (int32 P coordinates) from index columns ``ks``.
+
+    ``tab_ref``: the codebook input (see :func:`_codebook_input`), or ``None`` to compute ``r``
+    from the digits.
+    """
+    if tab_ref is None:
+        return codec.level_sum(ks, config, first, use_table=False)
+    rows, d = config.q**config.d, config.d
+    weights = _numerics.level_weights(config)
+    total = None
+    for m in range(first, config.M):
+        k = jnp.minimum(ks[m], jnp.uint32(rows - 1)).astype(jnp.int32)  # corrupt: masked later
+        r = [tab_ref[j * rows + k] * weights[m] for j in range(d)]
+        total = r if total is None else [a + b for a, b in zip(total, r)]
+    return total
+
+
+def _decoded(ks: list, u, tab_ref, pow_ref, beta_ref, config: HNLQConfig, dtype,
+             interpret: bool, first: int = 0) -> list:
+    """Decoded Cartesian columns ``(beta (x_hat - z)) 2^(alpha T)`` of index columns ``ks``.
+
+    NaN where the block is invalid (as :func:`hnlq_jax.codec.decode_blocks`). The products
+    must round in the reference's order. Triton keeps it; XLA, which runs interpret mode, moves
     constants outward (``(c k) beta -> (c beta) k`` for A2's ``k = sqrt(3)/2``), hence the
     barriers there (Triton has no lowering for them and needs none).
     """
     dtype = jnp.dtype(dtype)
-    P = level_sum(b, config, first, use_table=False)
-    xhat = config.lat.cart_from_P([c.astype(dtype) for c in P])
+    P = _lattice_point(ks, tab_ref, config, first)
     fence = jax.lax.optimization_barrier if interpret else (lambda v: v)
-    xhat = fence(xhat)
-    valid = (T >= 0) & (T <= config.max_T)
-    for bm in b:
-        for c in bm:
-            valid = valid & (c < config.q)
-    s = pow_ref[jnp.clip(T, 0, config.max_T)]
+    xhat = fence(config.lat.cart_from_P([c.astype(dtype) for c in P]))
+    s = _numerics.overload_scale(u, config, pow_ref)
     z = config.dither_array
     scaled = fence([beta_ref[0] * (c - dtype.type(zj)) for c, zj in zip(xhat, z)])
+    valid = valid_blocks(ks, u, config)
     return [jnp.where(valid, c * s, jnp.nan) for c in scaled]
+
+
+def _index_columns(idx_ref, M: int, mask, at=()):
+    """The ``M`` index columns (uint32) of a tile, masked (``at``: leading index of the tile)."""
+    return [_load(idx_ref.at[at + (Ellipsis, _at(m))], mask).astype(jnp.uint32)
+            for m in range(M)]
 
 
 # ----------------------------------------------------------------------------------- encode
 
 
-def _encode_kernel(x_ref, scale_ref, lab_ref, T_ref, *, config: HNLQConfig, thresholds):
-    d, M, max_T = config.d, config.M, config.max_T
-    x = [x_ref[:, j] for j in range(d)]
+def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *, config: HNLQConfig, thresholds, n: int):
+    d, max_T = config.d, config.max_T
+    bn = T_ref.shape[0]
+    live = pl.program_id(0) * bn + _iota(bn) < n
+    x = [_load(x_ref.at[:, _at(j)], live) for j in range(d)]
     dtype = x[0].dtype
     finite = jnp.isfinite(x[0])
     for c in x[1:]:
@@ -181,7 +270,7 @@ def _encode_kernel(x_ref, scale_ref, lab_ref, T_ref, *, config: HNLQConfig, thre
     def attempt(state):
         t, active, T, digits = state
         s = scale_ref[jnp.minimum(t, max_T)]
-        new, over = encode_at([c / s + zj for c, zj in zip(x, z)], config, lookup=False)
+        new, over = codec.encode_at([c / s + zj for c, zj in zip(x, z)], config, lookup=False)
         ok = active & ~over
         digits = tuple(jnp.where(ok, a, b) for a, b in zip(new, digits))
         T = jnp.where(ok, t, T)
@@ -194,483 +283,443 @@ def _encode_kernel(x_ref, scale_ref, lab_ref, T_ref, *, config: HNLQConfig, thre
     state = (t, finite & (t <= max_T), jnp.full(t.shape, -1, jnp.int32),
              tuple(jnp.zeros(t.shape, jnp.int32) for _ in range(d)))
     _, _, T, digits = jax.lax.while_loop(any_active, attempt, state)
-    for m, bm in enumerate(unpack_digits(list(digits), config)):
-        for j, c in enumerate(bm):
-            lab_ref[:, m * d + j] = c.astype(jnp.uint8)
-    T_ref[...] = T.astype(jnp.int8)
+    for m, k in enumerate(codec.index_from_digits(list(digits), config)):
+        pltriton.store(idx_ref.at[:, _at(m)], k.astype(idx_ref.dtype), mask=live)
+    pltriton.store(T_ref, T, mask=live)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _encode_pallas(x, config, interpret, block, gpu_backend):
     N, d = x.shape
-    M = config.M
     with jax.ensure_compile_time_eval():
         scales, thresholds = codec.scale_tables(config, config.beta, x.dtype)
         thresholds = [float(v) for v in np.asarray(thresholds)]
     S = _pow2_at_least(config.max_T + 1)
-    bn = _rows(N, block)
-    labels, T = pl.pallas_call(
-        functools.partial(_encode_kernel, config=config, thresholds=thresholds),
+    bn = _tile(N, block)
+    return pl.pallas_call(
+        functools.partial(_encode_kernel, config=config, thresholds=thresholds, n=N),
         grid=(pl.cdiv(N, bn),),
         in_specs=[pl.BlockSpec((bn, d), lambda i: (i, 0)), pl.BlockSpec((S,), lambda i: (0,))],
-        out_specs=[pl.BlockSpec((bn, M * d), lambda i: (i, 0)), pl.BlockSpec((bn,), lambda i: (i,))],
-        out_shape=[jax.ShapeDtypeStruct((N, M * d), jnp.uint8),
-                   jax.ShapeDtypeStruct((N,), jnp.int8)],
+        out_specs=[pl.BlockSpec((bn, config.M), lambda i: (i, 0)),
+                   pl.BlockSpec((bn,), lambda i: (i,))],
+        out_shape=[jax.ShapeDtypeStruct((N, config.M), index_dtype(config)),
+                   jax.ShapeDtypeStruct((N,), jnp.int32)],
         interpret=interpret,
         compiler_params=_compiler_params(gpu_backend, "encode"),
-    )(x, _table(scales, S))
-    return Codes(labels.reshape(N, M, d), T)
+    )(x, _padded(scales, S))
 
 
-def encode(x, config: HNLQConfig, *, implementation=None, interpret=None, block: int = 256,
-           gpu_backend: str = "triton") -> Codes:
-    """Algorithm 1 with the overload loop, as one kernel pass over ``x``.
+def encode(x, config: HNLQConfig, *, interpret=None, block: int = 256,
+           gpu_backend: str = "triton"):
+    """Algorithm 1 with the overload loop, as one kernel pass over flat blocks.
 
     Args:
-      x: ``[..., d]`` floating array (half precision is computed in float32).
+      x: ``[N, d]`` float32 or float64 blocks (the front door has validated them).
       config: the quantizer.
-      implementation: ``"pallas"``, ``"xla"`` or ``None`` (see the module docstring).
       interpret: Pallas interpret mode; ``None``: on a CPU.
       block: blocks per program (a power of two >= 16).
       gpu_backend: ``"triton"``.
 
     Returns:
-      ``Codes(labels[..., M, d] uint8, T[...] int8)``, bit-identical to :func:`hnlq_jax.encode`.
+      ``(index [N, M], T [N] int32)``: codebook indices in
+      :func:`~hnlq_jax.codes.index_dtype` and the overload steps (-1: failed), identical to
+      :func:`hnlq_jax.codec.encode_blocks`.
+
+    Raises:
+      ValueError: ``x`` is not ``[N, d]``, a config no kernel supports, a bad ``block`` or
+        ``gpu_backend``.
     """
-    x = check_x(x, config, "kernels.encode")
-    if resolve(implementation, config, "kernels.encode") == "xla":
-        return codec.encode(x, config)
-    flat = x.reshape(-1, config.d)
-    if flat.shape[0] == 0:
-        return codec.encode(x, config)
-    c = _encode_pallas(flat, config, _interpret(interpret), block, gpu_backend)
-    return Codes(c.labels.reshape(x.shape[:-1] + (config.M, config.d)), c.T.reshape(x.shape[:-1]))
+    _check_config(config, "kernels.encode")
+    x = jnp.asarray(x)
+    if x.ndim != 2 or x.shape[1] != config.d or x.dtype not in (jnp.float32, jnp.float64):
+        raise ValueError(f"kernels.encode: expected float32/float64 blocks [N, d={config.d}], "
+                         f"got {x.dtype}{list(x.shape)}; hnlq_jax.encode takes any shape")
+    if x.shape[0] == 0:
+        return (jnp.zeros((0, config.M), index_dtype(config)), jnp.zeros((0,), jnp.int32))
+    return _encode_pallas(x, config, _interpret(interpret), block, gpu_backend)
 
 
 # ----------------------------------------------------------------------------------- decode
 
 
-def _decode_kernel(lab_ref, T_ref, pow_ref, beta_ref, o_ref, *, config: HNLQConfig, first: int,
-                   interpret: bool):
-    d = config.d
-    dtype = o_ref.dtype
-    b = [[lab_ref[:, m * d + j].astype(jnp.int32) for j in range(d)] for m in range(config.M)]
-    cols = _scale(b, T_ref[...].astype(jnp.int32), pow_ref, beta_ref, config, dtype, interpret,
-                  first)
+def _decode_kernel(idx_ref, t_ref, *refs, config: HNLQConfig, first: int, n: int, L: int,
+                   flat: bool, interpret: bool):
+    *tab, pow_ref, beta_ref, o_ref = refs
+    bn = o_ref.shape[0]
+    i = pl.program_id(0) * bn + _iota(bn)
+    live = i < n
+    ks = _index_columns(idx_ref, config.M, live)
+    i = jnp.minimum(i, n - 1)
+    # The 4-bit field pairs blocks along the last leading axis; a flat block number is the
+    # pair position unless that axis has odd length L (then each row of blocks starts a byte).
+    row, col = (0, i) if flat else (i // L, i % L)
+    u = _read_u(t_ref, row, col, L, config)
+    cols = _decoded(ks, u, tab[0] if tab else None, pow_ref, beta_ref, config, o_ref.dtype,
+                    interpret, first)
     for j, c in enumerate(cols):
-        o_ref[:, j] = c
+        pltriton.store(o_ref.at[:, _at(j)], c, mask=live)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
-def _decode_pallas(labels, T, config, levels, dtype, interpret, block, gpu_backend):
-    N = T.shape[0]
-    M, d = config.M, config.d
-    S = _pow2_at_least(config.max_T + 1)
-    bn = _rows(N, block)
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+def _decode_pallas(index, tfield, config, levels, dtype, L, table, interpret, block,
+                   gpu_backend):
+    N, M = index.shape
+    d = config.d
+    bn = _tile(N, block)
+    pow2, beta = _tables(config, dtype)
+    tabs = [_codebook_input(config)] if table else []
+    flat = t_bits(config) == 8 or L % 2 == 0 or N == L
     return pl.pallas_call(
-        functools.partial(_decode_kernel, config=config, first=M - levels, interpret=interpret),
+        functools.partial(_decode_kernel, config=config, first=M - levels, n=N, L=L, flat=flat,
+                          interpret=interpret),
         grid=(pl.cdiv(N, bn),),
-        in_specs=[pl.BlockSpec((bn, M * d), lambda i: (i, 0)), pl.BlockSpec((bn,), lambda i: (i,)),
-                  pl.BlockSpec((S,), lambda i: (0,)), pl.BlockSpec((1,), lambda i: (0,))],
+        in_specs=[pl.BlockSpec((bn, M), lambda i: (i, 0)), _whole(tfield)]
+        + [_whole(a) for a in tabs] + [_whole(pow2), _whole(beta)],
         out_specs=pl.BlockSpec((bn, d), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((N, d), dtype),
         interpret=interpret,
         compiler_params=_compiler_params(gpu_backend, "decode"),
-    )(labels.reshape(N, M * d).astype(jnp.uint8), T, *_tables(config, dtype))
+    )(index, tfield, *tabs, pow2, beta)
 
 
-def _tables(config: HNLQConfig, dtype):
-    """The decoder's ``2^(alpha t)`` table (padded to a power of two) and ``[beta]``."""
-    pow2 = jnp.asarray(pow2_table(config.alpha, config.max_T), dtype)
-    return _table(pow2, _pow2_at_least(config.max_T + 1)), jnp.full((1,), config.beta, dtype)
-
-
-def decode(codes: Codes, config: HNLQConfig, levels: int | None = None, dtype=None, *,
-           implementation=None, interpret=None, block: int = 256, gpu_backend: str = "triton"):
-    """Algorithm 2, all levels fused in one kernel pass.
+def decode(codes: Codes, levels: int | None, dtype, *, interpret=None, block: int = 256,
+           gpu_backend: str = "triton", use_table: bool | None = None):
+    """Algorithm 2, all levels fused in one kernel pass over the codes as stored.
 
     Args:
-      codes: ``Codes(labels[..., M, d], T[...])``.
-      config: the quantizer that made them.
-      levels: keep only the ``levels`` coarsest levels (default: all).
-      dtype: output dtype; default float64 under x64, float32 otherwise.
-      implementation, interpret, block, gpu_backend: see :func:`encode`.
+      codes: block :class:`~hnlq_jax.Codes` (``n is None``, no scale) of any leading shape.
+      levels: keep only the ``levels`` coarsest levels (``None``: all M).
+      dtype: the compute and output dtype, float32 or float64.
+      interpret, block, gpu_backend: see :func:`encode`.
+      use_table: the codebook as a gathered table (``True``) or from the digits (``False``);
+        ``None``: by its size (module docstring).
 
     Returns:
-      ``[..., d]``, bit-identical to :func:`hnlq_jax.decode`; NaN in blocks with ``T = -1``.
+      ``[..., d]`` in ``dtype``, identical to :func:`hnlq_jax.codec.decode_xla`; NaN in blocks
+      with ``T = -1`` or corrupted fields.
+
+    Raises:
+      ValueError: row codes, a config no kernel supports, a bad ``block`` or ``gpu_backend``.
+      TypeError: not ``Codes``, or ``dtype`` not float32/float64.
     """
-    labels, T = check_codes(codes, config, levels, "kernels.decode")
-    if resolve(implementation, config, "kernels.decode") == "xla" or T.size == 0:
-        return codec.decode(codes, config, levels, dtype)
-    dtype = jnp.dtype(codec.default_float() if dtype is None else dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"kernels.decode: dtype must be floating, got {dtype}")
-    compute = jnp.promote_types(dtype, jnp.float32)
-    out = _decode_pallas(labels.reshape(-1, config.M, config.d), T.reshape(-1), config,
-                         config.M if levels is None else levels, compute, _interpret(interpret),
-                         block, gpu_backend)
-    return out.reshape(T.shape + (config.d,)).astype(dtype)
-
-
-# --------------------------------------------------------------------------------- quantize
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _quantize(x, config, implementation, interpret):
-    c = encode(x, config, implementation=implementation, interpret=interpret)
-    return decode(c, config, dtype=x.dtype, implementation=implementation, interpret=interpret)
-
-
-def _quantize_fwd(x, config, implementation, interpret):
-    return _quantize(x, config, implementation, interpret), None
-
-
-def _quantize_bwd(config, implementation, interpret, _, g):
-    return (g,)
-
-
-_quantize.defvjp(_quantize_fwd, _quantize_bwd)
-
-
-def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None):
-    """``decode(encode(x))`` through the kernels, with a straight-through gradient.
-
-    Args:
-      x: ``[..., d]`` floating array.
-      config: the quantizer.
-      implementation, interpret: see :func:`encode`.
-
-    Returns:
-      ``[..., d]`` in x's dtype; equal to :func:`hnlq_jax.quantize` bit for bit.
-    """
-    x = check_x(x, config, "kernels.quantize").astype(jnp.asarray(x).dtype)
-    return _quantize(x, config, implementation, interpret)
+    check_codes(codes, "kernels.decode")
+    config = codes.config
+    _check_config(config, "kernels.decode")
+    if codes.n is not None:
+        raise ValueError("kernels.decode: expected block codes; the front door hnlq_jax.decode "
+                         "takes row codes")
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.float32, jnp.float64):
+        raise TypeError(f"kernels.decode: dtype must be float32 or float64, got {dtype}")
+    table = _use_table(config, use_table, "kernels.decode")
+    lead = codes.blocks_shape
+    N = int(np.prod(lead, dtype=np.int64))
+    if N == 0:
+        return jnp.zeros(lead + (config.d,), dtype)
+    out = _decode_pallas(codes.index.reshape(N, config.M), codes.tfield.reshape(-1), config,
+                         config.M if levels is None else levels, dtype, lead[-1] if lead else 1,
+                         table, _interpret(interpret), block, gpu_backend)
+    return out.reshape(lead + (config.d,))
 
 
 # ---------------------------------------------------------------------------- decode_matmul
 
 
-def _weight_codes(codes_W, config: HNLQConfig, fn: str):
-    labels, T = check_codes(codes_W, config, None, fn)
-    if labels.ndim != 4:
-        raise ValueError(f"{fn}: W must be coded as n rows of length k: labels [n, nb, M, d], "
-                         f"got {labels.shape}")
-    return labels, T
+def _weight_codes(codes, fn: str) -> Codes:
+    check_weight_codes(codes, fn)
+    _check_config(codes.config, fn)
+    return codes
 
 
-def _activations(x, nb: int, config: HNLQConfig, fn: str):
-    x = jnp.asarray(x)
-    if x.ndim == 0 or -(-x.shape[-1] // config.d) != nb:
-        raise ValueError(f"{fn}: x must be [..., k] with ceil(k/d) = {nb} blocks (d={config.d}), "
-                         f"got shape {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{fn}: x must be floating, got {x.dtype}")
-    return x
+def _weight_codes_tile(idx_ref, t_ref, rows, k0, bk: int, config: HNLQConfig, n: int, nb: int):
+    """Index columns and ``u`` (``[bn, bk]`` each) of weight blocks ``k0 .. k0 + bk`` of ``rows``.
 
-
-def _planar(labels, T, bn: int, bk: int):
-    """Labels ``[n, nb, M, d]`` as ``[M*d, n, nb]`` and T ``[n, nb]``, padded to tile multiples.
-
-    Each label plane is a 2-D tile in the kernel; padded blocks get T = 0 and label 0 (they
-    decode to 0 and meet zero activations).
+    Past the edges the index reads 0 and ``u`` repeats the row's last block, so such a block
+    decodes to a finite value unless its row holds a failed block (then the row is NaN anyway,
+    as in the reference); it meets zero-padded activations, and rows past ``n`` are not stored.
     """
-    n, nb, M, d = labels.shape
-    pn, pk = (-n) % bn, (-nb) % bk
-    planes = jnp.transpose(labels, (2, 3, 0, 1)).reshape(M * d, n, nb)
-    return (jnp.pad(planes, ((0, 0), (0, pn), (0, pk))),
-            jnp.pad(T, ((0, pn), (0, pk))))
+    l = k0 + _iota(bk)
+    live = (rows < n)[:, None] & (l < nb)[None, :]
+    ks = _index_columns(idx_ref, config.M, live, (slice(None), pl.ds(k0, bk)))
+    u = _read_u(t_ref, jnp.minimum(rows, n - 1)[:, None], jnp.minimum(l, nb - 1)[None, :], nb,
+                config)
+    return ks, u
 
 
-def _decode_matmul_kernel(x_ref, lab_ref, T_ref, pow_ref, beta_ref, s_ref, o_ref, *,
-                          config: HNLQConfig, bk: int, compute, interpret: bool):
-    d, M = config.d, config.M
-    nk = lab_ref.shape[2] // bk
+def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
+                          batch: int, bk: int, compute, scaled: bool, table: bool,
+                          interpret: bool):
+    s_ref = refs[0] if scaled else None
+    tab = refs[int(scaled)] if table else None
+    pow_ref, beta_ref, o_ref = refs[-3:]
+    bb, bn = o_ref.shape
+    rows = pl.program_id(1) * bn + _iota(bn)
+    s = _load(s_ref, rows < n)[:, None] if scaled else None
 
-    def tile(k, acc):
-        sl = pl.ds(pl.multiple_of(k * bk, bk), bk)
-        b = [[lab_ref[m * d + j, :, sl].astype(jnp.int32) for j in range(d)] for m in range(M)]
-        w = _scale(b, T_ref[:, sl].astype(jnp.int32), pow_ref, beta_ref, config, jnp.float32,
-                   interpret)
-        for j in range(d):
+    def tile(t, acc):
+        k0 = pl.multiple_of(t * bk, bk)
+        ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb)
+        w = _decoded(ks, u, tab, pow_ref, beta_ref, config, jnp.float32, interpret)
+        for j, wj in enumerate(w):
+            if scaled:  # the reference's rounding: the float32 weight times its row scale
+                wj = wj * s
             acc = acc + jax.lax.dot_general(
-                x_ref[j, :, sl].astype(compute), w[j].astype(compute), (((1,), (1,)), ((), ())),
-                precision=_HIGHEST, preferred_element_type=jnp.float32)
+                x_ref[j, :, pl.ds(k0, bk)].astype(compute), wj.astype(compute),
+                (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32)
         return acc
 
-    acc = jax.lax.fori_loop(0, nk, tile, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = (acc * s_ref[...][None, :]).astype(o_ref.dtype)
+    acc = jax.lax.fori_loop(0, pl.cdiv(nb, bk), tile, jnp.zeros((bb, bn), jnp.float32))
+    b = pl.program_id(0) * bb + _iota(bb)
+    pltriton.store(o_ref, acc.astype(o_ref.dtype), mask=(b < batch)[:, None] & (rows < n)[None, :])
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7, 8))
-def _decode_matmul_pallas(x, labels, T, scale, config, interpret, block_n, block_k, gpu_backend):
-    n, nb, M, d = labels.shape
-    lead, k = x.shape[:-1], x.shape[-1]
-    compute = x.dtype if x.dtype == jnp.bfloat16 else jnp.promote_types(x.dtype, jnp.float32)
-    out_dtype = jnp.promote_types(x.dtype, jnp.float32) if x.dtype != jnp.bfloat16 else x.dtype
-    xf = x.reshape(-1, k)
-    B = xf.shape[0]
-    bb = max(16, _pow2_at_least(B))  # dot tiles are >= 16 on every side
-    bn = _rows(n, block_n)
-    bk = _rows(nb, block_k)
-    planes, Tp = _planar(labels, T, bn, bk)
-    npad, nbp = Tp.shape
-    xp = jnp.pad(xf, ((0, bb - B), (0, nbp * d - k))).reshape(bb, nbp, d)
-    xp = jnp.transpose(xp, (2, 0, 1))  # [d, bb, nbp]: coordinate planes, as the labels
-    s = jnp.pad(jnp.ones((n,), jnp.float32) if scale is None else scale.astype(jnp.float32),
-                (0, npad - n))
-    S = _pow2_at_least(config.max_T + 1)
-    out = pl.pallas_call(
-        functools.partial(_decode_matmul_kernel, config=config, bk=bk, compute=compute,
-                          interpret=interpret),
-        grid=(npad // bn,),
-        in_specs=[pl.BlockSpec((d, bb, nbp), lambda i: (0, 0, 0)),
-                  pl.BlockSpec((M * d, bn, nbp), lambda i: (0, i, 0)),
-                  pl.BlockSpec((bn, nbp), lambda i: (i, 0)),
-                  pl.BlockSpec((S,), lambda i: (0,)), pl.BlockSpec((1,), lambda i: (0,)),
-                  pl.BlockSpec((bn,), lambda i: (i,))],
-        out_specs=pl.BlockSpec((bb, bn), lambda i: (0, i)),
-        out_shape=jax.ShapeDtypeStruct((bb, npad), out_dtype),
-        interpret=interpret,
-        compiler_params=_compiler_params(gpu_backend, "decode_matmul"),
-    )(xp, planes, Tp, *_tables(config, jnp.float32), s)
-    return out[:B, :n].reshape(lead + (n,))
-
-
-def _decode_matmul_xla(x, labels, T, scale, config):
-    """The reference: decode W in float32, then ``x @ W_hat^T`` (accumulated in float32)."""
-    n, nb = T.shape
-    k = x.shape[-1]
-    w = codec.decode_blocks(labels, T, config, None, jnp.float32, config.beta)
-    w = w.reshape(n, nb * config.d)[:, :k]
-    if scale is not None:
-        w = w * scale.astype(jnp.float32)[:, None]
-    compute = x.dtype if x.dtype == jnp.bfloat16 else jnp.promote_types(x.dtype, jnp.float32)
-    out_dtype = jnp.promote_types(x.dtype, jnp.float32) if x.dtype != jnp.bfloat16 else x.dtype
-    y = jnp.einsum("...k,nk->...n", x.astype(compute), w.astype(compute), precision=_HIGHEST,
-                   preferred_element_type=jnp.float32)
-    return y.astype(out_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _decode_matmul(x, labels, T, scale, config, impl, interpret, block_n, block_k, gpu_backend):
-    if impl == "xla":
-        return _decode_matmul_xla(x, labels, T, scale, config)
-    return _decode_matmul_pallas(x, labels, T, scale, config, interpret, block_n, block_k,
-                                 gpu_backend)
-
-
-def _decode_matmul_fwd(x, labels, T, scale, config, *static):
-    return _decode_matmul(x, labels, T, scale, config, *static), (x, labels, T, scale)
-
-
-def _decode_matmul_bwd(config, impl, interpret, block_n, block_k, gpu_backend, res, g):
-    x, labels, T, scale = res
-    n, nb = T.shape
-    w = codec.decode_blocks(labels, T, config, None, jnp.float32, config.beta)
-    w = w.reshape(n, nb * config.d)[:, :x.shape[-1]]  # [n, k], unscaled
-    g = g.astype(jnp.float32)
-    gs = g if scale is None else g * scale.astype(jnp.float32)
-    dx = jnp.einsum("...n,nk->...k", gs, w, precision=_HIGHEST).astype(x.dtype)
-    dscale = None
-    if scale is not None:
-        xw = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w, precision=_HIGHEST)
-        dscale = jnp.sum((g * xw).reshape(-1, n), axis=0).astype(scale.dtype)
-    return dx, None, None, dscale
-
-
-_decode_matmul.defvjp(_decode_matmul_fwd, _decode_matmul_bwd)
-
-
-def decode_matmul(x, codes_W, config: HNLQConfig, *, scale=None, implementation=None,
-                  interpret=None, block_n: int = 32, block_k: int = 32,
-                  gpu_backend: str = "triton"):
-    """``y = (x @ W_hat^T) * scale`` with ``W_hat`` given only by its codes (weight-only).
-
-    The kernel reads the weight as codes (``M log2 q`` bits/dim plus T) and decodes it tile by
-    tile next to the matrix-unit ``dot``; the dense weight never exists in memory.
+def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
+                  block_n: int = 32, block_k: int = 32, gpu_backend: str = "triton",
+                  use_table: bool | None = None):
+    """``y = x @ W_hat^T`` with the weight read as codes: decoded tile by tile next to the
+    ``dot``, the dense weight never in memory.
 
     Args:
-      x: ``[..., k]`` activations (float32, bfloat16 or float64). bfloat16 runs a bfloat16
-        ``dot`` on the decoded tiles with float32 accumulation.
-      codes_W: ``Codes(labels [n, nb, M, d], T [n, nb])``: the n rows of W coded along k,
-        ``nb = ceil(k/d)``.
-      config: the quantizer that made the codes.
-      scale: optional ``[n]`` per-row scale (e.g. per-channel ``c = beta * rms``).
-      implementation, interpret, gpu_backend: see :func:`encode`.
-      block_n, block_k: output rows and d-blocks per tile (powers of two >= 16).
+      x: ``[..., k]`` activations.
+      codes: the weight ``W[n, k]`` as codes with blocks ``[n, nb]``: row codes (their row
+        scale is applied to the decoded float32 weight, as the reference does) or block codes
+        with ``k = nb d``.
+      compute_dtype: dtype of the ``dot`` operands (bfloat16, or at least float32).
+      out_dtype: the result's dtype.
+      interpret, gpu_backend: see :func:`encode`.
+      block_n: output rows per program; block_k: weight blocks per step of the inner loop
+        (powers of two >= 16). Up to 64 activation rows share a program.
+      use_table: see :func:`decode`.
 
     Returns:
-      ``[..., n]`` in x's dtype (at least float32 unless bfloat16). Differentiable in x and
-      scale (the gradient of the decoded product); the codes get none.
+      ``[..., n]`` in ``out_dtype``: the products of the reference's decoded weights, summed in
+      float32 in another order than :func:`hnlq_jax.matmul`'s ``"xla"`` path (equal bit for
+      bit whenever each sum has one nonzero term, e.g. one-hot rows of x).
+
+    Raises:
+      ValueError, TypeError: codes that are not ``[n, nb]`` weight codes, a mismatched ``x``,
+        a config no kernel supports, bad tiles or ``gpu_backend``.
     """
-    labels, T = _weight_codes(codes_W, config, "kernels.decode_matmul")
-    x = _activations(x, T.shape[1], config, "kernels.decode_matmul")
-    if scale is not None:
-        scale = jnp.asarray(scale)
-        if scale.shape != T.shape[:1]:
-            raise ValueError(f"kernels.decode_matmul: scale must have shape ({T.shape[0]},), got "
-                             f"{scale.shape}")
-    impl = resolve(implementation, config, "kernels.decode_matmul")
-    return _decode_matmul(x, labels, T, scale, config, impl, _interpret(interpret), block_n,
-                          block_k, gpu_backend)
+    codes = _weight_codes(codes, "kernels.decode_matmul")
+    x = check_activations(x, codes, "kernels.decode_matmul")
+    config = codes.config
+    table = _use_table(config, use_table, "kernels.decode_matmul")
+    n, nb = codes.blocks_shape
+    lead = x.shape[:-1]
+    B = int(np.prod(lead, dtype=np.int64))
+    if B == 0 or n == 0 or nb == 0:
+        return jnp.zeros(lead + (n,), out_dtype)
+    out = _decode_matmul_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(compute_dtype),
+                              jnp.dtype(out_dtype), table, _interpret(interpret), block_n,
+                              block_k, gpu_backend)
+    return out.reshape(lead + (n,))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, block_n, block_k,
+                        gpu_backend):
+    config = codes.config
+    n, nb = codes.blocks_shape
+    B, k = x.shape
+    d, M = config.d, config.M
+    bb = min(_BATCH_TILE, max(16, _pow2_at_least(B)))  # dot tiles are >= 16 on every side
+    bn, bk = _tile(n, block_n, "block_n"), _tile(nb, block_k, "block_k")
+    Bp, nbp = pl.cdiv(B, bb) * bb, pl.cdiv(nb, bk) * bk
+    # Activations only are re-laid out: coordinate planes [d, Bp, nbp], zero-padded.
+    xp = jnp.pad(x, ((0, Bp - B), (0, nbp * d - k))).reshape(Bp, nbp, d).transpose(2, 0, 1)
+    pow2, beta = _tables(config, jnp.float32)
+    scaled = codes.scale is not None
+    extra = ([codes.scale.astype(jnp.float32)] if scaled else []) \
+        + ([_codebook_input(config)] if table else [])
+    extra_specs = ([pl.BlockSpec((bn,), lambda b, i: (i,))] if scaled else []) \
+        + ([_whole(extra[-1])] if table else [])
+    tfield = codes.tfield.reshape(-1)
+    return pl.pallas_call(
+        functools.partial(_decode_matmul_kernel, config=config, n=n, nb=nb, batch=B, bk=bk,
+                          compute=compute, scaled=scaled, table=table, interpret=interpret),
+        grid=(Bp // bb, pl.cdiv(n, bn)),
+        in_specs=[pl.BlockSpec((d, bb, nbp), lambda b, i: (0, b, 0)),
+                  pl.BlockSpec((bn, nb, M), lambda b, i: (i, 0, 0)),
+                  _whole(tfield)] + extra_specs + [_whole(pow2), _whole(beta)],
+        out_specs=pl.BlockSpec((bb, bn), lambda b, i: (b, i)),
+        out_shape=jax.ShapeDtypeStruct((B, n), out_dtype),
+        interpret=interpret,
+        compiler_params=_compiler_params(gpu_backend, "decode_matmul"),
+    )(xp, codes.index, tfield, *extra, pow2, beta)
 
 
 # --------------------------------------------------------------------------------- lut_gemv
 
 
-def _lut_gemv_kernel(t_ref, e_ref, lab_ref, T_ref, pow_ref, beta_ref, o_ref, *,
-                     config: HNLQConfig,
-                     bk: int):
-    d, M, q = config.d, config.M, config.q
-    Q = q**d
-    nk = lab_ref.shape[2] // bk
-    bn = T_ref.shape[0]
+def _lut_gemv_kernel(tbl_ref, *refs, config: HNLQConfig, n: int, nb: int, bk: int,
+                     dithered: bool):
+    e_ref = refs[0] if dithered else None
+    idx_ref, t_ref, pow_ref, beta_ref, o_ref = refs[int(dithered):]
+    rows_q = config.q**config.d
+    bn = o_ref.shape[0]
+    rows = pl.program_id(0) * bn + _iota(bn)
+    weights = _numerics.level_weights(config)
 
-    def tile(k, acc):
-        k0 = pl.multiple_of(k * bk, bk)
-        sl = pl.ds(k0, bk)
-        T = T_ref[:, sl].astype(jnp.int32)
-        row = (k0 + jax.lax.broadcasted_iota(jnp.int32, (bn, bk), 1)) * Q
-        v = jnp.zeros((bn, bk), jnp.float32)
-        valid = (T >= 0) & (T <= config.max_T)
-        for m in range(M):
-            b = [lab_ref[m * d + j, :, sl].astype(jnp.int32) for j in range(d)]
-            for c in b:
-                valid = valid & (c < q)
-            v = v + float(q**m) * t_ref[row + codec.flat_index(b, q)]
-        s = beta_ref[0] * pow_ref[jnp.clip(T, 0, config.max_T)]
-        s = jnp.where(valid, s, jnp.nan)
-        return acc + jnp.sum(s * (v - e_ref[sl][None, :]), axis=1)
+    def tile(t, acc):
+        k0 = pl.multiple_of(t * bk, bk)
+        ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb)
+        l = k0 + _iota(bk)
+        v = None
+        for m, k in enumerate(ks):  # the tables are zero-padded to whole tiles: no clamp on l
+            g = tbl_ref[l[None, :] * rows_q + jnp.minimum(k, jnp.uint32(rows_q - 1)).astype(
+                jnp.int32)] * weights[m]
+            v = g if v is None else v + g
+        s = beta_ref[0] * _numerics.overload_scale(u, config, pow_ref)
+        s = jnp.where(valid_blocks(ks, u, config), s, jnp.nan)
+        if e_ref is not None:
+            v = v - e_ref[pl.ds(k0, bk)][None, :]
+        return acc + jnp.sum(s * v, axis=1)
 
-    o_ref[...] = jax.lax.fori_loop(0, nk, tile, jnp.zeros((bn,), jnp.float32))
+    out = jax.lax.fori_loop(0, pl.cdiv(nb, bk), tile, jnp.zeros((bn,), o_ref.dtype))
+    pltriton.store(o_ref, out, mask=rows < n)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
-def _lut_gemv_pallas(labels, T, x, config, interpret, block_n, block_k, gpu_backend):
-    n, nb, M, d = labels.shape
-    Q = config.q**d
-    bn, bk = _rows(n, block_n), _rows(nb, block_k)
-    planes, Tp = _planar(labels, T, bn, bk)
-    npad, nbp = Tp.shape
-    x = x.astype(jnp.float32)
-    t = lut.one_sided(x, config)  # [nb, Q]
-    t = jnp.pad(t, ((0, nbp - nb), (0, 0))).reshape(-1)
-    e = lut.dither_dot(codec.to_blocks(x, d), config)
-    e = jnp.pad(jnp.broadcast_to(jnp.asarray(e, jnp.float32), (nb,)), (0, nbp - nb))
-    S = _pow2_at_least(config.max_T + 1)
-    out = pl.pallas_call(
-        functools.partial(_lut_gemv_kernel, config=config, bk=bk),
-        grid=(npad // bn,),
-        in_specs=[pl.BlockSpec((nbp * Q,), lambda i: (0,)), pl.BlockSpec((nbp,), lambda i: (0,)),
-                  pl.BlockSpec((M * d, bn, nbp), lambda i: (0, i, 0)),
-                  pl.BlockSpec((bn, nbp), lambda i: (i, 0)), pl.BlockSpec((S,), lambda i: (0,)),
-                  pl.BlockSpec((1,), lambda i: (0,))],
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _lut_gemv_call(x, codes: Codes, interpret, block_n, block_k, gpu_backend, dtype):
+    """``W_hat x`` for one vector ``x [k]`` (batches are vmapped: a grid axis)."""
+    config = codes.config
+    n, nb = codes.blocks_shape
+    d, M, Q = config.d, config.M, config.q**config.d
+    bn, bk = _tile(n, block_n, "block_n"), _tile(nb, block_k, "block_k")
+    nbp = pl.cdiv(nb, bk) * bk
+    x = x.astype(dtype)
+    tbl = jnp.pad(lut.one_sided(x, config), ((0, nbp - nb), (0, 0))).reshape(-1)  # [nbp * Q]
+    ins = [tbl]
+    if config.dither is not None:
+        ins.append(jnp.pad(lut.dither_dot(codec.to_blocks(x, d), config), (0, nbp - nb)))
+    pow2, beta = _tables(config, dtype)
+    tfield = codes.tfield.reshape(-1)
+    return pl.pallas_call(
+        functools.partial(_lut_gemv_kernel, config=config, n=n, nb=nb, bk=bk,
+                          dithered=config.dither is not None),
+        grid=(pl.cdiv(n, bn),),
+        in_specs=[_whole(a) for a in ins] + [pl.BlockSpec((bn, nb, M), lambda i: (i, 0, 0)),
+                                            _whole(tfield), _whole(pow2), _whole(beta)],
         out_specs=pl.BlockSpec((bn,), lambda i: (i,)),
-        out_shape=jax.ShapeDtypeStruct((npad,), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((n,), dtype),
         interpret=interpret,
         compiler_params=_compiler_params(gpu_backend, "lut_gemv"),
-    )(t, e, planes, Tp, *_tables(config, jnp.float32))
-    return out[:n]
+    )(*ins, codes.index, tfield, pow2, beta)
 
 
-def lut_gemv(codes_W, x, config: HNLQConfig, *, implementation=None, interpret=None,
-             block_n: int = 32, block_k: int = 32, gpu_backend: str = "triton"):
-    """``W_hat x`` through x's one-sided tables: a gather per level and block, no decode.
+def lut_gemv(codes_W: Codes, x, *, interpret=None, block_n: int = 32, block_k: int = 32,
+             gpu_backend: str = "triton"):
+    """``x @ W_hat^T`` through x's one-sided tables: one gather per level and block, no decode.
 
     Args:
-      codes_W: ``Codes(labels [n, nb, M, d], T [n, nb])``.
-      x: ``[..., k]`` activations with ``ceil(k/d) = nb``; leading axes are mapped over.
-      config: the quantizer (``q^d <= 2^16``, as for :func:`hnlq_jax.lut.one_sided`).
-      implementation, interpret, block_n, block_k, gpu_backend: see :func:`decode_matmul`.
+      codes_W: the weight as codes with blocks ``[n, nb]`` (row scales are applied).
+      x: ``[..., k]`` activations; each vector gets its own tables (leading axes are mapped).
+      interpret, block_n, block_k, gpu_backend: see :func:`decode_matmul`.
 
     Returns:
-      ``[..., n]`` float32, equal to :func:`hnlq_jax.lut.matmul_one_sided` up to summation
-      order.
+      ``[..., n]`` in x's dtype (at least float32), equal to
+      :func:`hnlq_jax.lut.matmul_one_sided` up to summation order; NaN in rows with a failed
+      block.
+
+    Raises:
+      ValueError: as :func:`decode_matmul`, or ``q^d`` beyond the one-sided table limit.
     """
-    labels, T = _weight_codes(codes_W, config, "kernels.lut_gemv")
-    x = _activations(x, T.shape[1], config, "kernels.lut_gemv")
-    lead = x.shape[:-1]
-    batch = int(np.prod(lead, dtype=np.int64))
-    if resolve(implementation, config, "kernels.lut_gemv", batch) == "xla":
-        return lut.matmul_one_sided(codes_W, x, config)
-    lut.check_one_sided(config, "kernels.lut_gemv")
-    gemv = functools.partial(_lut_gemv_pallas, labels, T, config=config,
-                             interpret=_interpret(interpret), block_n=block_n, block_k=block_k,
-                             gpu_backend=gpu_backend)
-    xf = x.reshape(-1, x.shape[-1])
-    out = jax.vmap(lambda v: gemv(v))(xf)
-    return out.reshape(lead + (T.shape[0],))
+    codes_W = _weight_codes(codes_W, "kernels.lut_gemv")
+    x = check_activations(x, codes_W, "kernels.lut_gemv")
+    lut.check_one_sided(codes_W.config, "kernels.lut_gemv")
+    n = codes_W.blocks_shape[0]
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    if x.size == 0 or n == 0:
+        return jnp.zeros(x.shape[:-1] + (n,), dtype)
+    gemv = functools.partial(_lut_gemv_call, codes=codes_W, interpret=_interpret(interpret),
+                             block_n=block_n, block_k=block_k, gpu_backend=gpu_backend,
+                             dtype=dtype)
+    out = jax.vmap(gemv)(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1] + (n,))
+    return out if codes_W.scale is None else out * codes_W.scale.astype(dtype)
 
 
 # --------------------------------------------------------------------------------- modq_sum
 
 
-def _modq_kernel(lab_ref, T_ref, olab_ref, oT_ref, *, config: HNLQConfig):
-    K, C, _ = lab_ref.shape
-    T0 = T_ref[0, :].astype(jnp.int32)
+def _modq_kernel(k_ref, u_ref, ok_ref, ou_ref, *, config: HNLQConfig):
+    q, d, M = config.q, config.d, config.M
+    K = u_ref.shape[0]
+    u0 = u_ref[0, :].astype(jnp.int32)
+
+    def digits(k):
+        return tuple(c for m in range(M) for c in digits_of_index(k_ref[k, m, :], q, d))
 
     def add(k, state):
         sums, same = state
-        sums = tuple(s + lab_ref[k, c, :].astype(jnp.int32) for c, s in enumerate(sums))
-        return sums, same & (T_ref[k, :].astype(jnp.int32) == T0)
+        sums = tuple(a + b for a, b in zip(sums, digits(k)))
+        return sums, same & (u_ref[k, :].astype(jnp.int32) == u0)
 
     # The carries start from loaded rows, not zeros: Mosaic GPU gives constants a different
     # register layout and rejects the loop.
-    first = tuple(lab_ref[0, c, :].astype(jnp.int32) for c in range(C))
-    sums, same = jax.lax.fori_loop(1, K, add, (first, T0 >= 0))
-    for c, s in enumerate(sums):
-        olab_ref[c, :] = jnp.remainder(s, config.q).astype(jnp.uint8)
-    oT_ref[...] = jnp.where(same, T0, -1).astype(jnp.int8)
+    sums, same = jax.lax.fori_loop(1, K, add, (digits(0), u0 >= 1))
+    for m in range(M):
+        b = [jnp.remainder(s, q) for s in sums[m * d:(m + 1) * d]]
+        ok_ref[m, :] = codec.flat_index(b, q).astype(ok_ref.dtype)
+    ou_ref[...] = jnp.where(same, u0, 0).astype(ou_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _modq_pallas(labels, T, config, interpret, block, gpu_backend):
-    """Planar layout (labels ``[K, M*d, N]``), which both Triton and Mosaic GPU lower: Mosaic
-    GPU copies need 16-byte strides and whole warpgroups of bytes (256 blocks per program)."""
-    K, N = T.shape
-    C = config.M * config.d
-    bn = 256 if gpu_backend == "mosaic_gpu" else _rows(N, block)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _modq_call(codes: Codes, axis, interpret, block, gpu_backend):
+    """Planar copies (index ``[K, M, N]``, ``u [K, N]``), which Triton and Mosaic GPU both
+    lower: Mosaic GPU copies need 16-byte strides and whole warpgroups of bytes."""
+    config = codes.config
+    lead = codes.blocks_shape
+    K = lead[axis]
+    rest = lead[:axis] + lead[axis + 1:]
+    N = int(np.prod(rest, dtype=np.int64))
+    bn = _MOSAIC_TILE if gpu_backend == "mosaic_gpu" else _tile(N, block)
     pad = (-N) % bn
-    planes = jnp.transpose(labels.reshape(K, N, C).astype(jnp.uint8), (0, 2, 1))
-    planes = jnp.pad(planes, ((0, 0), (0, 0), (0, pad)))
-    Tp = jnp.pad(T.astype(jnp.int8), ((0, 0), (0, pad)))
-    out, T = pl.pallas_call(
+    index = jnp.moveaxis(codes.index, axis, 0).reshape(K, N, config.M).transpose(0, 2, 1)
+    u = jnp.moveaxis(unpack_t(codes.tfield, config, lead[-1]), axis, 0).reshape(K, N)
+    out, u = pl.pallas_call(
         functools.partial(_modq_kernel, config=config),
         grid=((N + pad) // bn,),
-        in_specs=[pl.BlockSpec((K, C, bn), lambda i: (0, 0, i)),
+        in_specs=[pl.BlockSpec((K, config.M, bn), lambda i: (0, 0, i)),
                   pl.BlockSpec((K, bn), lambda i: (0, i))],
-        out_specs=[pl.BlockSpec((C, bn), lambda i: (0, i)), pl.BlockSpec((bn,), lambda i: (i,))],
-        out_shape=[jax.ShapeDtypeStruct((C, N + pad), jnp.uint8),
-                   jax.ShapeDtypeStruct((N + pad,), jnp.int8)],
+        out_specs=[pl.BlockSpec((config.M, bn), lambda i: (0, i)),
+                   pl.BlockSpec((bn,), lambda i: (i,))],
+        out_shape=[jax.ShapeDtypeStruct((config.M, N + pad), index.dtype),
+                   jax.ShapeDtypeStruct((N + pad,), jnp.uint8)],
         interpret=interpret,
         compiler_params=_compiler_params(gpu_backend, "modq_sum"),
-    )(planes, Tp)
-    return Codes(out[:, :N].T.reshape(N, config.M, config.d), T[:N])
+    )(jnp.pad(index, ((0, 0), (0, 0), (0, pad))), jnp.pad(u.astype(jnp.uint8), ((0, 0), (0, pad))))
+    T = u[:N].astype(jnp.int32).reshape(rest) - 1
+    return Codes(out[:, :N].T.reshape(rest + (config.M,)), pack_t(T, config), config)
 
 
-def modq_sum(codes: Codes, config: HNLQConfig, axis: int = 0, *, implementation=None,
-             interpret=None, block: int = 256, gpu_backend: str = "triton") -> Codes:
-    """Label-wise sum mod q along a leading axis (the compressed-domain sum).
+def modq_sum(codes: Codes, axis: int = 0, *, interpret=None, block: int = 256,
+             gpu_backend: str = "triton") -> Codes:
+    """Digit-wise sum mod q of the codes along a leading axis (the compressed-domain sum).
 
     Args:
-      codes: ``Codes(labels[..., M, d], T[...])`` (config without dither).
-      config: the quantizer that made them.
-      axis: the leading axis summed over.
-      implementation, interpret, block: see :func:`encode`.
+      codes: block codes of a config without dither, no row scales.
+      axis: the leading (block) axis summed over.
+      interpret, block: see :func:`encode`.
       gpu_backend: ``"triton"`` or ``"mosaic_gpu"``.
 
     Returns:
-      ``Codes`` with ``axis`` removed, identical to :func:`hnlq_jax.modq.accumulate`: T is the
-      common T of the summands, or -1 where they differ or one is -1.
+      Block ``Codes`` with ``axis`` removed, identical to :func:`hnlq_jax.modq.accumulate`:
+      T is the common T of the summands, or -1 where they differ or one is -1.
+
+    Raises:
+      ValueError, TypeError: as :func:`hnlq_jax.modq.accumulate`; a config no kernel
+        supports; an empty summed axis.
     """
-    if resolve(implementation, config, "kernels.modq_sum") == "xla":
-        return modq.accumulate(codes, config, axis)
-    labels, T = modq.check(codes, config, "kernels.modq_sum")
+    check_codes(codes, "kernels.modq_sum")
+    config = codes.config
+    _check_config(config, "kernels.modq_sum")
+    # modq's own checks (dither, row scales, axis), traced abstractly: no labels computed.
+    _, T = jax.eval_shape(lambda c: modq.check(c, "kernels.modq_sum"), codes)
     axis = modq.leading_axis(axis, T, "kernels.modq_sum")
-    labels, T = jnp.moveaxis(labels, axis, 0), jnp.moveaxis(T, axis, 0)
-    rest = T.shape[1:]
-    if T.size == 0:
-        return modq.accumulate(codes, config, axis)
-    c = _modq_pallas(labels.reshape((T.shape[0], -1, config.M, config.d)),
-                     T.reshape(T.shape[0], -1), config, _interpret(interpret), block, gpu_backend)
-    return Codes(c.labels.reshape(rest + (config.M, config.d)), c.T.reshape(rest))
+    lead = codes.blocks_shape
+    rest = lead[:axis] + lead[axis + 1:]
+    if int(np.prod(rest, dtype=np.int64)) == 0:
+        return Codes(jnp.zeros(rest + (config.M,), index_dtype(config)),
+                     pack_t(jnp.zeros(rest, jnp.int32), config), config)
+    _compiler_params(gpu_backend, "modq_sum")  # a bad backend raises here, not in the trace
+    return _modq_call(codes, axis, _interpret(interpret), block, gpu_backend)

@@ -51,6 +51,9 @@ def leading_axis(axis, T, fn: str) -> int:
             f"{fn}: axis must be an int indexing the leading (block) axes of shape {T.shape}, "
             f"got {axis!r}"
         )
+    if T.shape[axis] == 0:
+        raise ValueError(f"{fn}: the summed axis {axis} of the codes (blocks {T.shape}) is empty; "
+                         "a mod-q sum needs at least one summand")
     return axis % T.ndim
 
 

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import codec, kernels, lut
-from hnlq_jax.codes import Codes, check_codes, pack_t, unpack_t
+from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes, pack_t,
+                            row_length, unpack_t)
 from hnlq_jax.config import HNLQConfig
 
 __all__ = ["IMPLEMENTATIONS", "FAILURES", "encode", "decode", "quantize", "matmul",
@@ -36,12 +37,11 @@ IMPLEMENTATIONS = {
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def default_implementation(op: str, config: HNLQConfig, batch: int | None = None) -> str:
+def default_implementation(op: str, config: HNLQConfig) -> str:
     """What ``implementation=None`` runs for ``op`` on the default backend.
 
-    On a GPU, the kernel when one supports ``config``. Elsewhere Pallas only runs in interpret
-    mode (slower than XLA), with one measured exception: a matmul of a single vector through the
-    LUT GEMV kernel (``experiments/bench_kernels.py``).
+    On a GPU, the kernel when one supports ``config``. Elsewhere XLA: Pallas only runs in
+    interpret mode there, which is slower (``experiments/bench_kernels.py``).
 
     Raises:
       ValueError: an unknown op.
@@ -56,11 +56,11 @@ def default_implementation(op: str, config: HNLQConfig, batch: int | None = None
     return "xla"
 
 
-def resolve(implementation, config: HNLQConfig, op: str, batch=None) -> str:
+def resolve(implementation, config: HNLQConfig, op: str) -> str:
     """``implementation`` checked for ``op`` (``None``: :func:`default_implementation`)."""
     allowed = IMPLEMENTATIONS[op]
     if implementation is None:
-        return default_implementation(op, config, batch)
+        return default_implementation(op, config)
     if implementation not in allowed:
         raise ValueError(f"{op}: implementation must be one of {allowed} or None, got "
                          f"{implementation!r}")
@@ -280,33 +280,13 @@ _quantize_jit = jax.jit(_quantize, static_argnums=(1, 2, 3))
 # ------------------------------------------------------------------------------------ matmul
 
 
-def _weight_codes(codes, fn: str) -> Codes:
-    check_codes(codes, fn)
-    if len(codes.blocks_shape) != 2:
-        raise ValueError(f"{fn}: the weight must be coded as n rows of length k: codes with "
-                         f"blocks [n, nb], got blocks {list(codes.blocks_shape)}; see "
-                         "hnlq_jax.encode_rows")
-    return codes
-
-
-def _check_activations(x, codes: Codes, fn: str):
-    x = jnp.asarray(x)
-    k = codes.shape[-1]
-    if x.ndim == 0 or x.shape[-1] != k:
-        raise ValueError(f"{fn}: x must be [..., k] with k = {k} (the codes' row length), got "
-                         f"shape {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{fn}: x must be floating, got {x.dtype}")
-    return x
-
-
 def _dense_weight(codes: Codes):
     """``[n, k]`` float32 decoded weight without the row scale (the XLA reference)."""
     config = codes.config
     n, nb = codes.blocks_shape
     u = unpack_t(codes.tfield, config, nb)
     w = codec.decode_blocks(codes.index, u, config, None, jnp.float32, config.beta)
-    return w.reshape(n, nb * config.d)[:, :codes.shape[-1]]
+    return w.reshape(n, nb * config.d)[:, :row_length(codes)]
 
 
 def _matmul_xla(x, codes: Codes):
@@ -377,10 +357,10 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
       ``[..., n]`` in x's dtype (at least float32 unless bfloat16). Differentiable in x and in
       the row scale; the integer code arrays get no gradient.
     """
-    codes = _weight_codes(codes, "matmul")
-    x = _check_activations(x, codes, "matmul")
+    codes = check_weight_codes(codes, "matmul")
+    x = check_activations(x, codes, "matmul")
     batch = int(np.prod(x.shape[:-1], dtype=np.int64))
-    impl = resolve(implementation, codes.config, "matmul", batch)
+    impl = resolve(implementation, codes.config, "matmul")
     if impl == "lut":
         lut.check_one_sided(codes.config, "matmul")
     if batch == 0 or codes.blocks_shape[0] == 0:

@@ -1,30 +1,45 @@
-"""Pallas kernels (interpret mode on the CPU) against the XLA reference; CUDA lowering."""
+"""Pallas kernels (interpret mode on the CPU) against the XLA path, bit for bit; CUDA lowering.
+
+The kernels are reached through the front doors (``implementation="pallas"`` against
+``"xla"``) except where a test needs what only the kernel entry points expose: ragged tiles
+(the front doors pad eager batches), ``use_table=``, tile sizes, the GPU backend.
+"""
 
 import functools
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_golden, golden_config
+from conftest import golden_config, load_golden
 from hypothesis import given
 from hypothesis import strategies as st
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import hnlq_jax as hq
+from hnlq_jax import codec
 from hnlq_jax import kernels as K
 
+ROOT = pathlib.Path(__file__).parent.parent
 PALLAS = dict(implementation="pallas")
+XLA = dict(implementation="xla")
+D4 = hq.HNLQConfig("D4", 4, 2, beta=0.35)
+WIDE_T = hq.HNLQConfig("D4", 3, 2, beta=0.35, max_T=20)  # 8-bit T field, q not a power of two
 CONFIGS = [
-    hq.HNLQConfig("D4", 4, 2, beta=0.35),
-    hq.HNLQConfig("E8", 3, 2, beta=0.4),
+    D4,  # codebook table, 4-bit T
+    hq.HNLQConfig("E8", 4, 2, beta=0.4),  # codebook from the digits (65,536 rows)
     hq.HNLQConfig("A2", 3, 3, beta=0.3),
     hq.HNLQConfig("Z2", 5, 2, beta=0.25, dither=(0.1, -0.2)),
+    WIDE_T,
 ]
-IDS = [f"{c.lattice}-q{c.q}-M{c.M}" for c in CONFIGS]
+IDS = [f"{c.lattice}-q{c.q}-M{c.M}-T{c.max_T}" + ("-dither" if c.dither else "") for c in CONFIGS]
 
 
-def _data(cfg, n, seed=0, dtype=np.float32):
-    """Gaussian blocks with a few far outliers (large T) and exact ties at every level.
+def _data(cfg, n, seed=0):
+    """``n + n // 4`` Gaussian blocks with far outliers (large T) and exact ties at every level.
 
     Ties: beta = 1/2, alpha = 1 keep ``x / (beta 2^t)`` exact, and coordinates on a half-integer
     grid scaled by q^m put points on Voronoi faces at level m.
@@ -33,7 +48,7 @@ def _data(cfg, n, seed=0, dtype=np.float32):
     x = rng.standard_normal((n, cfg.d)) * 2
     x[: n // 16] *= 60
     half = rng.integers(-6, 7, (n // 4, cfg.d)) / 2 * cfg.q ** rng.integers(0, cfg.M, (n // 4, 1))
-    return np.concatenate([x, half * cfg.beta]).astype(dtype)
+    return np.concatenate([x, half * cfg.beta]).astype(np.float32)
 
 
 def _tie_config(cfg):
@@ -41,250 +56,339 @@ def _tie_config(cfg):
 
 
 def assert_codes_equal(a, b):
-    np.testing.assert_array_equal(np.asarray(a.labels), np.asarray(b.labels))
-    np.testing.assert_array_equal(np.asarray(a.T), np.asarray(b.T))
-    assert a.labels.dtype == b.labels.dtype == jnp.uint8 and a.T.dtype == b.T.dtype == jnp.int8
+    assert a.config == b.config and a.index.dtype == b.index.dtype == hq.codes.index_dtype(a.config)
+    np.testing.assert_array_equal(np.asarray(a.index), np.asarray(b.index))
+    np.testing.assert_array_equal(np.asarray(a.tfield), np.asarray(b.tfield))
+
+
+def _jit_decode(codes, **kw):
+    """Decode under jit: the kernel sees the codes' own layout (eager calls flatten them)."""
+    return jax.jit(lambda c: hq.decode(c, **kw))(codes)
+
+
+# ------------------------------------------------------------------------- encode and decode
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_encode_decode_bit_exact(cfg):
-    """Gaussians, outliers and exact ties (alpha = 1/3 is covered by the golden and edge tests)."""
+    """Gaussians, outliers and ties; blocks [5, 81]: the 4-bit T field pairs along an odd axis."""
     c = _tie_config(cfg)
-    x = _data(c, 400)
-    ref = hq.encode(x, c)
-    got = K.encode(x, c, **PALLAS)
-    assert_codes_equal(got, ref)
+    x = _data(c, 324).reshape(5, 81, c.d)
+    ref = hq.encode(x, c, **XLA)
+    assert_codes_equal(hq.encode(x, c, **PALLAS), ref)
     assert int(jnp.max(ref.T)) >= 3  # the overload loop ran several steps
     for levels in (None, 1):
-        np.testing.assert_array_equal(K.decode(ref, c, levels, **PALLAS),
-                                      hq.decode(ref, c, levels))
+        np.testing.assert_array_equal(_jit_decode(ref, levels=levels, **PALLAS),
+                                      _jit_decode(ref, levels=levels, **XLA))
 
 
 def test_encode_golden_x64(x64):
-    """Level-0 ties that survive in float64 (the golden files' faces) in the kernel."""
-    for name in ("D4_q4_M2.npz", "Z2_q4_M2.npz", "D4_q4_M2_dither.npz"):
+    """The reference's golden codes (8-bit T field: max_T = 64) in float64, in the kernels."""
+    for name in ("D4_q4_M2.npz", "D4_q4_M2_dither.npz", "D4_q3_M3.npz", "Z2_q4_M2.npz"):
         g = load_golden(name)
         cfg = golden_config(g)
-        codes = K.encode(g["X"], cfg, **PALLAS)
-        np.testing.assert_array_equal(codes.labels, g["labels"])
-        np.testing.assert_array_equal(codes.T, g["T"])
-        np.testing.assert_array_equal(K.decode(codes, cfg, **PALLAS), g["decoded"])
+        codes = hq.encode(g["X"], cfg, failures="mark", **PALLAS)
+        np.testing.assert_array_equal(codes.labels, g["labels"], err_msg=name)
+        np.testing.assert_array_equal(codes.T, g["T"], err_msg=name)
+        np.testing.assert_array_equal(hq.decode(codes, **PALLAS), g["decoded"], err_msg=name)
 
 
 def test_encode_edge_cases():
-    cfg = CONFIGS[0]
-    # max_T = 0 marks overloads; leading axes; a ragged tail (300 rows, blocks of 256).
-    x = _data(cfg, 300).reshape(3, -1, cfg.d)
-    for c in (cfg, cfg.replace(max_T=0)):
-        assert_codes_equal(K.encode(x, c, **PALLAS), hq.encode(x, c))
-    # Beyond the cap, and NaN under jit: T = -1, decoding to NaN.
-    far = jnp.full((2, 4), 1e30, jnp.float32)
-    assert np.all(np.asarray(K.encode(far, cfg, **PALLAS).T) == -1)
-    nan = jax.jit(lambda v: K.encode(v, cfg, **PALLAS))(jnp.array([[np.nan, 0, 0, 0], [1, 0, 0, 0]]))
-    np.testing.assert_array_equal(nan.T, hq.encode(jnp.array([[1e30, 0, 0, 0], [1, 0, 0, 0]]),
-                                                   cfg).T)
-    assert np.all(np.isnan(K.decode(nan, cfg, **PALLAS)[0]))
+    cfg = D4
+    x = _data(cfg, 240)  # 300 blocks: a ragged last tile of the kernel (block 256)
+    for c in (cfg, cfg.replace(max_T=0), cfg.replace(max_T=3)):
+        index, T = K.encode(jnp.asarray(x), c)
+        ref_index, ref_T = codec.encode_blocks(jnp.asarray(x), c, c.beta)
+        np.testing.assert_array_equal(index, ref_index)
+        np.testing.assert_array_equal(T, ref_T)
+        assert index.shape == (300, c.M) and T.dtype == jnp.int32
+        if c.max_T == 3:  # blocks whose least T is max_T itself, and blocks beyond it
+            assert np.any(np.asarray(T) == 3) and np.any(np.asarray(T) == -1)
+    # NaN under jit: T = -1, decoding to NaN.
+    v = jnp.array([[np.nan, 0, 0, 0], [1, 0, 0, 0]], jnp.float32)
+    nan = jax.jit(lambda v: hq.encode(v, cfg, **PALLAS))(v)
+    np.testing.assert_array_equal(nan.T, [-1, 0])
+    assert np.all(np.isnan(hq.decode(nan, **PALLAS)[0]))
     # bfloat16 input is encoded in float32, as the reference does.
     xb = jnp.asarray(_data(cfg, 64), jnp.bfloat16)
-    assert_codes_equal(K.encode(xb, cfg, **PALLAS), hq.encode(xb, cfg))
+    assert_codes_equal(hq.encode(xb, cfg, failures="mark", **PALLAS),
+                       hq.encode(xb, cfg, failures="mark", **XLA))
 
 
 @given(st.integers(0, 2**31 - 1), st.sampled_from([0.25, 1.0, 3.0]))
 def test_encode_property(seed, spread):
     """Any input: the kernel's codes are the reference's (one compiled shape)."""
-    cfg = _tie_config(CONFIGS[0])
+    cfg = _tie_config(D4)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((64, 4)) * spread).astype(np.float32)
     x[::3] = np.round(x[::3] * 2) / 2 * cfg.beta  # faces and ties
-    assert_codes_equal(K.encode(x, cfg, **PALLAS), hq.encode(x, cfg))
+    assert_codes_equal(hq.encode(x, cfg, **PALLAS), hq.encode(x, cfg, **XLA))
 
 
-def test_decode_invalid_and_dtypes():
-    cfg = CONFIGS[0]
-    codes = hq.encode(_data(cfg, 100), cfg)
-    T = codes.T.at[::7].set(-1)
-    bad = hq.Codes(codes.labels, T)
-    out = jax.jit(lambda c: K.decode(c, cfg, **PALLAS))(bad)
-    np.testing.assert_array_equal(out, hq.decode(bad, cfg))
-    assert np.all(np.isnan(out[::7]))
-    for dtype in (jnp.bfloat16, jnp.float32):
-        got = K.decode(codes, cfg, dtype=dtype, **PALLAS)
-        assert got.dtype == dtype
-        np.testing.assert_array_equal(got, hq.decode(codes, cfg, dtype=dtype))
+@pytest.mark.parametrize("cfg", [D4, WIDE_T], ids=["4-bit-T", "8-bit-T"])
+def test_decode_layouts_tables_and_invalid(cfg):
+    """Every leading shape the T field packs differently; the codebook as table and as digits;
+    failed and corrupted blocks give NaN."""
+    x = _data(cfg, 96)
+    for shape in ((), (7,), (3, 6), (3, 5, 5)):
+        n = int(np.prod(shape))
+        codes = hq.encode(x[:n].reshape(shape + (cfg.d,)), cfg, failures="mark")
+        np.testing.assert_array_equal(_jit_decode(codes, **PALLAS), _jit_decode(codes, **XLA),
+                                      err_msg=str(shape))
+    codes = hq.encode(x.reshape(15, 8, cfg.d), cfg, failures="mark")
+    ref = _jit_decode(codes, **XLA)
+    for use_table in (True, False):
+        got = jax.jit(lambda c: K.decode(c, None, jnp.float32, use_table=use_table))(codes)
+        np.testing.assert_array_equal(got, ref)
+    T = codes.T.astype(jnp.int32).at[::4, 1].set(-1)
+    bad = hq.Codes.from_labels(codes.labels, T, cfg)
+    bad = hq.Codes(bad.index.at[1, 2, 0].set(255), bad.tfield, cfg)  # index >= q^d (D4 q=3)
+    got = _jit_decode(bad, **PALLAS)
+    np.testing.assert_array_equal(got, _jit_decode(bad, **XLA))
+    assert np.all(np.isnan(got[::4, 1]))
+    assert np.all(np.isnan(got[1, 2])) == (cfg.q**cfg.d < 256)
+    assert np.isfinite(got[0, 0]).all()
 
 
 def test_quantize_straight_through():
-    cfg = CONFIGS[0]
-    x = jnp.asarray(_data(cfg, 64))
-    np.testing.assert_array_equal(K.quantize(x, cfg, **PALLAS), hq.quantize(x, cfg))
-    g = jax.grad(lambda v: jnp.sum(K.quantize(v, cfg, **PALLAS) * 3.0))(x)
+    x = jnp.asarray(_data(D4, 64))
+    np.testing.assert_array_equal(hq.quantize(x, D4, **PALLAS), hq.quantize(x, D4, **XLA))
+    g = jax.grad(lambda v: jnp.sum(hq.quantize(v, D4, **PALLAS) * 3.0))(x)
     np.testing.assert_array_equal(g, jnp.full_like(x, 3.0))
 
 
-def _weights(cfg, n, k, seed=1):
-    rng = np.random.default_rng(seed)
-    W = rng.standard_normal((n, k)).astype(np.float32)
-    return hq.encode(hq.to_blocks(W, cfg.d), cfg)
+# ----------------------------------------------------------------------------- decode-matmul
 
 
-# E8's decoding is covered by test_encode_decode_bit_exact; the tiling does not depend on it.
+def _weights(cfg, n, k, rows=True, seed=1):
+    W = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    if rows:
+        return hq.encode_rows(W, cfg)  # row codes with per-row scales
+    return hq.encode(hq.to_blocks(W, cfg.d), cfg, failures="mark")
+
+
 @pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.lattice != "E8"],
                          ids=[i for i in IDS if not i.startswith("E8")])
-def test_decode_matmul_matches_reference(cfg):
-    n, k = 40, 27 * cfg.d - 1  # ragged: rows and blocks are not tile multiples, k not d-aligned
-    codes = _weights(cfg, n, k)
+def test_matmul_matches_xla(cfg):
+    """Row codes (scaled) and block codes; rows, blocks and batch not tile multiples."""
+    n, k = 40, 27 * cfg.d - 1
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, k)), jnp.float32)
-    scale = jnp.linspace(0.5, 2.0, n)
-    ref = K.decode_matmul(x, codes, cfg, scale=scale, implementation="xla")
-    got = K.decode_matmul(x, codes, cfg, scale=scale, block_n=16, block_k=16, **PALLAS)
-    assert got.shape == (2, 3, n) and got.dtype == jnp.float32
-    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(ref))))
-    # The reference itself is decode-then-matmul.
-    w = hq.from_blocks(hq.decode(codes, cfg), k) * scale[:, None]
-    np.testing.assert_allclose(ref, jnp.einsum("...k,nk->...n", x, w, precision="highest"),
-                               rtol=1e-5, atol=1e-4)
+    eye = jnp.eye(k, dtype=jnp.float32)  # 1-hot rows: each output is one weight, exactly
+    for rows in (True, False):  # with and without row scales
+        codes = _weights(cfg, n, k, rows)
+        if not rows:
+            codes = codes.with_rows(n=k)
+        ref = hq.matmul(x, codes, **XLA)
+        got = hq.matmul(x, codes, **PALLAS)
+        assert got.shape == (2, 3, n) and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(ref))))
+        # The decoded (and scaled) weights are the reference's bit for bit.
+        np.testing.assert_array_equal(hq.matmul(eye, codes, **PALLAS), hq.matmul(eye, codes, **XLA))
 
 
-def test_decode_matmul_float64_and_bf16():
-    cfg = CONFIGS[0]
-    codes = _weights(cfg, 24, 64)
+def test_matmul_digits_small_tiles_and_dtypes():
+    codes = _weights(D4, 24, 64)
+    eye = jnp.eye(64, dtype=jnp.float32)
+    ref = hq.matmul(eye, codes, **XLA)
+    for use_table in (True, False):
+        got = K.decode_matmul(eye, codes, jnp.float32, jnp.float32, use_table=use_table,
+                              block_n=16, block_k=16)
+        np.testing.assert_array_equal(got, ref)
+    blocks = _weights(D4, 24, 64, rows=False)  # block codes [24, 16]: k = nb d
+    np.testing.assert_array_equal(K.decode_matmul(eye, blocks, jnp.float32, jnp.float32),
+                                  hq.matmul(eye, blocks.with_rows(n=64), **XLA))
     x = np.random.default_rng(3).standard_normal((5, 64))
     with jax.enable_x64(True):
-        ref = K.decode_matmul(jnp.asarray(x), codes, cfg, implementation="xla")
-        got = K.decode_matmul(jnp.asarray(x), codes, cfg, **PALLAS)
+        ref = hq.matmul(jnp.asarray(x), codes, **XLA)
+        got = hq.matmul(jnp.asarray(x), codes, **PALLAS)
         assert got.dtype == jnp.float64
-        np.testing.assert_allclose(got, ref, rtol=1e-6)  # the weights are decoded in float32
-    xb = jnp.asarray(x, jnp.bfloat16)
-    ref = K.decode_matmul(xb, codes, cfg, implementation="xla")
-    got = K.decode_matmul(xb, codes, cfg, **PALLAS)
+        # float32 sums (as the reference's), in another order
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(ref))))
+    # bfloat16: the scaled float32 weight rounded to bfloat16, as the reference does.
+    eb = eye.astype(jnp.bfloat16)
+    got = hq.matmul(eb, codes, **PALLAS)
     assert got.dtype == jnp.bfloat16
-    np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=2e-2,
-                               atol=5e-2)
+    np.testing.assert_array_equal(got, hq.matmul(eb, codes, **XLA))
+    xb = jnp.asarray(x, jnp.bfloat16)
+    np.testing.assert_allclose(hq.matmul(xb, codes, **PALLAS).astype(np.float32),
+                               hq.matmul(xb, codes, **XLA).astype(np.float32), rtol=2e-2, atol=5e-2)
 
 
-def test_decode_matmul_gradients():
-    cfg = CONFIGS[0]
-    codes = _weights(cfg, 24, 40)
-    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 40)), jnp.float32)
-    scale = jnp.linspace(0.5, 1.5, 24)
-
-    def loss(impl, x, s):
-        y = K.decode_matmul(x, codes, cfg, scale=s, implementation=impl)
-        return jnp.sum(jnp.sin(y))
-
-    gx, gs = jax.grad(functools.partial(loss, "pallas"), argnums=(0, 1))(x, scale)
-    w = hq.from_blocks(hq.decode(codes, cfg), 40)
-
-    def dense(x, s):
-        return jnp.sum(jnp.sin(jnp.einsum("bk,nk->bn", x, w * s[:, None], precision="highest")))
-
-    ex, es = jax.grad(dense, argnums=(0, 1))(x, scale)
-    np.testing.assert_allclose(gx, ex, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(gs, es, rtol=1e-4, atol=1e-5)
+def _equations(jaxpr: Jaxpr):
+    """Every equation of a jaxpr and its sub-jaxprs, outside Pallas kernel bodies."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, ClosedJaxpr):
+                    yield from _equations(sub.jaxpr)
+                elif isinstance(sub, Jaxpr):
+                    yield from _equations(sub)
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=[IDS[0], IDS[3]])
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
+def test_matmul_reads_codes_in_place(scaled):
+    """No transpose or copy of a code array: the kernel takes index and T field as stored."""
+    codes = _weights(D4, 24, 63, rows=True) if scaled else \
+        _weights(D4, 24, 64, rows=False).with_rows(n=64)
+    x = jnp.zeros((3, codes.shape[-1]), jnp.float32)
+    jaxpr = jax.make_jaxpr(jax.jit(lambda x, c: hq.matmul(x, c, **PALLAS)))(x, codes)
+    eqns = list(_equations(jaxpr.jaxpr))
+    code_dtypes = {codes.index.dtype, codes.tfield.dtype}
+    moved = [e for e in eqns if e.primitive.name in ("transpose", "pad", "concatenate", "gather",
+                                                      "copy", "copy_p", "dynamic_slice", "slice")
+             and any(getattr(v, "aval", None) is not None and v.aval.dtype in code_dtypes
+                     for v in e.invars)]
+    assert not moved, [str(e) for e in moved]
+    calls = [e for e in eqns if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1
+    ins = {(tuple(v.aval.shape), v.aval.dtype) for v in calls[0].invars}
+    assert (codes.index.shape, codes.index.dtype) in ins
+    assert ((codes.tfield.size,), codes.tfield.dtype) in ins  # unpacked in the kernel
+
+
+# ---------------------------------------------------------------------- lut_gemv and mod-q
+
+
+@pytest.mark.parametrize("cfg", [D4, CONFIGS[3]], ids=[IDS[0], IDS[3]])
 def test_lut_gemv_matches_reference(cfg):
-    k = 33 * cfg.d
+    k = 33 * cfg.d - 1
     codes = _weights(cfg, 50, k)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, k)), jnp.float32)
-    ref = hq.lut.matmul_one_sided(codes, x, cfg)
-    got = K.lut_gemv(codes, x, cfg, block_n=16, block_k=16, **PALLAS)
-    assert got.shape == (2, 50)
+    ref = hq.lut.matmul_one_sided(codes, x)
+    got = K.lut_gemv(codes, x, block_n=16, block_k=16)
+    assert got.shape == (2, 50) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
-    bad = hq.Codes(codes.labels, codes.T.at[3, 0].set(-1))
-    assert np.all(np.isnan(K.lut_gemv(bad, x, cfg, **PALLAS)[:, 3]))
+    T = codes.T.astype(jnp.int32).at[3, 0].set(-1)
+    bad = hq.Codes.from_labels(codes.labels, T, codes.config, scale=codes.scale, n=codes.n)
+    out = K.lut_gemv(bad, x)
+    assert np.all(np.isnan(out[:, 3])) and np.isfinite(np.delete(np.asarray(out), 3, 1)).all()
 
 
-def test_modq_sum_bit_exact():
-    cfg = hq.HNLQConfig("D4", 4, 2, beta=1.0)
-    x = np.random.default_rng(6).standard_normal((3, 5, 70, 4)).astype(np.float32) * 0.3
+@pytest.mark.parametrize("cfg", [D4, WIDE_T], ids=["4-bit-T", "8-bit-T"])
+def test_modq_sum_bit_exact(cfg):
+    x = np.random.default_rng(6).standard_normal((3, 5, 7, cfg.d)).astype(np.float32) * 0.3
     codes = hq.encode(x, cfg)
-    codes = hq.Codes(codes.labels, codes.T.at[0, 0, :5].set(1))  # differing T -> -1
-    for axis in (0, 1, -2):
-        assert_codes_equal(K.modq_sum(codes, cfg, axis, **PALLAS),
-                           hq.modq.accumulate(codes, cfg, axis))
-    assert_codes_equal(K.modq_sum(codes, cfg, 0, gpu_backend="mosaic_gpu", **PALLAS),
-                       hq.modq.accumulate(codes, cfg, 0))
+    T = codes.T.astype(jnp.int32).at[0, 0, :5].set(1)  # differing T -> -1
+    codes = hq.Codes.from_labels(codes.labels, T, cfg)
+    for axis in (0, 1, -1):  # -1: the axis along which the 4-bit field pairs blocks
+        assert_codes_equal(K.modq_sum(codes, axis), hq.modq.accumulate(codes, axis))
+    assert_codes_equal(K.modq_sum(codes, 1, gpu_backend="mosaic_gpu"),
+                       hq.modq.accumulate(codes, 1))
 
 
-def test_implementation_choice_and_errors():
-    cfg = CONFIGS[0]
-    x = _data(cfg, 32)
-    assert K.resolve(None, cfg, "f") == ("pallas" if jax.default_backend() == "gpu" else "xla")
-    assert_codes_equal(K.encode(x, cfg), K.encode(x, cfg, implementation="xla"))
-    with pytest.raises(ValueError, match="implementation must be one of"):
-        K.encode(x, cfg, implementation="triton")
+def test_empty_inputs():
+    index, T = K.encode(jnp.zeros((0, 4), jnp.float32), D4)
+    assert index.shape == (0, 2) and index.dtype == jnp.uint8 and T.shape == (0,)
+    empty = hq.encode(np.zeros((3, 0, 4), np.float32), D4)
+    assert K.decode(empty, None, jnp.float32).shape == (3, 0, 4)
+    codes = _weights(D4, 8, 32)
+    for x in (jnp.zeros((0, 32)), jnp.zeros((2, 0, 32))):
+        assert K.decode_matmul(x, codes, jnp.float32, jnp.float32).shape == x.shape[:-1] + (8,)
+        assert K.lut_gemv(codes, x).shape == x.shape[:-1] + (8,)
+    no_rows = _weights(D4, 0, 32)
+    assert K.decode_matmul(jnp.ones((2, 32)), no_rows, jnp.float32, jnp.float32).shape == (2, 0)
+    assert K.lut_gemv(no_rows, jnp.ones((2, 32))).shape == (2, 0)
+    out = K.modq_sum(empty, 0)
+    assert out.index.shape == (0, 2) and out.tfield.shape == (0,)
+    with pytest.raises(ValueError, match="summed axis 1 of the codes \\(blocks \\(3, 0\\)\\) is empty"):
+        K.modq_sum(empty, 1)
+
+
+def test_errors():
+    x = jnp.asarray(_data(D4, 32))
     z3 = hq.HNLQConfig("Z3", 4, 2)
     with pytest.raises(ValueError, match="d = 3 is not a power of two"):
-        K.encode(np.zeros((4, 3), np.float32), z3, **PALLAS)
-    assert K.encode(np.zeros((4, 3), np.float32), z3).T.shape == (4,)  # None falls back to XLA
+        K.encode(jnp.zeros((4, 3), jnp.float32), z3)
+    with pytest.raises(ValueError, match="d = 3 is not a power of two"):
+        hq.encode(np.zeros((4, 3), np.float32), z3, **PALLAS)
+    with pytest.raises(ValueError, match="blocks \\[N, d=4\\]"):
+        K.encode(x.reshape(2, -1, 4), D4)
     with pytest.raises(ValueError, match="no Mosaic GPU kernel"):
-        K.encode(x, cfg, gpu_backend="mosaic_gpu", **PALLAS)
-    with pytest.raises(ValueError, match="power of two >= 16"):
-        K.encode(x, cfg, block=100, **PALLAS)
-    with pytest.raises(ValueError, match="last axis"):
-        K.encode(np.zeros((4, 3), np.float32), cfg, **PALLAS)
-    codes = _weights(cfg, 8, 32)
-    with pytest.raises(ValueError, match="ceil\\(k/d\\) = 8 blocks"):
-        K.decode_matmul(np.zeros((2, 40), np.float32), codes, cfg, **PALLAS)
-    with pytest.raises(ValueError, match="scale must have shape"):
-        K.decode_matmul(np.zeros((2, 32), np.float32), codes, cfg, scale=jnp.ones(3), **PALLAS)
-    with pytest.raises(ValueError, match="labels \\[n, nb, M, d\\]"):
-        K.lut_gemv(hq.encode(x, cfg), np.zeros(4, np.float32), cfg, **PALLAS)
-    with pytest.raises(ValueError, match="labels must be in 0..q-1"):
-        K.decode(hq.Codes(jnp.full((2, 2, 4), 9, jnp.uint8), jnp.zeros(2, jnp.int8)), cfg,
-                 **PALLAS)
+        K.encode(x, D4, gpu_backend="mosaic_gpu")
+    with pytest.raises(ValueError, match="gpu_backend must be one of"):
+        K.modq_sum(hq.encode(np.zeros((2, 4), np.float32), D4), gpu_backend="cuda")
+    with pytest.raises(ValueError, match="block must be a power of two >= 16"):
+        K.encode(x, D4, block=100)
+    codes = _weights(D4, 8, 32)
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
+        K.decode_matmul(jnp.ones((2, 32)), codes, jnp.float32, jnp.float32, block_k=8)
+    with pytest.raises(ValueError, match="expected block codes"):
+        K.decode(codes, None, jnp.float32)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        K.decode(hq.encode(x, D4, failures="mark"), None, jnp.bfloat16)
+    with pytest.raises(ValueError, match="x must be \\[..., k\\] with k = 32"):
+        K.decode_matmul(jnp.ones((2, 40)), codes, jnp.float32, jnp.float32)
+    with pytest.raises(ValueError, match="blocks \\[n, nb\\]"):
+        K.lut_gemv(hq.encode(x, D4, failures="mark"), jnp.ones(4))
+    with pytest.raises(ValueError, match="use_table=True needs q\\^d <= 65536"):
+        K.decode(hq.encode(np.zeros((2, 8), np.float32), hq.HNLQConfig("E8", 5, 1)), None,
+                 jnp.float32, use_table=True)
+    with pytest.raises(TypeError, match="expected hnlq_jax.Codes"):
+        K.decode((x, x), None, jnp.float32)
     with pytest.raises(ValueError, match="without dither"):
-        K.modq_sum(hq.encode(np.zeros((2, 2), np.float32), CONFIGS[3]), CONFIGS[3], **PALLAS)
+        K.modq_sum(hq.encode(np.zeros((2, 2), np.float32), CONFIGS[3]))
     if jax.default_backend() == "cpu":
         with pytest.raises(Exception, match="interpret mode"):
-            K.encode(x, cfg, interpret=False, **PALLAS)
+            K.encode(x, D4, interpret=False)
 
 
-# CUDA lowering, without a GPU: every kernel through the real Pallas -> Triton (and, where the
-# op allows, Mosaic GPU) lowering. A lowering error fails the test.
+# CUDA lowering, without a GPU: every kernel through the real Pallas -> Triton (and, for the
+# mod-q sum, Mosaic GPU) lowering. A lowering error fails the test.
 def _lowering_cases(cfg, all_ops):
     """Kernels to lower; ``all_ops=False``: only those whose code depends on the lattice."""
+    gpu = dict(interpret=False)
     x = jnp.zeros((1000, cfg.d), jnp.float32)
-    c = hq.encode(x, cfg)
-    cw = hq.encode(jnp.zeros((64, 32, cfg.d)), cfg)
-    xa = jnp.zeros((2, 32 * cfg.d), jnp.float32)
-    cm = hq.encode(jnp.zeros((3, 100, cfg.d)), cfg.replace(dither=None))
-    gpu = dict(implementation="pallas", interpret=False)
+    c = hq.encode(jnp.zeros((5, 81, cfg.d)), cfg)
     cases = {
         "encode": (lambda x: K.encode(x, cfg, **gpu), (x,)),
-        "decode": (lambda lab, T: K.decode(hq.Codes(lab, T), cfg, **gpu), tuple(c)),
-        "decode_matmul": (lambda x, lab, T: K.decode_matmul(x, hq.Codes(lab, T), cfg, **gpu),
-                          (xa,) + tuple(cw)),
-        "decode_matmul_bf16": (lambda x, lab, T: K.decode_matmul(x, hq.Codes(lab, T), cfg, **gpu),
-                               (xa.astype(jnp.bfloat16),) + tuple(cw)),
-        "quantize_grad": (jax.value_and_grad(lambda x: jnp.sum(K.quantize(x, cfg, **gpu))), (x,)),
-        "modq_sum": (lambda lab, T: K.modq_sum(hq.Codes(lab, T), cfg.replace(dither=None), **gpu),
-                     tuple(cm)),
+        "decode": (lambda c: K.decode(c, None, jnp.float32, **gpu), (c,)),
+        "decode_digits": (lambda c: K.decode(c, 1, jnp.float32, use_table=False, **gpu), (c,)),
     }
-    if cfg.q**cfg.d <= 2**16:
-        cases["lut_gemv"] = (lambda x, lab, T: K.lut_gemv(hq.Codes(lab, T), x, cfg, **gpu),
-                             (xa,) + tuple(cw))
-    if not all_ops:  # decode_matmul's lattice-dependent part is decode's
-        cases = {k: cases[k] for k in ("encode", "decode")}
+    if not all_ops:
+        return cases
+    k = 27 * cfg.d - 1
+    xa = jnp.zeros((3, k), jnp.float32)
+    cw = hq.encode_rows(jnp.ones((40, k)), cfg)
+    mm = functools.partial(hq.matmul, implementation="pallas", interpret=False)
+    cases.update({
+        "matmul": (mm, (xa, cw)),
+        "matmul_bf16": (mm, (xa.astype(jnp.bfloat16), cw)),
+        "quantize_grad": (jax.value_and_grad(
+            lambda x: jnp.sum(hq.quantize(x, cfg, implementation="pallas", interpret=False))),
+            (x,)),
+        "lut_gemv": (lambda x, c: K.lut_gemv(c, x, **gpu), (xa, cw)),
+        "modq_sum": (lambda c: K.modq_sum(c, -1, **gpu), (c,)),
+    })
     return cases
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_lowers_for_cuda_triton(cfg):
-    cases = _lowering_cases(cfg, all_ops=cfg.lattice == "D4")
-    assert len(cases) >= 2
+    cases = _lowering_cases(cfg, all_ops=cfg in (D4, WIDE_T))
     for name, (f, args) in cases.items():
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "custom_call @__gpu$xla.gpu.triton" in text, name
 
 
 def test_lowers_for_cuda_mosaic_gpu():
-    cfg = CONFIGS[0]
-    cm = hq.encode(jnp.zeros((3, 1000, 4)), cfg)
-    f = functools.partial(K.modq_sum, config=cfg, implementation="pallas", interpret=False,
-                          gpu_backend="mosaic_gpu")
-    text = jax.jit(lambda lab, T: f(hq.Codes(lab, T))).trace(*cm).lower(
-        lowering_platforms=("cuda",)).as_text()
+    cm = hq.encode(jnp.zeros((3, 1000, 4)), D4)
+    f = functools.partial(K.modq_sum, interpret=False, gpu_backend="mosaic_gpu")
+    text = jax.jit(f).trace(cm).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @mosaic_gpu" in text
+
+
+def test_gpu_check_command_parses():
+    """experiments/gpu_check.py runs this file through pytest: its command line must parse
+    with the project's pytest options (collection only here)."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    cmd = gpu_check.pytest_command("tests/test_kernels.py::test_gpu_check_command_parses")
+    r = subprocess.run(cmd + ["--collect-only", "-q"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -260,7 +260,7 @@ def scale_tables(config: HNLQConfig, beta, dtype):
     """``(scales, thresholds)``, both ``[max_T + 1]`` in ``dtype``.
 
     ``scales[t] = beta 2^(alpha t)`` is the encoder's step-t scale. ``thresholds[t]`` gives a
-    lower bound on T (SPEC §3): step t surely overloads while ``|x| > thresholds[t]``
+    lower bound on T (docs/math.md, "Scaling and overload"): step t surely overloads while ``|x| > thresholds[t]``
     (``|x| / s_t - |z|`` beyond the overload radius).
     """
     scales = jnp.asarray(beta, dtype) * _numerics.pow2(config, dtype)

@@ -2,7 +2,7 @@
 
 Every lattice has an *integer coordinate system* ("P coordinates") in which its points are
 integer vectors, so that inner levels of the encoder and the whole decoder run in exact
-integer arithmetic (SPEC §3):
+integer arithmetic (docs/math.md, "Tie rule"):
 
 * ``Z{n}`` and ``D{n}``: Cartesian coordinates.
 * ``E8``: doubled Cartesian coordinates (E8 contains half-integer points).
@@ -63,13 +63,13 @@ def _primes(n: int) -> list[int]:
 
 
 def tie_vector(d: int) -> np.ndarray:
-    """The unit vector ``u`` of the tie rule (SPEC §3), float64 of shape ``[d]``."""
+    """The unit vector ``u`` of the tie rule (docs/math.md, "Tie rule"), float64 of shape ``[d]``."""
     n = np.array([math.sqrt(p) % 1.0 - 0.5 for p in _primes(d)])
     return n / np.linalg.norm(n)
 
 
 def _dn_generator(n: int) -> np.ndarray:
-    """Columns (-1,-1,0,..), (1,-1,0,..), e_{j-1} - e_j: the SPEC's D4 basis for every n."""
+    """Columns (-1,-1,0,..), (1,-1,0,..), e_{j-1} - e_j: the D4 basis of docs/math.md for every n."""
     G = np.zeros((n, n))
     G[0, 0], G[1, 0], G[0, 1], G[1, 1] = -1, -1, 1, -1
     for j in range(2, n):
@@ -88,7 +88,7 @@ class Lattice:
       kind: ``"Z"``, ``"D"``, ``"E8"`` or ``"A2"`` (which routine applies).
       u: ``[d]`` float64 tie vector.
       covering_radius: radius of the smallest ball around 0 containing the Voronoi cell.
-      second_moment: ``sigma_L^2`` per dimension used for the beta grid (SPEC §7).
+      second_moment: ``sigma_L^2`` per dimension used for the beta grid (docs/math.md, "Choosing beta").
       P_from_basis: ``[d, d]`` int64, P coordinates of ``G b`` for integer ``b``.
       basis_from_P: ``[d, d]`` int64 numerator of the map back to basis coordinates.
       basis_den: its common denominator (exact division for lattice points).
@@ -376,7 +376,7 @@ def nearest_float(cols: list, lat: Lattice) -> list:
 
 
 def closest_point(y, lat: Lattice | str):
-    """Nearest lattice point ``Q_L(y)`` over the last axis, with the tie rule of SPEC §3.
+    """Nearest lattice point ``Q_L(y)`` over the last axis, with the tie rule (docs/math.md).
 
     Args:
       y: ``[..., d]`` floating array (half precision is computed in float32).

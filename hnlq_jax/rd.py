@@ -1,4 +1,6 @@
-"""The paper's rate-distortion experiment (SPEC §7): how far HNLQ sits above the Gaussian bound.
+"""The paper's rate-distortion experiment: how far HNLQ sits above the Gaussian bound.
+
+(``docs/math.md``, "Reference numbers".)
 
 For each lattice, q and M: beta by the paper's grid search on iid N(0,1) data, then MSE per
 dimension, ``H(T)``, the effective rate ``R = M log2 q + H(T)/d`` and the figure of merit

@@ -1,11 +1,13 @@
 """Lookup-table products versus decode-then-dot and a float32 dot, one process, on this machine.
 
 GEMV and small-batch GEMM, y = x @ W^T with W of shape n x k = 4096 x 4096 (``--size``), iid
-N(0,1) entries, D4 q=4 M=2 codes (beta calibrated on N(0,1)), batch 1, 8 and 64:
+N(0,1) entries, D4 q=4 M=2 row codes (``hq.encode_rows``, the layers' weight format: beta =
+``gaussian_beta`` times each row's RMS), batch 1, 8 and 64:
 
 * ``lut.matmul_one_sided(codes_W, x)``: real activations, weights as codes (one-sided tables);
-* ``lut.matmul(codes_x, codes_W)``: both coded (two-sided table); the time to encode x is
-  listed separately;
+* ``lut.matmul(codes_x, codes_W)``: both coded (two-sided table; x as row codes too); the time
+  to encode x is listed separately;
+* ``hq.matmul(x, codes_W)``: the front door with its default implementation;
 * decode-then-dot: ``x @ decode(codes_W)^T`` per call (the weights stay codes);
 * ``float32``: the dense float32 weight, ``jnp.einsum`` (XLA's best form for batch 1).
 
@@ -34,14 +36,14 @@ from hnlq_jax.timing import best_time
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 
-def memory(cfg, n, k, batch):
-    nb = -(-k // cfg.d)
-    packed = hq.pack(hq.Codes(jnp.zeros((1, cfg.M, cfg.d), jnp.uint8), jnp.zeros(1, jnp.int8)), cfg)
-    per_block = packed.data.nbytes  # bits_per_block rounded to whole bytes for one block
+def memory(cW, batch):
+    """Bytes of each representation of the weight (and of the tables the LUT paths use)."""
+    cfg, (n, nb), k = cW.config, cW.blocks_shape, cW.n
     return {
         "float32 weight": 4 * n * k,
-        "codes, unpacked (uint8 labels + int8 T)": n * nb * (cfg.M * cfg.d + 1),
-        "codes, packed (pack(): labels bitstream + int8 T)": n * nb * per_block + n * nb,
+        "bf16 weight": 2 * n * k,
+        "codes (Codes.nbytes: uint8 index, 4-bit T field, float32 row scales)": cW.nbytes,
+        "packed (hq.pack: label bitstream, entropy-coded T, row scales)": hq.pack(cW).nbytes,
         "two-sided table (int8, per process)": int(lut.two_sided(cfg).nbytes),
         "one-sided tables (float32, per call)": 4 * batch * nb * cfg.q**cfg.d,
     }
@@ -50,25 +52,24 @@ def memory(cfg, n, k, batch):
 def run(size, batches, repeat):
     n = k = size
     cfg = hq.HNLQConfig("D4", 4, 2)
+    cfg = cfg.replace(beta=hq.gaussian_beta(cfg))
     rng = np.random.default_rng(0)
-    beta, _ = hq.calibrate_beta(rng.standard_normal((4000, cfg.d)), cfg)
-    cfg = cfg.replace(beta=beta)
     W = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)
-    cW = hq.encode(hq.to_blocks(W, cfg.d), cfg)
-    Wq = hq.decode(cW, cfg).reshape(n, k)
+    cW = hq.encode_rows(W, cfg)
+    Wq = hq.decode(cW)
 
-    one_sided = jax.jit(lambda c, x: lut.matmul_one_sided(c, x, cfg))
-    two_sided = jax.jit(lambda cx, c: lut.matmul(cx, c, cfg))
-    encode_x = jax.jit(lambda x: hq.encode(hq.to_blocks(x, cfg.d), cfg))
-    decode_dot = jax.jit(
-        lambda c, x: jnp.einsum("bk,nk->bn", x, hq.decode(c, cfg).reshape(n, k)))
+    one_sided = jax.jit(lut.matmul_one_sided)
+    two_sided = jax.jit(lut.matmul)
+    front_door = jax.jit(lambda x, c: hq.matmul(x, c))
+    encode_x = jax.jit(lambda x: hq.encode_rows(x, cfg))
+    decode_dot = jax.jit(lambda c, x: jnp.einsum("bk,nk->bn", x, hq.decode(c)))
     dense = jax.jit(lambda w, x: jnp.einsum("bk,nk->bn", x, w))
 
     rows = []
     for batch in batches:
         x = jnp.asarray(rng.standard_normal((batch, k)), jnp.float32)
         cx = encode_x(x)
-        xq = hq.decode(cx, cfg).reshape(batch, k)
+        xq = hq.decode(cx)
         exact_w = np.asarray(x, np.float64) @ np.asarray(Wq, np.float64).T
         exact_xw = np.asarray(xq, np.float64) @ np.asarray(Wq, np.float64).T
         results = {
@@ -76,6 +77,8 @@ def run(size, batches, repeat):
                                        one_sided(cW, x), exact_w),
             "matmul two-sided (LUT)": (best_time(two_sided, cx, cW, repeat=repeat),
                                        two_sided(cx, cW), exact_xw),
+            "hq.matmul (default implementation)": (best_time(front_door, x, cW, repeat=repeat),
+                                                   front_door(x, cW), exact_w),
             "decode-then-dot": (best_time(decode_dot, cW, x, repeat=repeat),
                                 decode_dot(cW, x), exact_w),
             "float32 dot (dense W)": (best_time(dense, W, x, repeat=repeat), dense(W, x),
@@ -90,7 +93,7 @@ def run(size, batches, repeat):
         rows.append({"batch": batch, "method": "encode x (for two-sided)", "seconds": t_enc,
                      "rows_per_s": batch / t_enc, "time_vs_float32": t_enc / base,
                      "max_rel_err_vs_float64": None})
-    return cfg, rows, memory(cfg, n, k, max(batches))
+    return cfg, rows, memory(cW, max(batches))
 
 
 def main():
@@ -100,19 +103,21 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     cfg, rows, mem = run(args.size, args.batches, args.repeat)
-    print(f"D4 q=4 M=2 (beta {cfg.beta:.4f}), n = k = {args.size}, {jax.default_backend()}, "
-          f"{jax.device_count()} device(s)\n")
+    print(f"D4 q=4 M=2 row codes (beta {cfg.beta:.4f} x row RMS), n = k = {args.size}, "
+          f"{jax.default_backend()}, {jax.device_count()} device(s)\n")
     print("| batch | method | time (ms) | rows/s | time / float32 dot | max rel. error |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         err = "" if r["max_rel_err_vs_float64"] is None else f"{r['max_rel_err_vs_float64']:.1e}"
         print(f"| {r['batch']} | {r['method']} | {1e3 * r['seconds']:.2f} | "
               f"{r['rows_per_s']:.3g} | {r['time_vs_float32']:.1f}x | {err} |")
-    print("\n| weight representation | bytes |\n|---|---|")
+    print("\n| weight representation | bytes | bits per weight |\n|---|---|---|")
     for name, b in mem.items():
-        print(f"| {name} | {b:,} |")
+        per_weight = "" if "table" in name else f"{8 * b / args.size**2:.2f}"
+        print(f"| {name} | {b:,} | {per_weight} |")
     RESULTS.mkdir(exist_ok=True)
-    out = {"config": "D4 q=4 M=2", "beta": cfg.beta, "n": args.size, "k": args.size,
+    out = {"config": "D4 q=4 M=2", "weights": "row codes (hq.encode_rows)",
+           "beta_relative_to_row_rms": cfg.beta, "n": args.size, "k": args.size,
            "repeat": args.repeat, "backend": jax.default_backend(), "jax": jax.__version__,
            "machine": platform.machine(), "cpus": jax.device_count(), "rows": rows,
            "memory_bytes": mem}

@@ -1,4 +1,4 @@
-"""Inner-product distortion of HNLQ versus Gamma(R) (SPEC §7): D4 and E8, q = 4, M = 1..4.
+"""Inner-product distortion of HNLQ versus Gamma(R): D4 and E8, q = 4, M = 1..4.
 
 For 1000 pairs of iid N(0,1) vectors of length n = 512, both quantized with the same config:
 D_ip = mean (<x_hat, y_hat> - <x, y>)^2 / n, against Gamma(R) = 2 2^(-2R) - 2^(-4R) with
@@ -6,7 +6,7 @@ R = M log2 q + H(T)/d. beta on the paper's grid beta_min (1 + 0.05 k), k < 40, m
 D_ip / Gamma(R). At the chosen beta the inner products are recomputed through the lookup
 tables (two-sided for D4; E8 q=4 has no practical two-sided table, so one-sided against the
 decoded y, on the first 16 pairs: its tables hold 65,536 entries per block) and compared with
-decode-then-dot.
+decode-then-dot. The paper's D4 numbers are in docs/math.md ("Reference numbers").
 
 Writes results/inner_product.{json,png}. Run: python experiments/inner_product.py
 """
@@ -33,7 +33,7 @@ from tqdm import tqdm  # noqa: E402
 import hnlq_jax as hq  # noqa: E402
 from hnlq_jax import lut  # noqa: E402
 from hnlq_jax.codec import decode_blocks, encode_blocks  # noqa: E402
-from hnlq_jax.stats import _rate_stats  # noqa: E402
+from hnlq_jax.codes import pack_t  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 N, PAIRS, Q, GRID = 512, 1000, 4, 40
@@ -51,10 +51,10 @@ def grid(x, y, cfg, betas):
 
     def one(beta):
         blocks = jnp.concatenate([hq.to_blocks(x, cfg.d), hq.to_blocks(y, cfg.d)]).reshape(-1, cfg.d)
-        c = encode_blocks(blocks, cfg, beta)
-        d = decode_blocks(c.labels, c.T, cfg, None, x.dtype, beta).reshape(2, PAIRS, N)
+        index, T = encode_blocks(blocks, cfg, beta)  # beta is traced: no hq.encode here
+        d = decode_blocks(index, T + 1, cfg, None, x.dtype, beta).reshape(2, PAIRS, N)
         est = jnp.sum(d[0] * d[1], -1)
-        st = _rate_stats(c.T, cfg)
+        st = hq.rate_stats(hq.Codes(index, pack_t(T, cfg), cfg))
         fail = st.failure_rate > 0
         return jnp.where(fail, jnp.inf, jnp.mean((est - true) ** 2) / N), st.rate
 
@@ -69,14 +69,15 @@ def run(name, M, x, y):
     k = int(np.argmin(ratio))
     cfg = cfg.replace(beta=float(betas[k]))
     cx, cy = (hq.encode(hq.to_blocks(v, cfg.d), cfg) for v in (x, y))
-    dx, dy = (np.asarray(hq.decode(c, cfg)).reshape(PAIRS, N) for c in (cx, cy))
+    dx, dy = (np.asarray(hq.decode(c)).reshape(PAIRS, N) for c in (cx, cy))
     dec = np.sum(dx * dy, -1)
     if Q ** (2 * cfg.d) <= lut.MAX_TWO_SIDED:
-        path, est = "two-sided", np.asarray(lut.dot(cx, cy, cfg))
+        path, est = "two-sided", np.asarray(lut.dot(cx, cy))
     else:  # q^d = 65536-entry tables per block: check the first pairs only (memory)
         few = slice(0, LUT_CHECK_PAIRS)
         path = f"one-sided vs decoded y, first {LUT_CHECK_PAIRS} pairs"
-        est = np.asarray(lut.dot_one_sided(hq.Codes(cx.labels[few], cx.T[few]), dy[few], cfg))
+        first = hq.Codes(cx.index[few], cx.tfield[few], cfg)  # pairs axis: not the T pairing axis
+        est = np.asarray(lut.dot_one_sided(first, dy[few]))
         dec = dec[few]
     return {"lattice": name, "q": Q, "M": M, "beta": float(betas[k]), "D_ip": float(D[k]),
             "R": float(R[k]), "Gamma_R": float(gamma(R[k])),

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import _numerics
-from hnlq_jax.codec import codebook, codebook_table, concrete_all, default_float, to_blocks
+from hnlq_jax.codec import (codebook, codebook_table, concrete_all, decode_blocks,
+                            default_float, to_blocks)
 from hnlq_jax.codes import Codes, check_codes, unpack_t, valid_blocks
 from hnlq_jax.config import HNLQConfig
 
@@ -180,8 +181,25 @@ def _z_terms(config, dtype):
     return jnp.matmul(codebook(config, dtype), z, precision=_HIGHEST), jnp.dot(z, z)
 
 
-@functools.partial(jax.jit, static_argnums=4)
-def _dot(a, ua, b, ub, config):
+def _padding(codes_a: Codes, codes_b: Codes) -> int:
+    """Coordinates of the last block beyond the logical length (row codes: ``nb d - n``).
+
+    The tables multiply whole blocks, and the zero padding of a row does not decode to zero in
+    general (a dither, or a lattice such as E8 whose nearest point to a block with zero
+    coordinates may have nonzero ones), so two-sided products subtract those coordinates.
+    """
+    ns = [c.n for c in (codes_a, codes_b) if c.n is not None]
+    return codes_a.blocks_shape[-1] * codes_a.config.d - min(ns) if ns else 0
+
+
+def _tail(index, u, config, dtype, pad: int):
+    """``[..., pad]``: the decoded padding coordinates of the last block (no row scale)."""
+    last = decode_blocks(index[..., -1, :], u[..., -1], config, None, dtype, config.beta)
+    return last[..., config.d - pad:]
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _dot(a, ua, b, ub, config, pad):
     dtype = default_float()
     Q, M = config.q**config.d, config.M
     a, b = a.astype(jnp.int32), b.astype(jnp.int32)  # [..., nb, M]
@@ -195,7 +213,11 @@ def _dot(a, ua, b, ub, config):
         wl = _numerics.level_weights(config, dtype)
         v = v - (jnp.sum(tz[a] * wl, -1) + jnp.sum(tz[b] * wl, -1)) + zz  # symmetric in x, y
     s = _block_scale(a, ua, config, dtype) * _block_scale(b, ub, config, dtype)
-    return jnp.sum(s * v, axis=-1)
+    out = jnp.sum(s * v, axis=-1)
+    if pad:
+        out = out - jnp.sum(_tail(a, ua, config, dtype, pad) * _tail(b, ub, config, dtype, pad),
+                            axis=-1)
+    return out
 
 
 def _same_config(ca: Codes, cb: Codes, fn: str) -> HNLQConfig:
@@ -225,7 +247,8 @@ def dot(codes_x, codes_y):
     config = _same_config(codes_x, codes_y, "dot")
     _check_two_sided(config, "dot")
     _same_blocks(ua.shape, ub.shape, "dot")
-    return _row_scale(_row_scale(_dot(a, ua, b, ub, config), sa), sb)
+    out = _dot(a, ua, b, ub, config, _padding(codes_x, codes_y))
+    return _row_scale(_row_scale(out, sa), sb)
 
 
 def _same_blocks(sa, sb, fn: str):
@@ -339,12 +362,13 @@ def _gather_matmul(U, E, idx, s, config):
     return out
 
 
-@functools.partial(jax.jit, static_argnums=4)
-def _matmul(a, ua, b, ub, config):
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _matmul(a, ua, b, ub, config, pad):
     dtype = default_float()
     lead = ua.shape[:-1]
-    a = a.reshape((-1,) + a.shape[-2:]).astype(jnp.int32)  # [m, nb, M]
-    ua = ua.reshape((-1, ua.shape[-1]))
+    m = int(np.prod(lead, dtype=np.int64))  # not -1: a reshape cannot infer it when nb = 0
+    a = a.reshape((m,) + a.shape[-2:]).astype(jnp.int32)  # [m, nb, M]
+    ua = ua.reshape((m, ua.shape[-1]))
     lut = jnp.asarray(_two_sided_np(config))
     U = sum(lut[a[..., i]].astype(jnp.int32) * config.q**i for i in range(config.M))
     U = U.astype(dtype) / table_den(config)  # [m, nb, Q]: <c_a, r(b)>, exact
@@ -356,6 +380,9 @@ def _matmul(a, ua, b, ub, config):
         U = U - tz
         E = sA * (jnp.sum(tz[a] * _numerics.level_weights(config, dtype), -1) - zz)
     out = _gather_matmul(sA[..., None] * U, E, b, _block_scale(b, ub, config, dtype), config)
+    if pad:
+        out = out - jnp.matmul(_tail(a, ua, config, dtype, pad),
+                               _tail(b, ub, config, dtype, pad).T, precision=_HIGHEST)
     return out.reshape(lead + out.shape[-1:])
 
 
@@ -389,7 +416,7 @@ def matmul(codes_A, codes_B):
     _check_two_sided(config, "matmul")
     if ua.shape[-1] != ub.shape[-1]:
         raise ValueError(f"matmul: A has {ua.shape[-1]} blocks per row, B {ub.shape[-1]} per column")
-    out = _matmul(a, ua, b, ub, config)
+    out = _matmul(a, ua, b, ub, config, _padding(codes_A, codes_B))
     if sa is not None:
         out = out * sa.astype(out.dtype)[..., None]
     return _row_scale(out, sb)

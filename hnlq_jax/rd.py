@@ -16,7 +16,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import MAX_CODEBOOK_SIZE, HNLQConfig
+from hnlq_jax.lattices import lattice
 from hnlq_jax.stats import calibrate_beta
 
 __all__ = ["RDPoint", "rate_distortion", "format_table", "plot"]
@@ -67,7 +68,8 @@ def rate_distortion(lattices=("Z2", "A2", "D4", "E8"), qs=(3, 4, 8), Ms=(1, 2, 3
       Ms: numbers of levels.
       n: sample size (the paper: 4000 d-vectors from ``numpy.random.default_rng(0)``).
       seed: the sample's seed.
-      voronoi: also run the Voronoi code at ``q^2`` (``M = 1``) for each lattice and q.
+      voronoi: also run the Voronoi code at ``q^2`` (``M = 1``) for each lattice and q, where
+        its codebook fits Codes (``q^2 <= 256`` and ``q^(2d) <= 2^32``: not E8 at q = 8).
       callback: called with each :class:`RDPoint` as it is done (progress).
 
     Returns:
@@ -77,7 +79,7 @@ def rate_distortion(lattices=("Z2", "A2", "D4", "E8"), qs=(3, 4, 8), Ms=(1, 2, 3
     for name in lattices:
         for q in qs:
             jobs += [(name, q, M, "hnlq") for M in Ms]
-            if voronoi and q * q <= 256:
+            if voronoi and q * q <= 256 and (q * q) ** lattice(name).d <= MAX_CODEBOOK_SIZE:
                 jobs.append((name, q * q, 1, "voronoi"))
     for job in jobs:  # fail fast on an invalid configuration, before any long run
         HNLQConfig(*job[:3])

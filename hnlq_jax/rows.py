@@ -36,7 +36,7 @@ def row_rms(w):
     Computed as ``m sqrt(mean((w/m)^2))`` with ``m = max |w_row|``, so an entry near the float
     range (1e20 squares to inf in float32) gives a finite scale instead of a NaN row.
     """
-    m = jnp.max(jnp.abs(w), axis=-1, keepdims=True)
+    m = jnp.max(jnp.abs(w), axis=-1, keepdims=True, initial=0.0)
     m = jnp.where(m > 0, m, 1.0)
     rms = m[..., 0] * jnp.sqrt(jnp.mean(jnp.square(w / m), axis=-1))
     return jnp.where(rms > 0, rms, 1.0)

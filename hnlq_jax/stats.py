@@ -98,7 +98,9 @@ def _beta_grid(x, config, betas):
 
 def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
                    step: float = 0.05) -> tuple[float, BetaSearch]:
-    """The paper's grid search for beta: ``beta_min (1 + step k)``, ``k < num`` (SPEC §7).
+    """The paper's grid search for beta: ``beta_min (1 + step k)``, ``k < num``.
+
+    The search and its criterion are described in ``docs/math.md`` ("Choosing beta").
 
     Every grid point encodes and decodes all of ``x``; the grid is mapped on device.
 

@@ -17,18 +17,25 @@ def test_info(capsys):
 
 
 def test_demo_small(capsys):
-    assert main(["demo", "--lattice", "Z2", "--q", "3", "--n", "3000"]) == 0
+    """demo is the default command (options without it) and counts take float notation."""
+    assert main(["--lattice", "Z2", "--q", "3", "--n", "3e3"]) == 0
     out = capsys.readouterr().out
-    assert "dB above D(R)" in out and "overload" in out and "vec/s" in out
+    assert "3,000 iid N(0,1) vectors" in out
+    assert "dB above D(R)" in out and "overload" in out and "vec/s" in out and "packed" in out
     db = float(re.search(r"([0-9.]+) dB above", out).group(1))
     assert 1.0 < db < 6.0
 
 
-def test_demo_bad_arguments(capsys):
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "--q", "1", "--n", "10"], "q must be in 2..256"),
+    (["--n", "0.5"], "expected a whole number >= 1, got '0.5'"),
+    (["demo", "--n", "many"], "expected a number such as 1000 or 1e6, got 'many'"),
+])
+def test_demo_bad_arguments(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
-        main(["demo", "--q", "1", "--n", "10"])
+        main(argv)
     assert e.value.code == 2
-    assert "q must be in 2..256" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_readme_examples_run():

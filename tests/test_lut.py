@@ -21,30 +21,27 @@ CONFIGS = [
 IDS = [f"{c.lattice}q{c.q}M{c.M}" for c in CONFIGS]
 
 
-def _codes(g, key):
-    return hq.Codes(jnp.asarray(g[f"ip_labels_{key}"]).astype(jnp.uint8),
-                    jnp.asarray(g[f"ip_T_{key}"]).astype(jnp.int8))
-
-
 @pytest.mark.parametrize("name", GOLDEN)
 def test_golden_inner_products(name, x64):
     g = load_golden(name)
     # The reference's inner-product arrays ignore the dither (their labels are the undithered
     # codes), so the dither file is checked without it.
     cfg = golden_config(g, dither=None)
-    cx, cy = _codes(g, "X"), _codes(g, "Y")
-    np.testing.assert_array_equal(hq.encode(hq.to_blocks(g["ip_X"], cfg.d), cfg).labels,
-                                  g["ip_labels_X"])
+    cx = hq.Codes.from_labels(g["ip_labels_X"], g["ip_T_X"], cfg)
+    cy = hq.Codes.from_labels(g["ip_labels_Y"], g["ip_T_Y"], cfg)
+    enc = hq.encode(hq.to_blocks(g["ip_X"], cfg.d), cfg)
+    np.testing.assert_array_equal(enc.labels, g["ip_labels_X"])
+    np.testing.assert_array_equal(enc.index, cx.index)
     if "lut" in g:
         np.testing.assert_array_equal(lut.two_sided(cfg), g["lut"])
     if cfg.q ** (2 * cfg.d) <= lut.MAX_TWO_SIDED:
-        est = np.asarray(lut.dot(cx, cy, cfg))
+        est = np.asarray(lut.dot(cx, cy))
         np.testing.assert_allclose(est, g["ip_lut_estimate"], rtol=1e-13, atol=1e-13)
         np.testing.assert_allclose(est, g["ip_decoded_exact"], rtol=1e-13, atol=1e-13)
-        first = hq.Codes(cy.labels[:1], cy.T[:1])
-        np.testing.assert_allclose(np.asarray(lut.matmul(cx, first, cfg))[:, 0],
-                                   np.asarray(lut.dot(cx, first, cfg)), rtol=1e-13, atol=1e-13)
-    one = np.asarray(lut.dot_one_sided(cx, g["ip_Y"], cfg))
+        first = hq.Codes(cy.index[:1], cy.tfield[:1], cfg)  # vector 0 (blocks [1, nb])
+        np.testing.assert_allclose(np.asarray(lut.matmul(cx, first))[:, 0],
+                                   np.asarray(lut.dot(cx, first)), rtol=1e-13, atol=1e-13)
+    one = np.asarray(lut.dot_one_sided(cx, g["ip_Y"]))
     np.testing.assert_allclose(one, g["ip_one_sided"], rtol=1e-13, atol=1e-13)
 
 
@@ -57,7 +54,8 @@ def _table_configs():
 
 @pytest.mark.parametrize("cfg", list(_table_configs()), ids=lambda c: f"{c.lattice}q{c.q}")
 def test_two_sided_is_codebook_gram(cfg, x64):
-    """SPEC §6 (7): LUT = codebook codebook^T, for every pair of labels, in the smallest dtype."""
+    """docs/math.md#identities (7): LUT = codebook codebook^T, for every pair of labels, in the
+    smallest dtype."""
     table = np.asarray(lut.two_sided(cfg))
     cb = np.asarray(hq.codebook(cfg))
     gram = lut.table_den(cfg) * (cb @ cb.T)
@@ -80,20 +78,28 @@ def _random_codes(cfg, shape, rng, max_T=3):
     """Uniform labels (every label combination, not only encoder outputs) and random T."""
     labels = rng.integers(0, cfg.q, size=shape + (cfg.M, cfg.d)).astype(np.uint8)
     T = rng.integers(0, max_T + 1, size=shape).astype(np.int8)
-    return hq.Codes(jnp.asarray(labels), jnp.asarray(T))
+    return hq.Codes.from_labels(labels, T, cfg)
 
 
-def _decoded(codes, cfg):
-    """``[..., n]`` decode of vector codes ``[..., nb, M, d]``, as float64."""
-    x = np.asarray(hq.decode(codes, cfg), np.float64)
-    return x.reshape(x.shape[:-2] + (-1,))
+def _decoded(codes):
+    """``[..., n]`` decode of vector codes (blocks ``[..., nb]``, or row codes), as float64."""
+    x = np.asarray(hq.decode(codes), np.float64)
+    return x if codes.n is not None else x.reshape(x.shape[:-2] + (-1,))
 
 
-def _lattice_points(codes, cfg):
+def _lattice_points(codes):
     """``[..., nb, d]`` exact lattice points (times 2 for E8) from the codebook, int64."""
+    cfg = codes.config
     P = hq.codec.codebook_table(cfg.lattice, cfg.q).astype(np.int64)
-    idx = np.sum(np.asarray(codes.labels, np.int64) * cfg.q ** np.arange(cfg.d - 1, -1, -1), -1)
-    return np.sum(P[idx] * (cfg.q ** np.arange(cfg.M))[:, None], axis=-2)
+    return np.sum(P[np.asarray(codes.index, np.int64)] * (cfg.q ** np.arange(cfg.M))[:, None],
+                  axis=-2)
+
+
+def _assert_products(got, ref, bound, atol):
+    """``got == ref`` to ``atol`` relative to ``bound``, a per-entry bound of ``|ref|`` (e.g.
+    the product of the two vectors' norms), so small products are checked as tightly as large."""
+    np.testing.assert_allclose(np.asarray(got) / bound, np.asarray(ref) / bound, rtol=0,
+                               atol=atol)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
@@ -102,37 +108,60 @@ def test_dot_integer_part_is_exact(cfg, x64):
     cfg = cfg.replace(beta=1.0, dither=None)
     rng = np.random.default_rng(1)
     cx, cy = _random_codes(cfg, (64, 8), rng, 0), _random_codes(cfg, (64, 8), rng, 0)
-    Px, Py = _lattice_points(cx, cfg), _lattice_points(cy, cfg)
+    Px, Py = _lattice_points(cx), _lattice_points(cy)
     K, den = lut._gram_P(cfg.lat)
     exact = np.einsum("...i,ij,...j->...", Px, K, Py).sum(-1)  # den * <c_x, c_y>
-    np.testing.assert_array_equal(np.asarray(lut.dot(cx, cy, cfg)) * den, exact)
+    np.testing.assert_array_equal(np.asarray(lut.dot(cx, cy)) * den, exact)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("use_x64", [True, False])
 def test_products_equal_decode_then_dot(cfg, use_x64):
+    """An odd block count (the 4-bit T field pads its last byte) and a zero-padded tail block."""
     rng = np.random.default_rng(2)
-    nb, k = 6, 6 * cfg.d - 1  # a zero-padded tail block
+    nb, k = 5, 5 * cfg.d - 1
     with jax.enable_x64(use_x64):
         cx, cy = _random_codes(cfg, (5, nb), rng), _random_codes(cfg, (5, nb), rng)
         W = _random_codes(cfg, (7, nb), rng)
         y = rng.normal(size=(5, k))
-        dx, dy, dW = _decoded(cx, cfg), _decoded(cy, cfg), _decoded(W, cfg)
+        dx, dy, dW = _decoded(cx), _decoded(cy), _decoded(W)
         tol = dict(rtol=1e-12, atol=1e-12) if use_x64 else dict(rtol=2e-5, atol=2e-5)
         scale = np.abs(dx).max() * np.abs(dy).max() * dx.shape[-1]
         yp = np.pad(y, [(0, 0), (0, 1)])
-        np.testing.assert_allclose(np.asarray(lut.dot(cx, cy, cfg)) / scale,
+        np.testing.assert_allclose(np.asarray(lut.dot(cx, cy)) / scale,
                                    np.sum(dx * dy, -1) / scale, **tol)
-        np.testing.assert_allclose(np.asarray(lut.dot_one_sided(cx, y, cfg)) / scale,
+        np.testing.assert_allclose(np.asarray(lut.dot_one_sided(cx, y)) / scale,
                                    np.sum(dx * yp, -1) / scale, **tol)
-        np.testing.assert_allclose(np.asarray(lut.matmul(cx, W, cfg)) / scale,
-                                   dx @ dW.T / scale, **tol)
-        np.testing.assert_allclose(np.asarray(lut.matmul_one_sided(W, y, cfg)) / scale,
+        np.testing.assert_allclose(np.asarray(lut.matmul(cx, W)) / scale, dx @ dW.T / scale,
+                                   **tol)
+        np.testing.assert_allclose(np.asarray(lut.matmul_one_sided(W, y)) / scale,
                                    yp @ dW.T / scale, **tol)
         t = np.asarray(lut.one_sided(y, cfg))
         cb = np.asarray(hq.codebook(cfg), np.float64)
         np.testing.assert_allclose(t, yp.reshape(5, nb, cfg.d) @ cb.T, **tol)
         assert t.dtype == (np.float64 if use_x64 else np.float32)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_row_codes_apply_row_scales(cfg, x64):
+    """Row codes (hq.encode_rows) of rows whose magnitudes differ by 10^4: every product is
+    scaled by the right rows' scales, on the right axes."""
+    rng = np.random.default_rng(7)
+    k = 5 * cfg.d - 1  # an odd block count and a zero-padded tail
+    W = rng.normal(size=(6, k)) * np.array([1, 100, 0.01, 3, 1, 7])[:, None]
+    A = rng.normal(size=(3, k)) * np.array([0.1, 50, 1])[:, None]
+    cW, cA, cW3 = hq.encode_rows(W, cfg), hq.encode_rows(A, cfg), hq.encode_rows(W[:3], cfg)
+    assert cW.n == k and cW.scale.shape == (6,) and cW.config == cfg.replace(beta=1.0)
+    dW, dA, dW3 = _decoded(cW), _decoded(cA), _decoded(cW3)
+    x, y = rng.normal(size=(2, 4, k)), rng.normal(size=(6, k))
+    nW, nA, nx = (np.linalg.norm(v, axis=-1) for v in (dW, dA, x))
+    _assert_products(lut.matmul_one_sided(cW, x), x @ dW.T, nx[..., None] * nW, 1e-12)
+    _assert_products(lut.matmul(cA, cW), dA @ dW.T, nA[:, None] * nW, 1e-12)
+    _assert_products(lut.dot(cA, cW3), np.sum(dA * dW3, -1), nA * nW[:3], 1e-12)
+    _assert_products(lut.dot_one_sided(cW, y), np.sum(dW * y, -1),
+                     nW * np.linalg.norm(y, axis=-1), 1e-12)
+    # The same through the front door, which takes the LUT path on request.
+    _assert_products(hq.matmul(x, cW, implementation="lut"), x @ dW.T, nx[..., None] * nW, 1e-12)
 
 
 def test_encoded_data_and_leading_shapes(x64):
@@ -142,13 +171,13 @@ def test_encoded_data_and_leading_shapes(x64):
     x, y = rng.normal(size=(3, 1, 32)) * 2, rng.normal(size=(4, 32))
     cx, cy = hq.encode(hq.to_blocks(x, 4), cfg), hq.encode(hq.to_blocks(y, 4), cfg)
     assert int(jnp.max(cx.T)) > 0
-    dx, dy = _decoded(cx, cfg), _decoded(cy, cfg)
-    np.testing.assert_allclose(lut.dot(cx, cy, cfg), np.sum(dx * dy, -1), rtol=1e-12)
-    np.testing.assert_allclose(lut.dot_one_sided(cx, y, cfg), np.sum(dx * y, -1), rtol=1e-12)
-    np.testing.assert_allclose(lut.matmul(cx, cy, cfg), dx @ dy.T, rtol=1e-12)
+    dx, dy = _decoded(cx), _decoded(cy)
+    np.testing.assert_allclose(lut.dot(cx, cy), np.sum(dx * dy, -1), rtol=1e-12)
+    np.testing.assert_allclose(lut.dot_one_sided(cx, y), np.sum(dx * y, -1), rtol=1e-12)
+    np.testing.assert_allclose(lut.matmul(cx, cy), dx @ dy.T, rtol=1e-12)
     a = rng.normal(size=(2, 3, 32))
-    np.testing.assert_allclose(lut.matmul_one_sided(cy, a, cfg), a @ dy.T, rtol=1e-12)
-    assert lut.matmul(cx, cy, cfg).shape == (3, 1, 4)
+    np.testing.assert_allclose(lut.matmul_one_sided(cy, a), a @ dy.T, rtol=1e-12)
+    assert lut.matmul(cx, cy).shape == (3, 1, 4)
 
 
 @settings(max_examples=10)
@@ -157,20 +186,21 @@ def test_dot_symmetric_and_matmul_consistent(seed, which):
     cfg = CONFIGS[which]
     rng = np.random.default_rng(seed)
     cx, cy = _random_codes(cfg, (4, 3), rng), _random_codes(cfg, (4, 3), rng)
-    np.testing.assert_array_equal(lut.dot(cx, cy, cfg), lut.dot(cy, cx, cfg))
-    m = np.asarray(lut.matmul(cx, cy, cfg))
-    np.testing.assert_allclose(np.diagonal(m), lut.dot(cx, cy, cfg), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(lut.dot(cx, cy), lut.dot(cy, cx))
+    m = np.asarray(lut.matmul(cx, cy))
+    np.testing.assert_allclose(np.diagonal(m), lut.dot(cx, cy), rtol=1e-5, atol=1e-5)
 
 
 def test_invalid_blocks_give_nan():
     cfg = CONFIGS[0]
     cx = _random_codes(cfg, (2, 3), np.random.default_rng(4))
-    cx = hq.Codes(cx.labels, cx.T.at[0, 1].set(-1))
-    out = np.asarray(lut.dot(cx, cx, cfg))
+    cx = hq.Codes.from_labels(cx.labels, cx.T.at[0, 1].set(-1), cfg)
+    out = np.asarray(lut.dot(cx, cx))
     assert np.isnan(out[0]) and np.isfinite(out[1])
-    assert np.isnan(np.asarray(lut.dot_one_sided(cx, np.ones((2, 6)), cfg))[0])
-    m = np.asarray(lut.matmul(cx, cx, cfg))
+    assert np.isnan(np.asarray(lut.dot_one_sided(cx, np.ones((2, 6))))[0])
+    m = np.asarray(lut.matmul(cx, cx))
     assert np.isnan(m[0]).all() and np.isnan(m[:, 0]).all() and np.isfinite(m[1, 1])
+    assert np.isnan(np.asarray(lut.matmul_one_sided(cx, np.ones((3, 6))))[:, 0]).all()
 
 
 def test_jit_and_vmap():
@@ -178,10 +208,51 @@ def test_jit_and_vmap():
     rng = np.random.default_rng(5)
     cx, cy = _random_codes(cfg, (3, 4), rng), _random_codes(cfg, (3, 4), rng)
     y = rng.normal(size=(3, 16)).astype(np.float32)
-    np.testing.assert_array_equal(jax.jit(lut.dot, static_argnums=2)(cx, cy, cfg),
-                                  lut.dot(cx, cy, cfg))
-    f = jax.vmap(lambda c, v: lut.dot_one_sided(c, v, cfg))
-    np.testing.assert_allclose(f(cx, y), lut.dot_one_sided(cx, y, cfg), rtol=1e-6)
+    np.testing.assert_array_equal(jax.jit(lut.dot)(cx, cy), lut.dot(cx, cy))
+    np.testing.assert_allclose(jax.vmap(lut.dot_one_sided)(cx, y), lut.dot_one_sided(cx, y),
+                               rtol=1e-6)
+
+
+def test_empty_inputs_give_empty_results():
+    """No rows, no columns or no blocks: empty (or zero) results, not a ZeroDivisionError."""
+    cfg = CONFIGS[2]
+    rng = np.random.default_rng(8)
+    A, W = _random_codes(cfg, (2, 3), rng), _random_codes(cfg, (5, 3), rng)
+    assert lut.matmul(_random_codes(cfg, (0, 3), rng), W).shape == (0, 5)
+    assert lut.matmul(A, _random_codes(cfg, (0, 3), rng)).shape == (2, 0)
+    assert lut.matmul(_random_codes(cfg, (2, 0, 3), rng), W).shape == (2, 0, 5)
+    np.testing.assert_array_equal(
+        lut.matmul(_random_codes(cfg, (2, 0), rng), _random_codes(cfg, (5, 0), rng)),
+        np.zeros((2, 5)))  # k = 0: empty sums
+    assert lut.matmul_one_sided(W, np.zeros((0, 12), np.float32)).shape == (0, 5)
+    assert lut.matmul_one_sided(W, np.zeros((2, 0, 12), np.float32)).shape == (2, 0, 5)
+    assert lut.matmul_one_sided(_random_codes(cfg, (0, 3), rng),
+                                np.ones((2, 12), np.float32)).shape == (2, 0)
+    np.testing.assert_array_equal(
+        lut.matmul_one_sided(_random_codes(cfg, (5, 0), rng), np.zeros((2, 0), np.float32)),
+        np.zeros((2, 5)))
+    assert lut.dot(_random_codes(cfg, (0, 3), rng), _random_codes(cfg, (0, 3), rng)).shape == (0,)
+    assert lut.dot_one_sided(_random_codes(cfg, (0, 3), rng),
+                             np.zeros((0, 12), np.float32)).shape == (0,)
+    rows = hq.encode_rows(np.zeros((0, 12), np.float32), cfg)
+    assert lut.matmul_one_sided(rows, np.ones((2, 12), np.float32)).shape == (2, 0)
+
+
+def test_different_configs_are_refused():
+    """Two codes of different configs do not combine; row codes (unit beta, the scale in their
+    rows) do not combine with block codes of the config they were made from."""
+    cfg = CONFIGS[2]
+    rng = np.random.default_rng(9)
+    c = _random_codes(cfg, (2, 3), rng)
+    for other in (cfg.replace(dither=None), cfg.replace(q=3), cfg.replace(M=3),
+                  cfg.replace(max_T=20), hq.encode_rows(np.ones((2, 12)), cfg).config):
+        o = _random_codes(other, (2, 3), rng)
+        with pytest.raises(ValueError, match="different configs"):
+            lut.dot(c, o)
+        with pytest.raises(ValueError, match="different configs"):
+            lut.matmul(c, o)
+        with pytest.raises(ValueError, match="different configs"):
+            lut.matmul(o, c)
 
 
 def test_table_size_errors():
@@ -190,14 +261,14 @@ def test_table_size_errors():
             lut.two_sided(cfg)
         c = _random_codes(cfg, (1, 1), np.random.default_rng(0))
         with pytest.raises(ValueError, match="two-sided table"):
-            lut.dot(c, c, cfg)
+            lut.dot(c, c)
         with pytest.raises(ValueError, match="two-sided table"):
-            lut.matmul(c, c, cfg)
+            lut.matmul(c, c)
     with pytest.raises(ValueError, match=r"q\^d = 16,777,216 .* decode then dot"):
         lut.one_sided(np.zeros(8), hq.HNLQConfig("E8", 8, 1))
+    c = _random_codes(hq.HNLQConfig("Z2", 16, 5), (1, 1), np.random.default_rng(0))
     with pytest.raises(ValueError, match="int32"):
-        lut.dot(*[_random_codes(hq.HNLQConfig("Z2", 16, 5), (1, 1), np.random.default_rng(0))] * 2,
-                hq.HNLQConfig("Z2", 16, 5))
+        lut.dot(c, c)
 
 
 def test_bad_input():
@@ -205,28 +276,39 @@ def test_bad_input():
     rng = np.random.default_rng(6)
     c = _random_codes(cfg, (2, 3), rng)
     with pytest.raises(ValueError, match="blocks; they must agree"):
-        lut.dot(c, _random_codes(cfg, (2, 4), rng), cfg)
+        lut.dot(c, _random_codes(cfg, (2, 4), rng))
     with pytest.raises(ValueError, match="do not broadcast"):
-        lut.dot(c, _random_codes(cfg, (3, 3), rng), cfg)
-    with pytest.raises(ValueError, match=r"labels \[..., nb, M, d\]"):
-        lut.dot(hq.Codes(c.labels[0, 0], c.T[0, 0]), c, cfg)
-    with pytest.raises(ValueError, match="labels must be in 0..q-1"):
-        lut.dot(hq.Codes(c.labels.at[0, 0, 0, 0].set(4), c.T), c, cfg)
-    with pytest.raises(ValueError, match="T must be in"):
-        lut.dot(hq.Codes(c.labels, c.T.at[0, 0].set(100)), c, cfg)
-    with pytest.raises(ValueError, match=r"M=3, d=4\] .* got labels \(2, 3, 2, 4\)"):
-        lut.dot(c, c, cfg.replace(M=3))
+        lut.dot(c, _random_codes(cfg, (3, 3), rng))
+    with pytest.raises(ValueError, match=r"codes of vectors, blocks \[..., nb\]"):
+        lut.dot(hq.Codes(c.index[0, 0], c.tfield[0, 0], cfg), c)
+    with pytest.raises(TypeError, match="expected hnlq_jax.Codes, got tuple"):
+        lut.dot((c.labels, c.T), c)
+    with pytest.raises(TypeError, match="codes carry no HNLQConfig"):
+        lut.dot_one_sided(hq.Codes(c.index, c.tfield, "D4"), np.zeros((2, 12)))
+    with pytest.raises(ValueError, match=r"expected index uint8\[..., M=2\]"):
+        lut.dot(hq.Codes(c.index[..., :1], c.tfield, cfg), c)
+    with pytest.raises(ValueError, match=r"uint8 T field of shape \[2, 2\]"):
+        lut.matmul(c, hq.Codes(c.index, c.tfield[:, :1], cfg))
+    # Corrupted codes: an index >= q^d = 9 (Z2 q=3), a T above max_T = 3 (4-bit field).
+    z = _random_codes(CONFIGS[0], (2, 3), rng)
+    with pytest.raises(ValueError, match="codebook index out of range: values up to 9 >= q\\^d"):
+        lut.dot(hq.Codes(z.index.at[1, 2, 0].set(9), z.tfield, CONFIGS[0]), z)
+    small = cfg.replace(max_T=3)
+    s = _random_codes(small, (2, 3), rng)
+    with pytest.raises(ValueError, match="T field holds values above max_T = 3"):
+        lut.matmul_one_sided(hq.Codes(s.index, s.tfield.at[0, 1].set(5), small),
+                             np.zeros((1, 12)))
     with pytest.raises(TypeError, match="HNLQConfig"):
-        lut.dot(c, c, "D4")
+        lut.one_sided(np.zeros((2, 12)), "D4")
     with pytest.raises(ValueError, match=r"length 9..12"):
-        lut.dot_one_sided(c, np.zeros((2, 13)), cfg)
+        lut.dot_one_sided(c, np.zeros((2, 13)))
     with pytest.raises(ValueError, match="NaN or Inf"):
-        lut.dot_one_sided(c, np.full((2, 12), np.nan), cfg)
+        lut.dot_one_sided(c, np.full((2, 12), np.nan))
     with pytest.raises(TypeError, match="floating"):
         lut.one_sided(np.zeros((2, 12), np.int32), cfg)
-    with pytest.raises(ValueError, match=r"labels \[n, nb, M, d\]"):
-        lut.matmul(c, hq.Codes(c.labels[None], c.T[None]), cfg)
+    with pytest.raises(ValueError, match=r"B must be coded as n rows .* got blocks \[1, 2, 3\]"):
+        lut.matmul(c, hq.Codes(c.index[None], c.tfield[None], cfg))
     with pytest.raises(ValueError, match="blocks per row"):
-        lut.matmul(c, _random_codes(cfg, (2, 4), rng), cfg)
+        lut.matmul(c, _random_codes(cfg, (2, 4), rng))
     with pytest.raises(ValueError, match=r"length 9..12"):
-        lut.matmul_one_sided(c, np.zeros((5, 8)), cfg)
+        lut.matmul_one_sided(c, np.zeros((5, 8)))

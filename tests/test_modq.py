@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import hnlq_jax as hq
 from hnlq_jax import modq
 from hnlq_jax.codec import all_labels, codebook_table
+from hnlq_jax.codes import index_dtype
 from hnlq_jax.lattices import columns, nearest_int
 
 CONFIGS = [
@@ -21,17 +22,23 @@ CONFIGS = [
 IDS = [f"{c.lattice}q{c.q}M{c.M}" for c in CONFIGS]
 
 
-def _points(codes, cfg):
+def _points(codes):
     """Exact lattice points ``sum_m q^m r(b_m)`` in P coordinates, int64 ``[..., d]``."""
+    cfg = codes.config
     P = codebook_table(cfg.lattice, cfg.q).astype(np.int64)
-    idx = np.sum(np.asarray(codes.labels, np.int64) * cfg.q ** np.arange(cfg.d - 1, -1, -1), -1)
-    return np.sum(P[idx] * (cfg.q ** np.arange(cfg.M))[:, None], axis=-2)
+    return np.sum(P[np.asarray(codes.index, np.int64)] * (cfg.q ** np.arange(cfg.M))[:, None],
+                  axis=-2)
 
 
 def _random_codes(cfg, shape, seed, T=0):
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, cfg.q, size=shape + (cfg.M, cfg.d)).astype(np.uint8)
-    return hq.Codes(jnp.asarray(labels), jnp.full(shape, T, jnp.int8))
+    return hq.Codes.from_labels(labels, np.full(shape, T, np.int8), cfg)
+
+
+def _as(codes, cfg):
+    """The same codes read with another config (e.g. beta = 1 for exact float decodes)."""
+    return hq.Codes(codes.index, codes.tfield, cfg)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
@@ -43,12 +50,11 @@ def test_label_sum_is_lattice_sum_mod_qL(cfg):
     a = labels if len(labels) <= 4096 else labels[rng.choice(len(labels), 4096, replace=False)]
     a, b = np.repeat(a, 16, axis=0), labels[rng.integers(0, len(labels), len(a) * 16)]
     one = cfg.replace(M=1)
-    s = modq.add(hq.Codes(jnp.asarray(a[:, None].astype(np.uint8)), jnp.zeros(len(a), jnp.int8)),
-                 hq.Codes(jnp.asarray(b[:, None].astype(np.uint8)), jnp.zeros(len(b), jnp.int8)),
-                 one)
+    s = modq.add(hq.Codes.from_labels(a[:, None], np.zeros(len(a), np.int8), one),
+                 hq.Codes.from_labels(b[:, None], np.zeros(len(b), np.int8), one))
     P = codebook_table(cfg.lattice, q).astype(np.int64)
     k = q ** np.arange(d - 1, -1, -1)
-    carry = P[np.asarray(s.labels[:, 0], np.int64) @ k] - P[a @ k] - P[b @ k]
+    carry = P[np.asarray(s.index[:, 0], np.int64)] - P[a @ k] - P[b @ k]
     back = jnp.stack(nearest_int(columns(jnp.asarray(carry, jnp.int32)), q, cfg.lat), -1)
     np.testing.assert_array_equal(q * np.asarray(back), carry)  # carry / q is a lattice point
     np.testing.assert_array_equal(s.labels[:, 0], (a + b) % q)
@@ -58,17 +64,17 @@ def test_label_sum_is_lattice_sum_mod_qL(cfg):
 def test_validate_against_exact_sums(cfg, x64):
     """validate is true exactly where the accumulated labels decode to the true sum."""
     codes = _random_codes(cfg, (2, 2000), 1)
-    acc = modq.accumulate(codes, cfg, axis=0)
-    ok = np.asarray(modq.validate(codes, cfg, axis=0))
-    expect = np.all(_points(acc, cfg) == _points(codes, cfg).sum(0), axis=-1)
+    acc = modq.accumulate(codes, axis=0)
+    ok = np.asarray(modq.validate(codes, axis=0))
+    expect = np.all(_points(acc) == _points(codes).sum(0), axis=-1)
     np.testing.assert_array_equal(ok, expect)
     assert ok.any() and not ok.all()  # both cases occur for uniform labels
     if cfg.lattice == "A2":
         return  # A2's Cartesian coordinates are not dyadic: the float check below needs exactness
     # Decoded (beta = 1, T = 0: exact floats): equal sums exactly where validate says so.
     one = cfg.replace(beta=1.0)
-    dec = np.asarray(hq.decode(acc, one))
-    total = np.asarray(hq.decode(codes, one)).sum(0)
+    dec = np.asarray(hq.decode(_as(acc, one)))
+    total = np.asarray(hq.decode(_as(codes, one))).sum(0)
     np.testing.assert_array_equal(np.all(dec == total, axis=-1), ok)
 
 
@@ -78,30 +84,56 @@ def test_single_level_small_sums_are_exact(x64):
     rng = np.random.default_rng(2)
     x = rng.normal(size=(2, 300, 4))
     codes = hq.encode(x, cfg)
-    assert np.all(np.asarray(modq.validate(codes, cfg)))
-    np.testing.assert_array_equal(hq.decode(modq.accumulate(codes, cfg), cfg),
-                                  np.asarray(hq.decode(codes, cfg)).sum(0))
+    assert np.all(np.asarray(modq.validate(codes)))
+    np.testing.assert_array_equal(hq.decode(modq.accumulate(codes)),
+                                  np.asarray(hq.decode(codes)).sum(0))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[1:3], ids=IDS[1:3])
 def test_sum_with_fallback(cfg, x64):
     codes = _random_codes(cfg, (4, 200), 3, T=2)
-    x, exact = modq.sum_with_fallback(codes, cfg, axis=0)
-    np.testing.assert_array_equal(exact, modq.validate(codes, cfg, axis=0))
+    x, exact = modq.sum_with_fallback(codes, axis=0)
+    np.testing.assert_array_equal(exact, modq.validate(codes, axis=0))
     assert not np.all(exact)
-    np.testing.assert_allclose(x, np.asarray(hq.decode(codes, cfg)).sum(0), rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(x, np.asarray(hq.decode(codes)).sum(0), rtol=1e-13, atol=1e-13)
 
 
 def test_differing_T_is_marked_not_summed():
     cfg = CONFIGS[2]
     a, b = _random_codes(cfg, (6,), 4), _random_codes(cfg, (6,), 5)
-    b = hq.Codes(b.labels, b.T.at[2].set(1).at[4].set(-1))
-    s = modq.add(a, b, cfg)
+    b = hq.Codes.from_labels(b.labels, b.T.at[2].set(1).at[4].set(-1), cfg)
+    s = modq.add(a, b)
     np.testing.assert_array_equal(s.T, [0, 0, -1, 0, -1, 0])
-    stacked = hq.Codes(jnp.stack([a.labels, b.labels]), jnp.stack([a.T, b.T]))
-    assert not np.any(np.asarray(modq.validate(stacked, cfg))[[2, 4]])
-    x, _ = modq.sum_with_fallback(stacked, cfg)
+    stacked = hq.Codes.from_labels(jnp.stack([a.labels, b.labels]), jnp.stack([a.T, b.T]), cfg)
+    assert not np.any(np.asarray(modq.validate(stacked))[[2, 4]])
+    x, _ = modq.sum_with_fallback(stacked)
     assert np.isnan(np.asarray(x)[4]).all() and np.isfinite(np.asarray(x)[2]).all()
+
+
+@pytest.mark.parametrize("max_T", [14, 20], ids=["4bit", "8bit"])
+@pytest.mark.parametrize("shape,axis", [((3, 5), 0), ((2, 4, 7), 1), ((5, 3), 1), ((4, 3), -1)])
+def test_accumulate_odd_block_counts(max_T, shape, axis):
+    """Odd lengths of the last leading axis, in the summands or in the result (4-bit T field:
+    the last byte holds one block and a zero pad), against a numpy reference; T differs from
+    block to block so a nibble mix-up cannot pass."""
+    cfg = CONFIGS[2].replace(max_T=max_T)
+    rng = np.random.default_rng(sum(shape) + axis)
+    ax = axis % len(shape)  # the labels have two more axes than T
+    labels = rng.integers(0, cfg.q, size=shape + (cfg.M, cfg.d))
+    T = np.broadcast_to(rng.integers(0, max_T + 1, size=shape[:ax] + (1,) + shape[ax + 1:]),
+                        shape).copy()
+    T.flat[0] = max_T if T.flat[0] != max_T else 0  # one block whose summands disagree
+    codes = hq.Codes.from_labels(labels, T, cfg)
+    acc = modq.accumulate(codes, axis=axis)
+    lab = labels.sum(ax) % cfg.q
+    first = np.take(T, 0, axis=ax)
+    common = np.where(np.all(T == np.expand_dims(first, ax), axis=ax), first, -1)
+    assert common.min() == -1 and common.max() >= 0
+    ref = hq.Codes.from_labels(lab, common, cfg)
+    np.testing.assert_array_equal(acc.index, ref.index)
+    np.testing.assert_array_equal(acc.tfield, ref.tfield)  # the pad nibble included
+    np.testing.assert_array_equal(acc.T, common)
+    assert acc.config == cfg and acc.blocks_shape == common.shape
 
 
 @settings(max_examples=15)
@@ -109,32 +141,44 @@ def test_differing_T_is_marked_not_summed():
 def test_accumulate_is_repeated_add(seed, axis):
     cfg = CONFIGS[1]
     codes = _random_codes(cfg, (3, 3), seed)
-    acc = modq.accumulate(codes, cfg, axis=axis)
-    take = [hq.Codes(jnp.take(codes.labels, i, axis=axis % 2), jnp.take(codes.T, i, axis=axis % 2))
-            for i in range(3)]
-    rep = modq.add(modq.add(take[0], take[1], cfg), take[2], cfg)
-    np.testing.assert_array_equal(acc.labels, rep.labels)
-    np.testing.assert_array_equal(acc.T, rep.T)
+    acc = modq.accumulate(codes, axis=axis)
+    take = [hq.Codes.from_labels(jnp.take(codes.labels, i, axis=axis % 2),
+                                 jnp.take(codes.T, i, axis=axis % 2), cfg) for i in range(3)]
+    rep = modq.add(modq.add(take[0], take[1]), take[2])
+    np.testing.assert_array_equal(acc.index, rep.index)
+    np.testing.assert_array_equal(acc.tfield, rep.tfield)
+    assert acc.index.dtype == index_dtype(cfg) and acc.tfield.dtype == jnp.uint8
     assert acc.labels.dtype == jnp.uint8 and acc.T.dtype == jnp.int8
 
 
 def test_jit():
     cfg = CONFIGS[2]
     codes = _random_codes(cfg, (2, 5), 6)
-    f = jax.jit(lambda c: modq.accumulate(c, cfg, axis=1))
-    np.testing.assert_array_equal(f(codes).labels, modq.accumulate(codes, cfg, axis=1).labels)
+    f = jax.jit(lambda c: modq.accumulate(c, axis=1))
+    got, ref = f(codes), modq.accumulate(codes, axis=1)
+    np.testing.assert_array_equal(got.index, ref.index)
+    np.testing.assert_array_equal(got.tfield, ref.tfield)
 
 
 def test_bad_input():
     cfg = CONFIGS[2]
     codes = _random_codes(cfg, (2, 5), 7)
     with pytest.raises(ValueError, match="without dither"):
-        modq.accumulate(codes, cfg.replace(dither=(0.1, 0, 0, 0)))
+        modq.accumulate(_as(codes, cfg.replace(dither=(0.1, 0, 0, 0))))
+    with pytest.raises(ValueError, match="without row scales"):
+        modq.accumulate(codes.with_rows(scale=np.ones(2, np.float32)))
     with pytest.raises(ValueError, match="axis must be an int"):
-        modq.accumulate(codes, cfg, axis=2)
+        modq.accumulate(codes, axis=2)
+    with pytest.raises(ValueError, match="axis 0 .* is empty"):
+        modq.accumulate(_random_codes(cfg, (0, 5), 7))
     with pytest.raises(ValueError, match="do not broadcast"):
-        modq.add(codes, _random_codes(cfg, (3,), 8), cfg)
-    with pytest.raises(ValueError, match="labels must be in 0..q-1"):
-        modq.validate(hq.Codes(codes.labels + 4, codes.T), cfg)
-    with pytest.raises(ValueError, match=r"labels \[..., M=2, d=4\]"):
-        modq.sum_with_fallback(hq.Codes(codes.labels[..., :2], codes.T), cfg)
+        modq.add(codes, _random_codes(cfg, (3,), 8))
+    with pytest.raises(ValueError, match="different configs"):
+        modq.add(codes, _random_codes(cfg.replace(q=3), (2, 5), 8))
+    with pytest.raises(TypeError, match="expected hnlq_jax.Codes, got tuple"):
+        modq.validate((codes.labels, codes.T))
+    z = _random_codes(CONFIGS[0], (2, 5), 9)  # Z2 q=5: indices 0..24 in uint8
+    with pytest.raises(ValueError, match="codebook index out of range"):
+        modq.validate(hq.Codes(z.index + 25, z.tfield, CONFIGS[0]))
+    with pytest.raises(ValueError, match=r"expected index uint8\[..., M=2\]"):
+        modq.sum_with_fallback(hq.Codes(codes.index[..., :1], codes.tfield, cfg))

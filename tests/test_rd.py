@@ -35,6 +35,16 @@ def test_table_and_plot(tmp_path):
     assert (tmp_path / "rd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_default_grid_is_valid(monkeypatch):
+    """The default table runs (no config refused): the Voronoi code at q^2 only where Codes hold
+    its codebook (E8 at q = 64 has 64^8 > 2^32 entries)."""
+    monkeypatch.setattr(rd, "_point", lambda *job, n, seed: job)  # the job list, no grid search
+    jobs = rd.rate_distortion()
+    assert len(jobs) == 4 * 3 * 3 + 4 * 3 - 1
+    assert ("D4", 64, 1, "voronoi") in jobs and ("E8", 16, 1, "voronoi") in jobs
+    assert ("E8", 64, 1, "voronoi") not in jobs
+
+
 def test_invalid_config_fails_before_running():
     with pytest.raises(ValueError, match="q must be in 2..256"):
         rd.rate_distortion(["D4"], [3, 1], [1])
@@ -53,3 +63,26 @@ def test_cli_rd(tmp_path, capsys):
         main(["rd", "--lattices", "X9"])
     assert e.value.code == 2
     assert "unknown lattice 'X9'" in capsys.readouterr().err
+
+
+def test_cli_rd_output_paths(tmp_path, capsys, monkeypatch):
+    """Output paths are checked before any work; an existing file needs --force and is then
+    replaced whole (no temporary file left behind)."""
+    def no_work(*args, **kwargs):
+        raise AssertionError("the grid search ran before the output paths were checked")
+
+    monkeypatch.setattr(rd, "rate_distortion", no_work)
+    args = ["rd", "--lattices", "Z2", "--q", "3", "--M", "1", "--n", "300", "--no-voronoi"]
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--json", str(tmp_path / "nodir" / "rd.json")])
+    assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
+    js = tmp_path / "rd.json"
+    js.write_text("keep")
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--json", str(js)])
+    assert e.value.code == 2 and "exists; pass --force" in capsys.readouterr().err
+    assert js.read_text() == "keep"
+    monkeypatch.undo()
+    assert main(args + ["--json", str(js), "--force"]) == 0
+    assert json.loads(js.read_text())[0]["lattice"] == "Z2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rd.json"]

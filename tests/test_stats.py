@@ -12,8 +12,8 @@ import hnlq_jax as hq
 def test_rate_stats_by_hand():
     cfg = hq.HNLQConfig("D4", 4, 2, max_T=5)
     T = jnp.asarray([[0, 0, 1, 1], [0, 0, 2, -1]], jnp.int8)
-    codes = hq.Codes(jnp.zeros((2, 4, 2, 4), jnp.uint8), T)
-    s = hq.rate_stats(codes, cfg)
+    codes = hq.Codes.from_labels(jnp.zeros((2, 4, 2, 4), jnp.uint8), T, cfg)
+    s = hq.rate_stats(codes)
     p = np.array([1, 4, 2, 1]) / 8  # T = -1, 0, 1, 2
     H = -np.sum(p * np.log2(p))
     assert float(s.entropy_T) == pytest.approx(H)
@@ -25,8 +25,36 @@ def test_rate_stats_by_hand():
 
 def test_rate_stats_no_overload_is_nominal_rate():
     cfg = hq.HNLQConfig("E8", 4, 2)
-    s = hq.rate_stats(hq.Codes(jnp.zeros((7, 2, 8), jnp.uint8), jnp.zeros(7, jnp.int8)), cfg)
+    s = hq.rate_stats(hq.Codes.from_labels(jnp.zeros((7, 2, 8), jnp.uint8), jnp.zeros(7, jnp.int8),
+                                           cfg))
     assert float(s.entropy_T) == 0 and float(s.rate) == 4.0
+
+
+@pytest.mark.parametrize("max_T", [14, 20], ids=["4bit", "8bit"])
+def test_rate_stats_odd_block_count(max_T):
+    """Counts come from the T field's blocks only: an odd last axis (4-bit field: a pad nibble)
+    adds no T = -1 or T = 0 block, and every T up to max_T lands in its bin."""
+    cfg = hq.HNLQConfig("D4", 4, 2, max_T=max_T)
+    L = -(-(max_T + 2) // 3) | 1  # odd, and 3 L >= the max_T + 2 values of T
+    T = np.resize(np.arange(-1, max_T + 1), 3 * L).reshape(3, L)  # every value, some twice
+    codes = hq.Codes.from_labels(np.zeros(T.shape + (2, 4), np.uint8), T, cfg)
+    s = hq.rate_stats(codes)
+    counts = np.bincount(T.reshape(-1) + 1, minlength=max_T + 2)
+    np.testing.assert_array_equal(s.histogram, counts[1:])
+    assert float(s.failure_rate) == pytest.approx(counts[0] / T.size)
+    assert float(s.overload_rate) == pytest.approx(counts[2:].sum() / T.size)
+
+
+def test_rate_stats_of_row_codes_and_bad_input():
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    W = np.random.default_rng(1).normal(size=(5, 30)).astype(np.float32)
+    rows = hq.encode_rows(W, cfg)
+    s = hq.rate_stats(rows)
+    T = np.asarray(rows.T)
+    assert T.shape == (5, 8) and T.max() > 0 and int(np.sum(s.histogram)) == 5 * 8  # per block
+    np.testing.assert_array_equal(s.histogram, np.bincount(T.ravel(), minlength=15))
+    with pytest.raises(TypeError, match="expected hnlq_jax.Codes"):
+        hq.rate_stats(np.zeros(4, np.int8))
 
 
 @pytest.mark.parametrize("name", ["D4_q4_M2.npz", "Z2_q3_M2.npz", "D4_q8_M1.npz"])
@@ -75,7 +103,7 @@ def test_calibrate_beta_bad_input():
 def test_rate_stats_under_jit():
     cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(500, 4)), jnp.float32)
-    f = jax.jit(lambda x: hq.rate_stats(hq.encode(x, cfg), cfg).rate)
+    f = jax.jit(lambda x: hq.rate_stats(hq.encode(x, cfg)).rate)
     assert 4.0 <= float(f(x)) < 5.0
 
 

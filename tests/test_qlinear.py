@@ -1,4 +1,10 @@
-"""QLinear and quantize_model: QDense equivalence, straight-through gradients, caching."""
+"""QLinear (QAT) and quantize_model / QuantizedLinear (PTQ): the same codes and beta as QDense,
+straight-through gradients, state dicts that reload exactly and refuse other configs and
+versions, no float weight after PTQ, the JAX path bit for bit, torch.compile."""
+
+import copy
+import dataclasses
+import io
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +14,8 @@ import torch
 
 import hnlq_jax as hq
 import hnlq_jax.flax as hf
-from torch_bridge import QLinear, quantize_model
+import torch_bridge as tb
+from torch_bridge import QLinear, QuantizedLinear, quantize_model
 
 CFG = hq.HNLQConfig("D4", 4, 2, beta=0.2)
 
@@ -18,38 +25,61 @@ def _linear(seed=0, n_in=30, n_out=16):
     return torch.nn.Linear(n_in, n_out)
 
 
+def _reload(module, state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    module.load_state_dict(torch.load(buf))  # weights_only: the state holds no objects
+    return module
+
+
+def _jax_linear(layer, x: torch.Tensor) -> np.ndarray:
+    """The layer's output on the JAX path: hq.matmul on its codes, plus the bias."""
+    y = np.asarray(hq.matmul(x.detach().numpy(), layer.codes().to_jax()))
+    return y if layer.bias is None else y + layer.bias.detach().numpy()
+
+
+# ----------------------------------------------------------------------------------- QLinear
+
+
 def test_matches_qdense_on_the_same_weights():
+    """Calibration on: the same beta and the same codes as QDense, and the same outputs."""
     lin = _linear()
-    q = QLinear.from_linear(lin, CFG, calibrate=False).eval()
+    q = QLinear.from_linear(lin, CFG).eval()
     x = torch.randn(5, 30)
-    m = hf.QDense(16, CFG, calibrate=False)
+    kernel = jnp.asarray(lin.weight.detach().numpy().T)
+    m = hf.QDense(16, CFG, kernel_init=lambda *_: kernel)
     X = jnp.asarray(x.numpy())
     v = m.init(jax.random.key(0), X)
-    v = {**v, "params": {"kernel": jnp.asarray(lin.weight.detach().numpy().T),
-                         "bias": jnp.asarray(lin.bias.detach().numpy())}}
-    v = hf.refresh_codes(v, CFG)
-    h = v["hnlq"]["QuantDense_0"] if "QuantDense_0" in v["hnlq"] else v["hnlq"]
-    np.testing.assert_array_equal(q.labels.numpy(), np.asarray(h["labels"]))
-    np.testing.assert_array_equal(q.T.numpy(), np.asarray(h["T"]))
-    np.testing.assert_allclose(q(x).detach().numpy(), m.apply(v, X, deterministic=True),
-                               rtol=1e-5, atol=1e-5)
+    v = {**v, "params": {**v["params"], "bias": jnp.asarray(lin.bias.detach().numpy())}}
+    assert float(q.beta) == float(v["hnlq"]["beta"]) != CFG.beta
+    ref = v["hnlq"]["codes"]
+    got = q.codes()
+    assert got.config == ref.config and got.n == ref.n
+    for a, b in ((got.index, ref.index), (got.tfield, ref.tfield), (got.scale, ref.scale)):
+        np.testing.assert_array_equal(a.numpy(), b)
+    y = q(x).detach().numpy()
+    np.testing.assert_array_equal(y, m.apply(v, X, deterministic=True))
+    np.testing.assert_array_equal(y, _jax_linear(q, x))
 
 
 def test_straight_through_gradients_and_clipping():
     lin = _linear(1)
     q = QLinear.from_linear(lin, CFG, calibrate=False)
-    x = torch.randn(7, 30)
+    x = torch.randn(7, 30, requires_grad=True)
     q(x).square().sum().backward()
-    w_hat = q.w_hat.clone()
     dense = torch.nn.Linear(30, 16)
     with torch.no_grad():
-        dense.weight.copy_(w_hat)
+        dense.weight.copy_(tb.decode(q.codes()))  # W_hat
         dense.bias.copy_(q.bias)
-    dense(x).square().sum().backward()
+    xd = x.detach().clone().requires_grad_(True)
+    dense(xd).square().sum().backward()
     torch.testing.assert_close(q.weight.grad, dense.weight.grad)  # identity STE
+    torch.testing.assert_close(x.grad, xd.grad)
+    torch.testing.assert_close(q.bias.grad, dense.bias.grad)
     qc = QLinear.from_linear(lin, CFG, calibrate=False, ste="clipped")
-    qc(x).square().sum().backward()
-    keep = (qc.T == 0).repeat_interleave(4, dim=1)[:, :30]
+    qc(x.detach()).square().sum().backward()
+    keep = (qc.codes().T == 0).repeat_interleave(4, dim=1)[:, :30]
     assert bool((~keep).any()) and bool(keep.any())
     assert torch.all(qc.weight.grad[~keep] == 0)
     torch.testing.assert_close(qc.weight.grad[keep], dense.weight.grad[keep])
@@ -59,18 +89,47 @@ def test_quantize_every_caches_codes():
     q = QLinear(30, 16, CFG, quantize_every=2, calibrate=False)
     x = torch.randn(3, 30)
     q(x)  # step 0: refresh
-    before = q.labels.clone()
+    before = q.index.clone()
     with torch.no_grad():  # (a rescaled row would keep its codes: the scales are per row)
         q.weight.add_(torch.randn_like(q.weight))
     q(x)  # step 1: cached
-    assert torch.equal(q.labels, before)
+    assert torch.equal(q.index, before)
     q(x)  # step 2: refreshed from the new weight
-    assert not torch.equal(q.labels, before)
+    assert not torch.equal(q.index, before)
     q.eval()
     y0 = q(x)
     with torch.no_grad():
         q.weight.add_(torch.randn_like(q.weight))
-    torch.testing.assert_close(q(x), y0)  # eval: the cached codes, never re-quantized
+    torch.testing.assert_close(q(x), y0, rtol=0, atol=0)  # eval: the cached codes
+
+
+def test_state_dict_reloads_exactly_and_refuses_other_configs():
+    a = QLinear(64, 8, CFG).eval()
+    x = torch.randn(5, 64)
+    sd = a.state_dict()
+    assert {"weight", "bias", "beta", "index", "tfield", "scale", "step", "_extra_state"} == set(sd)
+    assert sd["_extra_state"] == {"format_version": hq.FORMAT_VERSION,
+                                  "config": dataclasses.asdict(CFG.replace(beta=1.0))}
+    b = _reload(QLinear(64, 8, CFG), sd).eval()  # another random init, then the saved state
+    assert torch.equal(b(x), a(x)) and float(b.beta) == float(a.beta)
+    # another config: refused before anything is written, naming both configs
+    q8 = QLinear(64, 8, CFG.replace(q=8))
+    before = {k: v.clone() for k, v in q8.state_dict().items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"q=4.*q=8"):
+        q8.load_state_dict(sd)
+    assert all(torch.equal(before[k], v) for k, v in q8.state_dict().items()
+               if isinstance(v, torch.Tensor))
+    with pytest.raises(ValueError, match="format version 0"):
+        QLinear(64, 8, CFG).load_state_dict({**sd, "_extra_state": {**sd["_extra_state"],
+                                                                    "format_version": 0}})
+    with pytest.raises(ValueError, match="earlier unversioned format"):
+        QLinear(64, 8, CFG).load_state_dict({**sd, "labels": torch.zeros(1), "T": torch.zeros(1)})
+    # a float nn.Linear checkpoint (strict=False): the codes are made from the loaded weight
+    lin = _linear(3, 64, 8)
+    c = QLinear(64, 8, CFG)
+    c.load_state_dict(lin.state_dict(), strict=False)
+    ref = QLinear.from_linear(lin, CFG)
+    assert torch.equal(c.index, ref.index) and torch.equal(c.beta, ref.beta)
 
 
 @torch.no_grad()
@@ -82,26 +141,60 @@ def test_high_rate_approaches_linear_and_activations():
     err = (hi(x) - lin(x)).norm() / lin(x).norm()
     assert float(err) < 1e-3
     lo = QLinear.from_linear(lin, CFG, quantize_activations=True).eval()  # calibrated beta
-    assert lo.beta != CFG.beta
+    assert float(lo.beta) != CFG.beta
     assert 1e-3 < float((lo(x) - lin(x)).norm() / lin(x).norm()) < 0.3
+    # the activations are quantized per row, as hq's row codes at gaussian_beta
+    x_hat = hq.decode(hq.encode_rows(x.numpy(), CFG.replace(beta=hq.gaussian_beta(CFG))))
+    np.testing.assert_array_equal(lo(x).numpy(),
+                                  _jax_linear(lo, torch.from_numpy(np.array(x_hat))))
 
 
-def test_quantize_model_and_state_dict():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-                                torch.nn.Sequential(torch.nn.Linear(16, 4)))
-    quantize_model(model, CFG, filter_fn=lambda name, m: name != "0")
-    assert type(model[0]) is torch.nn.Linear and isinstance(model[2][0], QLinear)
-    quantize_model(model, CFG)
-    assert isinstance(model[0], QLinear)
-    sd = model.state_dict()
-    assert {"0.weight", "0.bias", "0.labels", "0.T", "0.scale"} <= set(sd)
-    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-                                torch.nn.Sequential(torch.nn.Linear(16, 4)))
-    plain.load_state_dict(sd, strict=False)  # the float parameters move back to nn.Linear
-    torch.testing.assert_close(plain[0].weight, model[0].weight)
+def test_qat_against_float_baseline():
+    """QAT of a small regression from scratch: as good as the float model quantized after the
+    same training, and far below the start (a broken straight-through gradient fails this)."""
+    torch.manual_seed(0)
+    teacher = torch.randn(8, 32)
+    x = torch.randn(512, 32)
+    y = x @ teacher.T
+
+    def train(layer, steps=150):
+        opt = torch.optim.Adam(layer.parameters(), lr=0.05)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+        for _ in range(steps):
+            opt.zero_grad()
+            (layer(x) - y).square().mean().backward()
+            opt.step()
+            schedule.step()
+        return layer.eval()
+
+    def loss(layer):
+        with torch.no_grad():
+            return float((layer(x) - y).square().mean())
+
+    start = float(y.square().mean())
+    float_model = train(torch.nn.Linear(32, 8))
+    qat = train(QLinear(32, 8, CFG))
+    ptq = QuantizedLinear.from_linear(float_model, CFG)
+    assert loss(float_model) < 0.005 * start
+    assert loss(qat) < 0.02 * start  # measured: 0.23 of 29.5
+    assert loss(qat) < 1.5 * loss(ptq)  # measured: 1.03x
 
 
-def test_bad_input():
+@torch.no_grad()
+def test_extreme_weight_stays_in_its_row():
+    """A weight of 1e30 neither gives NaN nor changes the other rows (per-row scales)."""
+    lin = _linear(4, 16, 4)
+    spiked = copy.deepcopy(lin)
+    spiked.weight[1, 3] = 1e30
+    x = torch.randn(5, 16)
+    for make in (QLinear.from_linear, QuantizedLinear.from_linear):
+        a, b = make(lin, CFG, calibrate=False).eval(), make(spiked, CFG, calibrate=False).eval()
+        y = b(x)
+        assert bool(torch.isfinite(y).all())
+        assert torch.equal(y[:, [0, 2, 3]], a(x)[:, [0, 2, 3]])
+
+
+def test_qlinear_bad_input():
     with pytest.raises(TypeError, match="HNLQConfig"):
         QLinear(4, 4, "D4")
     with pytest.raises(ValueError, match="ste must be one of"):
@@ -112,3 +205,166 @@ def test_bad_input():
         QLinear(8, 4, CFG, calibrate=False)(torch.zeros(2, 5))
     with pytest.raises(TypeError, match="expected an nn.Linear"):
         QLinear.from_linear(torch.nn.ReLU(), CFG)
+    with pytest.raises(ValueError, match="made with"):
+        QLinear(8, 4, CFG).set_codes(tb.encode_rows(torch.randn(4, 8), CFG.replace(q=8)))
+
+
+# ------------------------------------------------------------------------------------- PTQ
+
+
+class _Scaled(torch.nn.Linear):
+    """A subclass with its own forward: quantize_model must keep it (and say so)."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def _model():
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(16, 16)
+    return torch.nn.ModuleDict({
+        "a": torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), shared),
+        "b": torch.nn.Sequential(shared, torch.nn.Linear(16, 4, bias=False)),
+        "attn": torch.nn.MultiheadAttention(16, 2, batch_first=True),
+        "odd": _Scaled(16, 16),
+    })
+
+
+def _run(m, x):
+    h = m["a"](x)
+    h = h + m["attn"](h, h, h, need_weights=False)[0]
+    return m["b"](m["odd"](h))
+
+
+def test_quantize_model_report_and_no_float_weight():
+    model = _model()
+    with pytest.warns(UserWarning, match=r"kept 1 linear layer\(s\) in float: odd \(_Scaled\)"):
+        report = quantize_model(model, CFG, filter_fn=lambda name, m: name != "a.0")
+    assert [n for n, *_ in report.converted] == ["a.2", "b.0", "b.1", "attn.out_proj"]
+    assert {(n, why) for n, _, why in report.skipped} >= {("a.0", "filter_fn")}
+    assert model["a"][2] is model["b"][0]  # a shared layer: converted once, replaced everywhere
+    assert isinstance(model["attn"].out_proj, QuantizedLinear)
+    assert type(model["a"][0]) is torch.nn.Linear and type(model["odd"]) is _Scaled
+    sd = model.state_dict()
+    for name in ("a.2", "b.1", "attn.out_proj"):
+        assert f"{name}.weight" not in sd
+        assert sd[f"{name}.index"].dtype == torch.uint8 and sd[f"{name}.tfield"].dtype == \
+            torch.uint8
+        assert sd[f"{name}._extra_state"]["format_version"] == hq.FORMAT_VERSION
+    quantized = {id(m): m for m in model.modules() if isinstance(m, QuantizedLinear)}.values()
+    assert report.quantized_bytes == sum(
+        t.nbytes for m in quantized for t in m.state_dict().values()
+        if isinstance(t, torch.Tensor))
+    assert report.float32_bytes == 4 * (16 * 16 + 16 + 16 * 4 + 16 * 16 + 16)
+    assert str(report).startswith("quantize_model: converted 4 linear layer(s): 2,432 bytes")
+    assert "kept odd (_Scaled)" in str(report)
+    # forward: the JAX path bit for bit
+    x = torch.randn(3, 16)
+    for m in quantized:
+        np.testing.assert_array_equal(m(x).detach().numpy(), _jax_linear(m, x))
+    # a second call finds the converted layers already quantized and converts nothing
+    with pytest.warns(UserWarning, match="odd"):
+        again = quantize_model(model, CFG)
+    assert [n for n, *_ in again.converted] == ["a.0"]
+    with pytest.raises(ValueError, match="itself an nn.Linear"):
+        quantize_model(torch.nn.Linear(4, 4), CFG)
+    with pytest.raises(TypeError, match="HNLQConfig"):
+        quantize_model(_model(), "D4")
+
+
+def test_multihead_attention_reads_the_decoded_out_proj():
+    torch.manual_seed(1)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    ref = copy.deepcopy(mha)
+    quantize_model(mha, CFG)
+    with torch.no_grad():
+        ref.out_proj.weight.copy_(mha.out_proj.weight)  # W_hat, decoded on access
+    x = torch.randn(2, 5, 16)
+    for training in (True, False):  # eval without grad takes torch's fast path
+        mha.train(training), ref.train(training)
+        with torch.no_grad():
+            assert torch.equal(mha(x, x, x)[0], ref(x, x, x)[0])
+    assert not any(k.endswith("out_proj.weight") for k in mha.state_dict())
+
+
+def test_quantized_state_dict_round_trip_and_errors():
+    model = _model()
+    with pytest.warns(UserWarning):
+        quantize_model(model, CFG)
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        y = _run(model, x)
+    fresh = _model()  # other weights, then the saved state
+    torch.manual_seed(5)
+    for p in fresh.parameters():
+        torch.nn.init.normal_(p)
+    with pytest.warns(UserWarning):
+        quantize_model(fresh, CFG, calibrate=False)
+    _reload(fresh, model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(_run(fresh, x), y)
+    sd = model["b"].state_dict()
+    other = torch.nn.Sequential(QuantizedLinear(16, 16, CFG.replace(q=8)),
+                                QuantizedLinear(16, 4, CFG.replace(q=8), bias=False))
+    with pytest.raises(ValueError, match=r"codes of HNLQConfig\(.*q=4.*built for .*q=8"):
+        other.load_state_dict(sd)
+    layer = QuantizedLinear(16, 4, CFG, bias=False)
+    one = {k.removeprefix("1."): v for k, v in sd.items() if k.startswith("1.")}
+    with pytest.raises(ValueError, match="format version 7"):
+        layer.load_state_dict({**one, "_extra_state": {**one["_extra_state"],
+                                                       "format_version": 7}})
+    with pytest.raises(ValueError, match="saved index is torch.int64"):
+        layer.load_state_dict({**one, "index": one["index"].long()})
+    with pytest.raises(ValueError, match="expected the extra state"):
+        layer.load_state_dict({**one, "_extra_state": None})
+    bad = QuantizedLinear(16, 4, CFG.replace(q=3, max_T=6), bias=False)
+    with pytest.raises(ValueError, match="codebook index out of range"):  # 3^4 = 81 <= index
+        bad.load_state_dict({**one, "index": torch.full_like(one["index"], 200),
+                             "_extra_state": bad.get_extra_state()})
+    with pytest.raises(TypeError, match="expected an nn.Linear"):
+        QuantizedLinear.from_linear(torch.nn.ReLU(), CFG)
+    with pytest.raises(ValueError, match=r"expected input \[\.\.\., 16\]"):
+        layer(torch.zeros(2, 3))
+
+
+def test_state_dict_bytes_at_most_0_17_of_float32():
+    """A 384 -> 1536 -> 384 MLP (the shape of MiniLM's feed-forward) at D4 q=4 M=2."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(384, 1536), torch.nn.GELU(),
+                              torch.nn.Linear(1536, 384))
+    float_bytes = sum(t.nbytes for t in mlp.state_dict().values())
+    report = quantize_model(mlp, CFG)  # D4 q=4 M=2
+    q_bytes = sum(t.nbytes for t in mlp.state_dict().values() if isinstance(t, torch.Tensor))
+    assert report.float32_bytes == float_bytes and report.quantized_bytes == q_bytes
+    assert q_bytes <= 0.17 * float_bytes, q_bytes / float_bytes  # measured 0.159
+    saved = io.BytesIO()
+    torch.save(mlp.state_dict(), saved)  # the file too (extra state and pickling included)
+    assert saved.tell() <= 0.17 * float_bytes
+
+
+def test_compiled_quantized_model_bit_for_bit():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(), torch.nn.Linear(32, 5))
+    quantize_model(model, CFG)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 12)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+        h = torch.nn.functional.gelu(torch.from_numpy(_jax_linear(model[0], x)))
+        np.testing.assert_array_equal(model(x).numpy(), _jax_linear(model[2], h))
+
+
+def test_qlinear_freezes_into_quantized_linear():
+    model = torch.nn.Sequential(QLinear(12, 8, CFG), torch.nn.ReLU(),
+                                QLinear(8, 4, CFG, quantize_activations=True))
+    model.eval()
+    x = torch.randn(3, 12)
+    with torch.no_grad():
+        h = model[0](x)
+        with pytest.warns(UserWarning, match="quantizes its activations"):
+            report = quantize_model(model, CFG)
+    assert [n for n, *_ in report.converted] == ["0"] and isinstance(model[0], QuantizedLinear)
+    with torch.no_grad():
+        assert torch.equal(model[0](x), h)  # the QLinear's own codes
+    with pytest.raises(ValueError, match="quantizes its activations"):
+        QuantizedLinear.from_linear(model[2], CFG)

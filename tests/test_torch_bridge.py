@@ -1,4 +1,5 @@
-"""torch_bridge: DLPack aliasing, the codec on tensors (bit for bit with hnlq_jax), autograd."""
+"""torch_bridge: DLPack aliasing, compact codes as tensors, the front doors on tensors (bit for
+bit with hnlq_jax), 64-bit tensors, autograd, LUT products."""
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +25,17 @@ def test_to_jax_zero_copy_and_aliasing():
     s = torch.arange(16.0).reshape(4, 4)[:, ::2]
     np.testing.assert_array_equal(tb.to_jax(s), s.numpy())
     np.testing.assert_array_equal(tb.to_jax(s.T), s.T.numpy())
-    for dtype in (torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.int32,
-                  torch.bool):
+    for dtype in (torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.uint16,
+                  torch.uint32, torch.int32, torch.bool):
         x = torch.ones(3, dtype=dtype)
         assert tb.to_jax(x).dtype == jnp.dtype(str(dtype).removeprefix("torch."))
-    with pytest.raises(TypeError, match="64-bit mode"):
-        tb.to_jax(torch.ones(2, dtype=torch.float64))
-    with jax.enable_x64(True):
-        assert tb.to_jax(torch.ones(2, dtype=torch.float64)).dtype == jnp.float64
+    # 64-bit: the raw exchange leaves JAX's mode to the caller and says how (x64_for)
+    wide = torch.ones(2, dtype=torch.float64)
+    with pytest.raises(TypeError, match="x64_for"):
+        tb.to_jax(wide)
+    with tb.x64_for(wide):
+        assert tb.to_jax(wide).dtype == jnp.float64
+    assert not jax.config.jax_enable_x64  # the context restores the mode
     with pytest.raises(TypeError, match="unsupported dtype"):
         tb.to_jax(torch.ones(2, dtype=torch.complex64))
     with pytest.raises(TypeError, match="expected a torch.Tensor"):
@@ -49,22 +53,87 @@ def test_to_torch_aliasing_and_copy():
         tb.to_torch(np.ones(2))
 
 
+def _same_codes(t: tb.Codes, j: hq.Codes):
+    assert t.config == j.config and t.n == j.n
+    assert t.index.dtype == getattr(torch, j.index.dtype.name)
+    np.testing.assert_array_equal(t.index.numpy(), j.index)
+    np.testing.assert_array_equal(t.tfield.numpy(), j.tfield)
+    if j.scale is None:
+        assert t.scale is None
+    else:
+        np.testing.assert_array_equal(t.scale.numpy(), j.scale)
+
+
 def test_codec_bit_for_bit():
     x = np.random.default_rng(0).standard_normal((5, 30, 4)).astype(np.float32)
-    labels, T = tb.encode(torch.from_numpy(x), CFG)
+    codes = tb.encode(torch.from_numpy(x), CFG)
     ref = hq.encode(x, CFG)
-    assert labels.dtype == torch.uint8 and T.dtype == torch.int8
-    np.testing.assert_array_equal(labels.numpy(), ref.labels)
-    np.testing.assert_array_equal(T.numpy(), ref.T)
-    out = tb.decode((labels, T), CFG)
-    np.testing.assert_array_equal(out.numpy(), hq.decode(ref, CFG))
-    assert tb.decode((labels, T), CFG, dtype=torch.bfloat16).dtype == torch.bfloat16
+    _same_codes(codes, ref)
+    assert codes.index.dtype == torch.uint8 and codes.tfield.shape == (5, 15)  # 4-bit T field
+    assert codes.shape == (5, 30, 4) and codes.nbytes == ref.nbytes
+    np.testing.assert_array_equal(codes.T.numpy(), ref.T)
+    np.testing.assert_array_equal(codes.labels.numpy(), ref.labels)
+    np.testing.assert_array_equal(tb.decode(codes).numpy(), hq.decode(ref))
+    np.testing.assert_array_equal(tb.decode(codes, levels=1).numpy(), hq.decode(ref, levels=1))
+    assert tb.decode(codes, dtype=torch.bfloat16).dtype == torch.bfloat16
     q = tb.quantize(torch.from_numpy(x), CFG)
     np.testing.assert_array_equal(q.numpy(), hq.quantize(x, CFG))
     # Grad-requiring and non-contiguous inputs give the same codes.
     xt = torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2))).transpose(0, 1)
     xt.requires_grad_(True)
-    np.testing.assert_array_equal(tb.encode(xt, CFG)[0].numpy(), ref.labels)
+    _same_codes(tb.encode(xt, CFG), ref)
+    # Codes move between the two sides through DLPack.
+    _same_codes(tb.Codes.from_jax(ref), ref)
+    _same_codes(codes, codes.to_jax())
+
+
+def test_rows_and_matmul_bit_for_bit():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((24, 30)).astype(np.float32)
+    x = rng.standard_normal((2, 5, 30)).astype(np.float32)
+    codes = tb.encode_rows(torch.from_numpy(w), CFG)
+    ref = hq.encode_rows(w, CFG)
+    _same_codes(codes, ref)
+    assert codes.shape == (24, 30) and codes.config.beta == 1.0
+    np.testing.assert_array_equal(tb.decode(codes).numpy(), hq.decode(ref))
+    for impl in (None, "xla", "pallas", "lut"):
+        np.testing.assert_array_equal(
+            tb.matmul(torch.from_numpy(x), codes, implementation=impl).numpy(),
+            hq.matmul(x, ref, implementation=impl))
+    # an explicit beta is the rows_codes of that beta
+    _same_codes(tb.encode_rows(torch.from_numpy(w), CFG, beta=torch.tensor(0.3)),
+                hq.rows.rows_codes(w, CFG, jnp.float32(0.3)))
+    # E8 q=4: uint16 indices cross DLPack too
+    e8 = hq.HNLQConfig("E8", 4, 2, beta=0.3)
+    ce8 = tb.encode_rows(torch.from_numpy(w[:, :16]), e8)
+    assert ce8.index.dtype == torch.uint16
+    _same_codes(ce8, hq.encode_rows(w[:, :16], e8))
+
+
+def test_float64_and_int64():
+    """64-bit tensors run under JAX's x64 mode: float64 in, float64 out, as hq under x64."""
+    x = torch.randn(6, 4, dtype=torch.float64)
+    codes = tb.encode(x, CFG)
+    out = tb.decode(codes, dtype=torch.float64)
+    q = tb.quantize(x, CFG)
+    w = torch.randn(5, 8, dtype=torch.float64)
+    rows = tb.encode_rows(w, CFG)
+    a = torch.randn(3, 8, dtype=torch.float64)
+    y = tb.matmul(a, rows)
+    assert out.dtype == q.dtype == y.dtype == rows.scale.dtype == torch.float64
+    with jax.enable_x64(True):
+        ref = hq.encode(x.numpy(), CFG)
+        _same_codes(codes, ref)
+        np.testing.assert_array_equal(out.numpy(), hq.decode(ref, dtype=jnp.float64))
+        np.testing.assert_array_equal(q.numpy(), hq.quantize(x.numpy(), CFG))
+        rref = hq.encode_rows(w.numpy(), CFG)
+        _same_codes(rows, rref)
+        np.testing.assert_array_equal(y.numpy(), hq.matmul(a.numpy(), rref))
+    # float32 codes decode to float64 on request
+    assert tb.decode(tb.encode(x.float(), CFG), dtype=torch.float64).dtype == torch.float64
+    with pytest.raises(TypeError, match="floating"):  # int64: the codec's own error
+        tb.encode(torch.zeros(2, 4, dtype=torch.int64), CFG)
+    assert not jax.config.jax_enable_x64
 
 
 def test_quantize_straight_through_and_gradcheck():
@@ -72,18 +141,19 @@ def test_quantize_straight_through_and_gradcheck():
     y = tb.quantize(x, CFG)
     (y * torch.arange(24.0).reshape(6, 4)).sum().backward()
     np.testing.assert_array_equal(x.grad.numpy(), np.arange(24.0).reshape(6, 4))
-    with jax.enable_x64(True):
-        def f(a, b):
-            return jnp.sin(a) * b + jnp.sum(a ** 2)
 
-        g = tb.jax_function(f)
-        a = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-        b = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-        assert torch.autograd.gradcheck(g, (a, b))
-        # An integer input gets no gradient; the floating one still does.
-        h = tb.jax_function(lambda a, k: a * k.astype(a.dtype))
-        k = torch.arange(15).reshape(3, 5)
-        assert torch.autograd.gradcheck(lambda a: h(a, k), (a,))
+    def f(a, b):
+        return jnp.sin(a) * b + jnp.sum(a ** 2)
+
+    g = tb.jax_function(f)  # float64 tensors: computed in float64 without any set-up
+    a = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    assert g(a, b).dtype == torch.float64
+    assert torch.autograd.gradcheck(g, (a, b))
+    # An integer input gets no gradient; the floating one still does.
+    h = tb.jax_function(lambda a, k: a * k.astype(a.dtype))
+    k = torch.arange(15).reshape(3, 5)
+    assert torch.autograd.gradcheck(lambda a: h(a, k), (a,))
 
 
 def test_bad_input():
@@ -91,13 +161,33 @@ def test_bad_input():
         tb.encode(torch.zeros(3, 5), CFG)
     with pytest.raises(ValueError, match="NaN or Inf"):
         tb.quantize(torch.tensor([[float("nan"), 0, 0, 0]]), CFG)
+    with pytest.raises(ValueError, match="still overload"):
+        tb.encode(torch.full((1, 4), 1e7), CFG)
+    assert int(tb.encode(torch.full((1, 4), 1e7), CFG, failures="mark").T) == -1
     with pytest.raises(TypeError, match="floating"):
         tb.quantize(torch.zeros(2, 4, dtype=torch.int32), CFG)
     with pytest.raises(TypeError, match="HNLQConfig"):
         tb.encode(torch.zeros(2, 4), "D4")
-    with pytest.raises(ValueError, match="labels must be in 0..q-1"):
-        tb.decode((torch.full((2, 2, 4), 7, dtype=torch.uint8), torch.zeros(2, dtype=torch.int8)),
-                  CFG)
+    q3 = hq.HNLQConfig("D4", 3, 2, beta=0.2, max_T=6)  # q^d = 81: index 100 is corrupt
+    good = tb.encode(torch.zeros(2, 4), q3)
+    with pytest.raises(ValueError, match="codebook index out of range"):
+        tb.decode(tb.Codes(torch.full_like(good.index, 100), good.tfield, q3))
+    with pytest.raises(ValueError, match="T field holds values above max_T"):
+        tb.decode(tb.Codes(good.index, torch.full_like(good.tfield, 0xFF), q3))
+    with pytest.raises(ValueError, match="expected index uint8"):
+        tb.decode(tb.Codes(good.index.to(torch.int64), good.tfield, q3))
+    with pytest.raises(TypeError, match="Codes.from_jax"):
+        tb.decode(good.to_jax())
+    with pytest.raises(TypeError, match="torch.dtype"):
+        tb.decode(good, dtype=np.float32)
+    with pytest.raises(ValueError, match="row axis"):
+        tb.encode_rows(torch.tensor(1.0), CFG)
+    with pytest.raises(TypeError, match="HNLQConfig"):
+        tb.encode_rows(torch.zeros(2, 4), "D4")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        tb.encode_rows(torch.tensor([[float("inf"), 1.0]]), CFG)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., k\]"):
+        tb.matmul(torch.zeros(2, 7), tb.encode_rows(torch.randn(3, 8), CFG))
     with pytest.raises(TypeError, match="expected torch tensors"):
         tb.jax_function(lambda a: a)(np.ones(2))
 
@@ -108,23 +198,27 @@ def test_lut_products_bit_for_bit():
     cfg = CFG.replace(beta=0.05)  # a table for D4 q=4 M=2, any beta
     cA, cB = (hq.encode(hq.to_blocks(m, 4), cfg) for m in (A, B))
     tA, tB = (tb.encode(torch.from_numpy(np.array(hq.to_blocks(m, 4))), cfg) for m in (A, B))
-    np.testing.assert_array_equal(tb.matmul(tA, tB, cfg).numpy(), hq.lut.matmul(cA, cB, cfg))
-    np.testing.assert_array_equal(tb.dot(tA, tA, cfg).numpy(), hq.lut.dot(cA, cA, cfg))
+    np.testing.assert_array_equal(tb.lut.matmul(tA, tB).numpy(), hq.lut.matmul(cA, cB))
+    np.testing.assert_array_equal(tb.lut.dot(tA, tA).numpy(), hq.lut.dot(cA, cA))
     x = torch.from_numpy(A).requires_grad_(True)
-    y = tb.matmul_one_sided(tB, x, cfg)
-    np.testing.assert_array_equal(y.detach().numpy(), hq.lut.matmul_one_sided(cB, A, cfg))
-    np.testing.assert_array_equal(tb.dot_one_sided(tA, x, cfg).detach().numpy(),
-                                  hq.lut.dot_one_sided(cA, A, cfg))
+    y = tb.lut.matmul_one_sided(tB, x)
+    np.testing.assert_array_equal(y.detach().numpy(), hq.lut.matmul_one_sided(cB, A))
+    np.testing.assert_array_equal(tb.lut.dot_one_sided(tA, x).detach().numpy(),
+                                  hq.lut.dot_one_sided(cA, A))
+    # row codes: the scales multiply the product
+    rB = tb.encode_rows(torch.from_numpy(B), cfg)
+    np.testing.assert_array_equal(tb.lut.matmul_one_sided(rB, x).detach().numpy(),
+                                  hq.lut.matmul_one_sided(rB.to_jax(), A))
     # d/dx (x @ W_hat^T) = g @ W_hat
     g = torch.from_numpy(rng.standard_normal((3, 5, 7)).astype(np.float32))
     y.backward(g)
-    W_hat = np.asarray(hq.decode(cB, cfg)).reshape(7, -1)[:, :18]
+    W_hat = np.asarray(hq.decode(cB)).reshape(7, -1)[:, :18]
     np.testing.assert_allclose(x.grad.numpy(), g.numpy() @ W_hat, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="NaN or Inf"):
-        tb.matmul_one_sided(tB, torch.full((2, 18), float("inf")), cfg)
+        tb.lut.matmul_one_sided(tB, torch.full((2, 18), float("inf")))
     with pytest.raises(ValueError, match="last axis"):
-        tb.matmul_one_sided(tB, torch.zeros(2, 30), cfg)
-    with pytest.raises(ValueError, match="labels must be in 0..q-1"):
-        tb.dot((tA[0] + 4, tA[1]), tA, cfg)
-    with pytest.raises(TypeError, match="pair of tensors"):
-        tb.matmul(cA, tB, cfg)
+        tb.lut.matmul_one_sided(tB, torch.zeros(2, 30))
+    with pytest.raises(ValueError, match="different configs"):
+        tb.lut.dot(tA, tb.encode(torch.zeros(3, 5, 5, 4), cfg.replace(beta=0.1)))
+    with pytest.raises(TypeError, match="torch_bridge.Codes"):
+        tb.lut.matmul(cA, tB)

@@ -8,7 +8,7 @@ import jax
 import torch
 from torch.autograd.function import once_differentiable
 
-from torch_bridge.interop import to_jax, to_torch
+from torch_bridge.interop import to_jax, to_torch, x64_for
 
 __all__ = ["jax_function"]
 
@@ -18,15 +18,17 @@ class _Apply(torch.autograd.Function):
     def forward(ctx, fwd, bwd, *tensors):
         ctx.bwd = bwd
         ctx.save_for_backward(*tensors)  # torch's version counters guard the inputs
-        return to_torch(fwd(*(to_jax(t) for t in tensors)))
+        with x64_for(*tensors):
+            return to_torch(fwd(*(to_jax(t) for t in tensors)))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
         tensors = ctx.saved_tensors
-        grads = ctx.bwd(tuple(to_jax(t) for t in tensors), to_jax(g.contiguous()))
-        out = [to_torch(gi) if t.requires_grad and t.is_floating_point() else None
-               for gi, t in zip(grads, tensors)]
+        with x64_for(*tensors, g):
+            grads = ctx.bwd(tuple(to_jax(t) for t in tensors), to_jax(g.contiguous()))
+            out = [to_torch(gi) if t.requires_grad and t.is_floating_point() else None
+                   for gi, t in zip(grads, tensors)]
         return (None, None, *out)
 
 
@@ -36,7 +38,8 @@ def jax_function(fn):
     The forward pass is ``jax.jit(fn)``; the backward pass is the jitted ``jax.vjp`` of
     ``fn``, so every floating input gets its gradient (custom_vjp rules included, e.g. the
     straight-through gradient of :func:`hnlq_jax.quantize`). Tensors cross through DLPack
-    without copies. ``fn`` must return one array; integer inputs get no gradient.
+    without copies. ``fn`` must return one array; integer inputs get no gradient. With a
+    float64 or int64 input it runs under JAX's x64 mode (:func:`torch_bridge.x64_for`).
 
     Args:
       fn: ``fn(*arrays) -> array``; close over non-array arguments (configs).

@@ -10,18 +10,45 @@ Aliasing rules (both directions share memory, on CPU and on CUDA):
   :mod:`torch_bridge.autograd` wrappers for gradients). Non-contiguous tensors (slices with
   steps, ``expand``) are made contiguous first, which copies: DLPack in JAX takes compact
   strides only. ``from_dlpack(..., copy=True)`` does not copy on CPU, so neither is relied on.
+
+**64-bit tensors.** JAX computes in 32 bits unless its x64 mode is on, and outside it would
+silently turn a float64 array into float32. The rule of this package: every ``torch_bridge``
+operation (the codec, ``matmul``, the LUT products, :func:`~torch_bridge.jax_function`, the
+layers) given a float64 or int64 tensor, or asked for a float64 result, runs its JAX code
+inside ``jax.enable_x64(True)`` (:func:`x64_for`), so float64 inputs are computed in float64,
+exactly as :mod:`hnlq_jax` computes them under x64. Only the raw :func:`to_jax` leaves the mode
+to the caller.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
 import torch
 
-__all__ = ["to_jax", "to_torch"]
+__all__ = ["to_jax", "to_torch", "x64_for"]
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool)
+           torch.int16, torch.int8, torch.uint32, torch.uint16, torch.uint8, torch.bool)
+_WIDE = (torch.float64, torch.int64)
+
+
+def x64_for(*values) -> contextlib.AbstractContextManager:
+    """``jax.enable_x64(True)`` when any of ``values`` is a 64-bit tensor or dtype, else a no-op.
+
+    Args:
+      *values: tensors, ``torch.dtype`` s or anything else (ignored, e.g. ``None``).
+
+    Returns:
+      A context manager for the JAX call that consumes (or produces) them.
+    """
+    wide = any((v.dtype if isinstance(v, torch.Tensor) else v) in _WIDE
+               for v in values if isinstance(v, (torch.Tensor, torch.dtype)))
+    if wide and not jax.config.jax_enable_x64:
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
 
 
 def to_jax(t: torch.Tensor) -> jax.Array:
@@ -35,17 +62,20 @@ def to_jax(t: torch.Tensor) -> jax.Array:
 
     Raises:
       TypeError: not a tensor, an unsupported dtype (complex, float8, ...), or a 64-bit dtype
-        while JAX's x64 mode is off.
+        while JAX's x64 mode is off (the ``torch_bridge`` operations switch it on themselves;
+        see the module docstring).
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"to_jax: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _DTYPES:
         raise TypeError(f"to_jax: unsupported dtype {t.dtype}; supported: "
                         f"{', '.join(str(d) for d in _DTYPES)}")
-    if t.dtype in (torch.float64, torch.int64) and not jax.config.jax_enable_x64:
-        raise TypeError(f"to_jax: {t.dtype} needs JAX's 64-bit mode (with jax.enable_x64(True): "
-                        "...); without it JAX would silently copy to 32 bits. Convert first "
-                        "(t.float() / t.int()) or enable x64")
+    if t.dtype in _WIDE and not jax.config.jax_enable_x64:
+        raise TypeError(f"to_jax: a {t.dtype} tensor becomes a 64-bit JAX array only in JAX's "
+                        "x64 mode (outside it JAX would silently compute in 32 bits): call "
+                        "to_jax inside `with torch_bridge.x64_for(t):` (or jax.enable_x64(True)),"
+                        " or convert first (t.float() / t.int()). The torch_bridge operations "
+                        "do this themselves")
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()

@@ -1,9 +1,9 @@
 """Lookup-table inner products and matmuls on torch tensors: :mod:`hnlq_jax.lut` through DLPack.
 
-Codes are ``(labels, T)`` pairs of tensors as :func:`torch_bridge.encode` returns them. The
-results equal :mod:`hnlq_jax.lut` called directly, bit for bit. The one-sided products are
-differentiable in their real argument (the exact gradient of a product linear in it); codes get
-no gradient.
+Codes are :class:`torch_bridge.Codes` (from :func:`torch_bridge.encode` or
+:func:`torch_bridge.encode_rows`). The results equal :mod:`hnlq_jax.lut` called directly, bit
+for bit. The one-sided products are differentiable in their real argument (the exact gradient
+of a product linear in it); codes get no gradient.
 """
 
 from __future__ import annotations
@@ -15,52 +15,64 @@ import torch
 import hnlq_jax as hq
 from hnlq_jax import HNLQConfig, lut
 from torch_bridge.autograd import jax_function
-from torch_bridge.codec import as_codes
-from torch_bridge.interop import to_jax, to_torch
+from torch_bridge.codec import Codes, check_codes_arg
+from torch_bridge.interop import to_torch, x64_for
 
 __all__ = ["dot", "dot_one_sided", "matmul", "matmul_one_sided"]
 
 
-def dot(codes_x, codes_y, config: HNLQConfig) -> torch.Tensor:
+def _two_sided(name: str, a: Codes, b: Codes) -> torch.Tensor:
+    fn = f"torch_bridge.lut.{name}"
+    a, b = check_codes_arg(a, fn), check_codes_arg(b, fn)
+    with x64_for(*a.op_args(), *b.op_args()):
+        return to_torch(getattr(lut, name)(a.to_jax(), b.to_jax()))
+
+
+def dot(codes_x: Codes, codes_y: Codes) -> torch.Tensor:
     """``<x_hat, y_hat>`` of two coded vectors (:func:`hnlq_jax.lut.dot`); ``[...]``."""
-    fn = "torch_bridge.dot"
-    return to_torch(lut.dot(as_codes(codes_x, config, fn), as_codes(codes_y, config, fn), config))
+    return _two_sided("dot", codes_x, codes_y)
 
 
-def matmul(codes_A, codes_B, config: HNLQConfig) -> torch.Tensor:
+def matmul(codes_A: Codes, codes_B: Codes) -> torch.Tensor:
     """``A_hat @ B_hat`` of coded rows of A and columns of B (:func:`hnlq_jax.lut.matmul`)."""
-    fn = "torch_bridge.matmul"
-    return to_torch(lut.matmul(as_codes(codes_A, config, fn), as_codes(codes_B, config, fn),
-                               config))
+    return _two_sided("matmul", codes_A, codes_B)
 
 
 @functools.lru_cache(maxsize=None)
-def _one_sided(name: str, config: HNLQConfig):
+def _one_sided(name: str, config: HNLQConfig, n: int | None, scaled: bool):
     f = getattr(lut, name)
-    return jax_function(lambda labels, T, y: f(hq.Codes(labels, T), y, config))
+    if scaled:
+        return jax_function(lambda i, t, s, y: f(hq.Codes(i, t, config, scale=s, n=n), y))
+    return jax_function(lambda i, t, y: f(hq.Codes(i, t, config, n=n), y))
 
 
-def _apply_one_sided(name: str, codes, y, config):
-    fn = f"torch_bridge.{name}"
-    codes = as_codes(codes, config, fn)
+def _apply_one_sided(name: str, codes, y):
+    fn = f"torch_bridge.lut.{name}"
+    codes = check_codes_arg(codes, fn)
+    with x64_for(*codes.op_args()):
+        codes.to_jax()  # validates the codes now (the jitted product cannot)
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"{fn}: expected a real tensor, got {type(y).__name__}")
     if y.is_floating_point() and not torch.isfinite(y).all():  # under jit JAX cannot check
         raise ValueError(f"{fn}: the real argument has NaN or Inf entries; expected finite values")
-    return _one_sided(name, config)(to_torch(codes.labels), to_torch(codes.T), y)
+    scaled = codes.scale is not None
+    arrays = (codes.index, codes.tfield) + ((codes.scale,) if scaled else ()) + (y,)
+    return _one_sided(name, codes.config, codes.n, scaled)(*arrays)
 
 
-def dot_one_sided(codes_x, y: torch.Tensor, config: HNLQConfig) -> torch.Tensor:
+def dot_one_sided(codes_x: Codes, y: torch.Tensor) -> torch.Tensor:
     """``<x_hat, y>`` of coded vectors and real ``y [..., n]`` (:func:`hnlq_jax.lut.dot_one_sided`).
 
     Differentiable in ``y``.
     """
-    return _apply_one_sided("dot_one_sided", codes_x, y, config)
+    return _apply_one_sided("dot_one_sided", codes_x, y)
 
 
-def matmul_one_sided(codes_W, x: torch.Tensor, config: HNLQConfig) -> torch.Tensor:
-    """``x @ W_hat^T``: real ``x [..., k]``, codes of W's n rows (:func:`hnlq_jax.lut.matmul_one_sided`).
+def matmul_one_sided(codes_W: Codes, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W_hat^T``: real ``x [..., k]``, codes of W's n rows
+    (:func:`hnlq_jax.lut.matmul_one_sided`).
 
-    Returns ``[..., n]``; differentiable in ``x``.
+    Returns ``[..., n]``; differentiable in ``x``. (:func:`torch_bridge.matmul` with
+    ``implementation="lut"`` is the same product as a custom op.)
     """
-    return _apply_one_sided("matmul_one_sided", codes_W, x, config)
+    return _apply_one_sided("matmul_one_sided", codes_W, x)

@@ -1,11 +1,25 @@
-"""The codec as ``torch.library`` custom ops: ``torch.ops.hnlq.encode / decode / quantize``.
+"""The HNLQ operations as ``torch.library`` custom ops: ``torch.ops.hnlq.*``.
 
 ``torch.compile`` cannot trace into JAX. Registered as custom ops, with fake implementations
-(output shapes and dtypes from ``jax.eval_shape`` of the JAX function, so a compiled graph
-sees the same shape and dtype checks) and the straight-through autograd formula for
-``quantize``, the JAX code runs at run time inside a compiled graph without a graph break.
-:func:`torch_bridge.encode`, :func:`~torch_bridge.decode` and :func:`~torch_bridge.quantize`
-call these ops; a config is passed as the primitives of :func:`config_args`.
+(output shapes and dtypes from ``jax.eval_shape`` of the same JAX call, so a compiled graph sees
+the same shape and dtype checks) and autograd formulas, the JAX code runs at run time inside a
+compiled graph without a graph break (``fullgraph=True`` works). Codes cross as their two
+integer arrays, ``index`` and ``tfield`` (plus ``scale`` and ``n`` for row codes, see
+:class:`torch_bridge.Codes`); the config as the primitives of :func:`config_args`.
+
+==================  ========================================================================
+op                  JAX function (same result bit for bit)
+==================  ========================================================================
+``encode``          :func:`hnlq_jax.encode` -> ``(index, tfield)``
+``decode``          :func:`hnlq_jax.decode`
+``quantize``        :func:`hnlq_jax.quantize`; autograd: straight-through (identity)
+``matmul``          :func:`hnlq_jax.matmul`; autograd: ``matmul_backward`` (x and scale)
+``matmul_backward`` the ``jax.vjp`` of :func:`hnlq_jax.matmul` -> ``(dx, dscale)``
+==================  ========================================================================
+
+Float64 inputs (or a float64 ``dtype``) run under JAX's x64 mode
+(:func:`torch_bridge.interop.x64_for`). The wrappers in :mod:`torch_bridge.codec` are the
+intended entry points; these ops are what they call.
 """
 
 # No ``from __future__ import annotations``: the op schemas are inferred from the annotations.
@@ -18,9 +32,9 @@ import torch
 
 import hnlq_jax as hq
 from hnlq_jax import HNLQConfig
-from torch_bridge.interop import to_jax, to_torch
+from torch_bridge.interop import to_jax, to_torch, x64_for
 
-__all__ = ["config_args"]
+__all__ = ["config_args", "config_of"]
 
 ConfigArgs = tuple[str, int, int, float, float, int, Optional[list[float]]]
 
@@ -34,12 +48,13 @@ def config_args(config: HNLQConfig) -> ConfigArgs:
     return (config.lattice, config.q, config.M, config.beta, config.alpha, config.max_T, dither)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _config_of(lattice, q, M, beta, alpha, max_T, dither) -> HNLQConfig:
     return HNLQConfig(lattice, q, M, beta, alpha, max_T, dither)
 
 
-def _config(lattice, q, M, beta, alpha, max_T, dither) -> HNLQConfig:
+def config_of(lattice, q, M, beta, alpha, max_T, dither) -> HNLQConfig:
+    """The :class:`~hnlq_jax.HNLQConfig` of :func:`config_args` (inverse)."""
     return _config_of(lattice, q, M, beta, alpha, max_T, None if dither is None else tuple(dither))
 
 
@@ -51,56 +66,178 @@ def torch_dtype(dtype) -> torch.dtype:
     return getattr(torch, jnp.dtype(dtype).name)
 
 
-def _fake(fn, *tensors):
+def _spec(t):
+    if t is None:
+        return None
+    # int() specializes a symbolic size of a dynamic-shape graph: JAX needs concrete shapes.
+    return jax.ShapeDtypeStruct(tuple(int(s) for s in t.shape), jax_dtype(t.dtype))
+
+
+def _fake(fn, device, *tensors, wide=()):
     """Empty tensors shaped and typed like ``fn``'s outputs (``fn`` traced by ``eval_shape``)."""
-    specs = [jax.ShapeDtypeStruct(tuple(t.shape), jax_dtype(t.dtype)) for t in tensors]
-    out = jax.eval_shape(fn, *specs)
-    return tuple(torch.empty(o.shape, dtype=torch_dtype(o.dtype), device=tensors[0].device)
+    with x64_for(*tensors, *wide):
+        out = jax.eval_shape(fn, *(_spec(t) for t in tensors))
+    return tuple(torch.empty(o.shape, dtype=torch_dtype(o.dtype), device=device)
                  for o in jax.tree.leaves(out))
 
 
+def _own(out: torch.Tensor, *inputs) -> torch.Tensor:
+    """``out``, copied if it views an input's memory (a JAX no-op returns its argument, and a
+    custom op's outputs must not alias its inputs)."""
+    ptrs = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    return out.clone() if out.untyped_storage().data_ptr() in ptrs and out.numel() else out
+
+
+def _codes(index, tfield, scale, n, config) -> hq.Codes:
+    """:class:`hnlq_jax.Codes` of the op arguments (JAX arrays or shape specs)."""
+    return hq.Codes(index, tfield, config, scale=scale, n=n)
+
+
+# ------------------------------------------------------------------------------------ encode
+
+
 @torch.library.custom_op("hnlq::encode", mutates_args=())
-def encode(x: torch.Tensor, lattice: str, q: int, M: int, beta: float, alpha: float, max_T: int,
+def encode(x: torch.Tensor, implementation: Optional[str], failures: str, lattice: str, q: int,
+           M: int, beta: float, alpha: float, max_T: int,
            dither: Optional[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
-    codes = hq.encode(to_jax(x), _config(lattice, q, M, beta, alpha, max_T, dither))
-    return to_torch(codes.labels), to_torch(codes.T)
+    config = config_of(lattice, q, M, beta, alpha, max_T, dither)
+    with x64_for(x):
+        c = hq.encode(to_jax(x), config, implementation=implementation, failures=failures)
+        return _own(to_torch(c.index), x), _own(to_torch(c.tfield), x)
 
 
 @encode.register_fake
-def _(x, lattice, q, M, beta, alpha, max_T, dither):
-    config = _config(lattice, q, M, beta, alpha, max_T, dither)
-    return _fake(lambda a: tuple(hq.encode(a, config)), x)
+def _(x, implementation, failures, lattice, q, M, beta, alpha, max_T, dither):
+    config = config_of(lattice, q, M, beta, alpha, max_T, dither)
+
+    def fn(a):
+        c = hq.encode(a, config, implementation=implementation)
+        return c.index, c.tfield
+
+    return _fake(fn, x.device, x)
+
+
+# ------------------------------------------------------------------------------------ decode
 
 
 @torch.library.custom_op("hnlq::decode", mutates_args=())
-def decode(labels: torch.Tensor, T: torch.Tensor, dtype: torch.dtype, lattice: str, q: int, M: int,
-           beta: float, alpha: float, max_T: int, dither: Optional[list[float]]) -> torch.Tensor:
-    config = _config(lattice, q, M, beta, alpha, max_T, dither)
-    return to_torch(hq.decode(hq.Codes(to_jax(labels), to_jax(T)), config,
-                              dtype=jax_dtype(dtype)))
+def decode(index: torch.Tensor, tfield: torch.Tensor, scale: Optional[torch.Tensor],
+           n: Optional[int], levels: Optional[int], dtype: torch.dtype,
+           implementation: Optional[str], lattice: str, q: int, M: int, beta: float,
+           alpha: float, max_T: int, dither: Optional[list[float]]) -> torch.Tensor:
+    config = config_of(lattice, q, M, beta, alpha, max_T, dither)
+    with x64_for(index, tfield, scale, dtype):
+        codes = _codes(to_jax(index), to_jax(tfield), None if scale is None else to_jax(scale),
+                       n, config)
+        out = hq.decode(codes, levels=levels, dtype=jax_dtype(dtype),
+                        implementation=implementation)
+        return _own(to_torch(out), scale)
 
 
 @decode.register_fake
-def _(labels, T, dtype, lattice, q, M, beta, alpha, max_T, dither):
-    config = _config(lattice, q, M, beta, alpha, max_T, dither)
-    return _fake(lambda a, b: hq.decode(hq.Codes(a, b), config, dtype=jax_dtype(dtype)),
-                 labels, T)[0]
+def _(index, tfield, scale, n, levels, dtype, implementation, lattice, q, M, beta, alpha, max_T,
+      dither):
+    config = config_of(lattice, q, M, beta, alpha, max_T, dither)
+
+    def fn(i, t, s):
+        return hq.decode(_codes(i, t, s, n, config), levels=levels, dtype=jax_dtype(dtype),
+                         implementation=implementation)
+
+    return _fake(fn, index.device, index, tfield, scale, wide=(dtype,))[0]
+
+
+# ---------------------------------------------------------------------------------- quantize
 
 
 @torch.library.custom_op("hnlq::quantize", mutates_args=())
-def quantize(x: torch.Tensor, lattice: str, q: int, M: int, beta: float, alpha: float,
-             max_T: int, dither: Optional[list[float]]) -> torch.Tensor:
-    return to_torch(hq.quantize(to_jax(x), _config(lattice, q, M, beta, alpha, max_T, dither)))
+def quantize(x: torch.Tensor, implementation: Optional[str], lattice: str, q: int, M: int,
+             beta: float, alpha: float, max_T: int,
+             dither: Optional[list[float]]) -> torch.Tensor:
+    config = config_of(lattice, q, M, beta, alpha, max_T, dither)
+    with x64_for(x):
+        return _own(to_torch(hq.quantize(to_jax(x), config, implementation=implementation)), x)
 
 
 @quantize.register_fake
-def _(x, lattice, q, M, beta, alpha, max_T, dither):
-    config = _config(lattice, q, M, beta, alpha, max_T, dither)
-    return _fake(lambda a: hq.quantize(a, config), x)[0]
+def _(x, implementation, lattice, q, M, beta, alpha, max_T, dither):
+    config = config_of(lattice, q, M, beta, alpha, max_T, dither)
+    return _fake(lambda a: hq.quantize(a, config, implementation=implementation), x.device, x)[0]
 
 
 def _quantize_backward(ctx, g):
-    return (g,) + (None,) * 7  # straight-through: the identity for x, nothing for the config
+    return (g,) + (None,) * 8  # straight-through: the identity for x, nothing for the rest
 
 
 quantize.register_autograd(_quantize_backward)
+
+
+# ------------------------------------------------------------------------------------ matmul
+
+
+@torch.library.custom_op("hnlq::matmul", mutates_args=())
+def matmul(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,
+           scale: Optional[torch.Tensor], n: Optional[int], implementation: Optional[str],
+           lattice: str, q: int, M: int, beta: float, alpha: float, max_T: int,
+           dither: Optional[list[float]]) -> torch.Tensor:
+    config = config_of(lattice, q, M, beta, alpha, max_T, dither)
+    with x64_for(x, index, tfield, scale):
+        codes = _codes(to_jax(index), to_jax(tfield), None if scale is None else to_jax(scale),
+                       n, config)
+        return _own(to_torch(hq.matmul(to_jax(x), codes, implementation=implementation)), x)
+
+
+@matmul.register_fake
+def _(x, index, tfield, scale, n, implementation, lattice, q, M, beta, alpha, max_T, dither):
+    config = config_of(lattice, q, M, beta, alpha, max_T, dither)
+
+    def fn(a, i, t, s):
+        return hq.matmul(a, _codes(i, t, s, n, config), implementation=implementation)
+
+    return _fake(fn, x.device, x, index, tfield, scale)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
+def _matmul_vjp(g, x, index, tfield, scale, n, implementation, config):
+    """``(dx, dscale)`` of :func:`hnlq_jax.matmul` (``dscale`` None without a scale)."""
+    def f(x, scale):
+        return hq.matmul(x, _codes(index, tfield, scale, n, config), implementation=implementation)
+
+    return jax.vjp(f, x, scale)[1](g)
+
+
+@torch.library.custom_op("hnlq::matmul_backward", mutates_args=())
+def matmul_backward(g: torch.Tensor, x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,
+                    scale: Optional[torch.Tensor], n: Optional[int],
+                    implementation: Optional[str], lattice: str, q: int, M: int, beta: float,
+                    alpha: float, max_T: int,
+                    dither: Optional[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dscale)``; ``dscale`` is an empty tensor when there is no scale."""
+    config = config_of(lattice, q, M, beta, alpha, max_T, dither)
+    with x64_for(g, x, index, tfield, scale):
+        dx, ds = _matmul_vjp(to_jax(g.contiguous()), to_jax(x), to_jax(index), to_jax(tfield),
+                             None if scale is None else to_jax(scale), n, implementation, config)
+        dx = _own(to_torch(dx), g, x)
+        ds = x.new_empty(0) if ds is None else _own(to_torch(ds), scale)
+    return dx, ds
+
+
+@matmul_backward.register_fake
+def _(g, x, index, tfield, scale, n, implementation, lattice, q, M, beta, alpha, max_T, dither):
+    return torch.empty_like(x), (x.new_empty(0) if scale is None else torch.empty_like(scale))
+
+
+def _matmul_setup(ctx, inputs, output):
+    x, index, tfield, scale, n, implementation, *config = inputs
+    ctx.save_for_backward(x, index, tfield, scale)
+    ctx.args = (n, implementation, *config)
+
+
+def _matmul_backward(ctx, g):
+    x, index, tfield, scale = ctx.saved_tensors
+    dx, ds = torch.ops.hnlq.matmul_backward(g, x, index, tfield, scale, *ctx.args)
+    dx = dx if ctx.needs_input_grad[0] else None
+    ds = ds if scale is not None and ctx.needs_input_grad[3] else None
+    return (dx, None, None, ds) + (None,) * 9
+
+
+matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)

@@ -1,0 +1,341 @@
+"""Post-training quantization: :class:`QuantizedLinear` layers that hold only codes, scales and
+bias, and :func:`quantize_model`, which puts them in place of a model's ``nn.Linear`` layers.
+
+**Weight format** (:mod:`hnlq_jax.rows`, the same as :class:`~torch_bridge.QLinear` and the
+Flax ``QDense``): row j of ``weight[out, in]`` is divided by ``c_j = beta * rms(row_j)`` and
+coded in d-blocks along ``in`` at unit beta, ``beta`` from
+:func:`hnlq_jax.rows.calibrate_rows` of the layer's weight. For D4 q=4 M=2 that is one uint8
+codebook index per level and block and a 4-bit T field per block: 5 bits per weight, plus a
+float32 scale and bias per output.
+
+**State dict** (:class:`CodesLayer`): buffers ``index [out, nb, M]``, ``tfield`` (uint8) and
+``scale [out]``, the ``bias`` parameter, and an ``_extra_state`` recording
+:data:`hnlq_jax.FORMAT_VERSION` and the codes' config. No float weight is stored. Loading a state
+dict written in another format version or with another config (beta aside: it lives in the
+scales) raises ``ValueError`` naming both, before any buffer is written; corrupted codes (an
+index ``>= q^d``, a T field above ``max_T + 1``) raise too.
+
+**Forward**: ``torch.ops.hnlq.matmul`` (:func:`hnlq_jax.matmul`, bit for bit) plus the bias,
+also under ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from hnlq_jax import FORMAT_VERSION, HNLQConfig
+from hnlq_jax.codes import index_dtype, tfield_shape
+from hnlq_jax.rows import calibrate_rows, unit
+from torch_bridge import ops
+from torch_bridge.codec import Codes, decode, encode_rows
+from torch_bridge.interop import to_jax, x64_for
+
+__all__ = ["CodesLayer", "QuantizeReport", "QuantizedLinear", "quantize_model"]
+
+_CODES = ("index", "tfield", "scale")
+
+
+def calibrated_beta(weight: torch.Tensor, config: HNLQConfig, calibrate: bool):
+    """The weight's beta: :func:`~hnlq_jax.rows.calibrate_rows` (a ``[]`` float32 JAX array)
+    when ``calibrate``, else ``config.beta``."""
+    if not calibrate:
+        return config.beta
+    with x64_for(weight):
+        return calibrate_rows(to_jax(weight.detach()), config)
+
+
+class CodesLayer:
+    """Mixin of the layers that hold the row codes of a weight ``[out, in]`` as buffers.
+
+    Buffers ``index``, ``tfield``, ``scale``; the config (``codes_config``, unit beta) and
+    :data:`hnlq_jax.FORMAT_VERSION` travel in the extra state and are checked on loading.
+    Subclasses call :meth:`_register_codes` in ``__init__`` and set ``in_features``,
+    ``out_features`` and ``implementation``.
+    """
+
+    def _register_codes(self, config: HNLQConfig, device, scale_dtype):
+        if not isinstance(config, HNLQConfig):
+            raise TypeError(f"{type(self).__name__}: config must be an hnlq_jax.HNLQConfig, got "
+                            f"{type(config).__name__}")
+        self.codes_config = unit(config)
+        self._op_config = ops.config_args(self.codes_config)
+        lead = (self.out_features, -(-self.in_features // config.d))
+        self.register_buffer("index", torch.zeros(
+            lead + (config.M,), dtype=ops.torch_dtype(index_dtype(config)), device=device))
+        # T field 0 = failed blocks: a layer whose codes were never set decodes to NaN.
+        self.register_buffer("tfield", torch.zeros(tfield_shape(lead, config), dtype=torch.uint8,
+                                                   device=device))
+        self.register_buffer("scale", torch.ones(self.out_features, dtype=scale_dtype,
+                                                 device=device))
+
+    def codes(self) -> Codes:
+        """The layer's weight codes (:class:`torch_bridge.Codes` viewing the buffers)."""
+        return Codes(self.index, self.tfield, self.codes_config, self.scale, self.in_features)
+
+    def set_codes(self, codes: Codes):
+        """Replaces the cached codes (e.g. from :func:`torch_bridge.encode_rows`).
+
+        Raises:
+          ValueError: codes of another config or shape than this layer's.
+        """
+        where = f"{type(self).__name__}.set_codes"
+        if not isinstance(codes, Codes):
+            raise TypeError(f"{where}: expected torch_bridge.Codes, got {type(codes).__name__}")
+        if codes.config != self.codes_config:
+            raise ValueError(f"{where}: the codes were made with {codes.config}, the layer holds "
+                             f"codes of {self.codes_config}")
+        if codes.shape != (self.out_features, self.in_features) or codes.scale is None:
+            raise ValueError(f"{where}: expected scaled row codes of a weight "
+                             f"[{self.out_features}, {self.in_features}], got {codes}")
+        device = self.index.device
+        self.index = codes.index.to(device)
+        self.tfield = codes.tfield.to(device)
+        self.scale = codes.scale.to(device)
+
+    def codes_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W_hat^T`` from the cached codes: ``torch.ops.hnlq.matmul`` (no bias)."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__}: expected input [..., {self.in_features}], "
+                             f"got {tuple(x.shape)}")
+        return torch.ops.hnlq.matmul(x, self.index, self.tfield, self.scale, self.in_features,
+                                     self.implementation, *self._op_config)
+
+    # -- state dict: format version and config travel with the codes
+    def get_extra_state(self) -> dict:
+        return {"format_version": FORMAT_VERSION,
+                "config": dataclasses.asdict(self.codes_config)}
+
+    def set_extra_state(self, state):
+        self._check_saved(state, type(self).__name__)
+
+    def _check_saved(self, state, where: str):
+        if not (isinstance(state, dict) and {"format_version", "config"} <= set(state)):
+            raise ValueError(f"{where}: expected the extra state of HNLQ codes (format_version, "
+                             f"config), got {state!r}")
+        version = state["format_version"]
+        if version != FORMAT_VERSION:
+            raise ValueError(f"{where}: the codes were saved in format version {version}; this "
+                             f"torch_bridge reads format version {FORMAT_VERSION}: quantize the "
+                             "float model again with this version")
+        try:
+            saved = HNLQConfig(**state["config"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: the saved config {state['config']!r} is not valid: "
+                             f"{e}") from None
+        if saved != self.codes_config:
+            raise ValueError(f"{where}: the state dict holds codes of {saved}, but the layer is "
+                             f"built for codes of {self.codes_config} (beta aside: it lives in "
+                             "the scales); build the layer with the saved config")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        where = f"{type(self).__name__} {prefix.rstrip('.') or '(root)'}"
+        if prefix + "labels" in state_dict:
+            raise ValueError(f"{where}: the state dict holds codes in the earlier unversioned "
+                             "format (labels, T); this torch_bridge reads format version "
+                             f"{FORMAT_VERSION}: quantize the float model again")
+        extra = prefix + "_extra_state"
+        if extra in state_dict:  # checked before any buffer is overwritten
+            self._check_saved(state_dict[extra], where)
+        for name in ("index", "tfield"):
+            t = state_dict.get(prefix + name)
+            if t is not None and t.dtype != getattr(self, name).dtype:
+                raise ValueError(f"{where}: saved {name} is {t.dtype}, expected "
+                                 f"{getattr(self, name).dtype} for {self.codes_config}")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if all(prefix + name in state_dict for name in _CODES):
+            with x64_for(*self.codes().op_args()):
+                self.codes().to_jax()  # raises on corrupted codes (index or T out of range)
+
+
+class QuantizedLinear(CodesLayer, torch.nn.Module):
+    """An inference ``nn.Linear`` whose weight exists only as HNLQ codes.
+
+    ``y = matmul(x, codes) + bias`` through ``torch.ops.hnlq.matmul``. Build one with
+    :meth:`from_linear` or :func:`quantize_model`; the constructor makes an empty layer (codes
+    marked failed, so it outputs NaN) to load a state dict into.
+
+    Args:
+      in_features, out_features, bias, device: as ``nn.Linear``.
+      config: the quantizer (its beta is unused: each layer's beta is in its scales).
+      implementation: the :func:`hnlq_jax.matmul` implementation (``None``: the backend's
+        default; ``"xla"``, ``"pallas"``, ``"lut"``).
+      dtype: dtype of the bias and scales (default float32).
+    """
+
+    def __init__(self, in_features: int, out_features: int, config: HNLQConfig,
+                 bias: bool = True, *, implementation=None, device=None, dtype=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.implementation = implementation
+        dtype = torch.float32 if dtype is None else dtype
+        self._register_codes(config, device, dtype)
+        self.bias = (torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+                     if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, config: HNLQConfig, *, calibrate: bool = True,
+                    implementation=None) -> QuantizedLinear:
+        """The quantized form of ``linear``.
+
+        A plain ``nn.Linear`` (or a subclass) is coded by :func:`torch_bridge.encode_rows` with
+        its calibrated beta (``calibrate=False``: ``config.beta``). A layer that already holds
+        codes (a :class:`~torch_bridge.QLinear`) keeps them, so the result computes exactly as
+        that layer in eval mode.
+
+        Raises:
+          TypeError: not an ``nn.Linear``.
+          ValueError: a ``QLinear`` with another config or that quantizes its activations
+            (which ``QuantizedLinear`` does not).
+        """
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"QuantizedLinear.from_linear: expected an nn.Linear, got "
+                            f"{type(linear).__name__}")
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, config, linear.bias is not None,
+                    implementation=implementation, device=w.device,
+                    dtype=torch.promote_types(w.dtype, torch.float32))
+        if isinstance(linear, CodesLayer) and getattr(linear, "quantize_weights", True):
+            if getattr(linear, "quantize_activations", False):
+                raise ValueError("QuantizedLinear.from_linear: the layer quantizes its "
+                                 "activations, which QuantizedLinear does not")
+            codes = linear.codes()
+        else:
+            codes = encode_rows(w.detach(), config, beta=calibrated_beta(w, config, calibrate),
+                                implementation=implementation)
+        layer.set_codes(codes)
+        if linear.bias is not None:
+            with torch.no_grad():
+                layer.bias.copy_(linear.bias)
+        return layer.train(linear.training)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The decoded weight ``[out, in]``, computed on each access and never stored (for code
+        that reads ``.weight`` directly, e.g. ``nn.MultiheadAttention``'s ``out_proj``)."""
+        return decode(self.codes(), dtype=self.scale.dtype, implementation=self.implementation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.codes_matmul(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        c = self.codes_config
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, lattice={c.lattice}, q={c.q}, M={c.M}")
+
+
+def _state_bytes(module: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in module.state_dict().values() if isinstance(t, torch.Tensor))
+
+
+@dataclasses.dataclass
+class QuantizeReport:
+    """What :func:`quantize_model` converted and what it kept.
+
+    Attributes:
+      converted: ``(name, type name, (out, in))`` of each replaced layer.
+      skipped: ``(name, type name, reason)`` of each ``nn.Linear`` left in place.
+      float32_bytes: the converted layers' weight and bias as float32.
+      quantized_bytes: the tensor bytes of their state dicts now (codes, scales, bias).
+    """
+
+    converted: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=list)
+    float32_bytes: int = 0
+    quantized_bytes: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """``quantized_bytes / float32_bytes``."""
+        return self.quantized_bytes / self.float32_bytes if self.float32_bytes else float("nan")
+
+    def __str__(self) -> str:
+        lines = [f"quantize_model: converted {len(self.converted)} linear layer(s): "
+                 f"{self.float32_bytes:,} bytes as float32 -> {self.quantized_bytes:,} bytes "
+                 f"({self.ratio:.3f}x)"]
+        lines += [f"  kept {name} ({kind}): {reason}" for name, kind, reason in self.skipped]
+        return "\n".join(lines)
+
+
+def _why_not(module: torch.nn.Linear) -> str | None:
+    """Why ``module`` is kept in float (None: convert it)."""
+    if isinstance(module, QuantizedLinear):
+        return "already quantized"
+    if isinstance(module, CodesLayer):
+        if getattr(module, "quantize_activations", False):
+            return "it quantizes its activations, which QuantizedLinear does not"
+        return None
+    if type(module).forward is not torch.nn.Linear.forward:
+        return (f"{type(module).__name__} overrides nn.Linear.forward: converting it would drop "
+                "its behaviour; convert it by hand (QuantizedLinear.from_linear) if that is "
+                "intended")
+    return None
+
+
+def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *,
+                   calibrate: bool = True, implementation=None) -> QuantizeReport:
+    """Replaces the ``nn.Linear`` layers of ``model``, in place, by :class:`QuantizedLinear`.
+
+    Converted: every ``nn.Linear`` and every subclass that does not override ``forward`` (e.g.
+    ``nn.MultiheadAttention``'s ``out_proj``, which the attention reads as ``out_proj.weight``:
+    :attr:`QuantizedLinear.weight` decodes it), and :class:`~torch_bridge.QLinear` layers (from
+    their cached codes). Kept in float, with a warning and an entry in the report: subclasses
+    with their own ``forward`` and ``QLinear`` layers that quantize activations. A layer
+    shared by several parents is converted once and replaced everywhere.
+
+    Args:
+      model: any module (not itself an ``nn.Linear``).
+      config: the quantizer.
+      filter_fn: ``filter_fn(name, linear) -> bool``; only layers where it is true are
+        converted (default: all). ``name`` is the qualified name, as in ``named_modules``.
+      calibrate: each layer's beta from :func:`hnlq_jax.rows.calibrate_rows` of its weight
+        (default); ``False`` uses ``config.beta``.
+      implementation: the layers' :func:`hnlq_jax.matmul` implementation.
+
+    Returns:
+      A :class:`QuantizeReport` (print it for a summary).
+
+    Raises:
+      TypeError: ``model`` is not a module or ``config`` not an ``HNLQConfig``.
+      ValueError: ``model`` is itself an ``nn.Linear`` (use ``QuantizedLinear.from_linear``).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"quantize_model: expected a torch.nn.Module, got {type(model).__name__}")
+    ops.config_args(config)  # a clear TypeError for a config that is not an HNLQConfig
+    if isinstance(model, torch.nn.Linear):
+        raise ValueError("quantize_model: replaces layers inside a model, and the model is "
+                         "itself an nn.Linear: use QuantizedLinear.from_linear(model, config)")
+    report = QuantizeReport()
+    sites, seen = [], set()
+    for parent_name, parent in model.named_modules(remove_duplicate=False):
+        for child_name, child in parent.named_children():
+            if isinstance(child, torch.nn.Linear) and (id(parent), child_name) not in seen:
+                seen.add((id(parent), child_name))
+                name = f"{parent_name}.{child_name}" if parent_name else child_name
+                sites.append((name, parent, child_name, child))
+    done: dict[int, QuantizedLinear] = {}
+    for name, parent, child_name, child in sites:
+        kind = type(child).__name__
+        why = ("filter_fn" if filter_fn is not None and not filter_fn(name, child)
+               else _why_not(child))
+        if why is not None:
+            report.skipped.append((name, kind, why))
+            continue
+        if id(child) not in done:
+            q = done[id(child)] = QuantizedLinear.from_linear(
+                child, config, calibrate=calibrate, implementation=implementation)
+            report.float32_bytes += 4 * (child.weight.numel() + q.out_features * (
+                child.bias is not None))
+            report.quantized_bytes += _state_bytes(q)
+        setattr(parent, child_name, done[id(child)])
+        report.converted.append((name, kind, (child.out_features, child.in_features)))
+    unexpected = [s for s in report.skipped if s[2] not in ("filter_fn", "already quantized")]
+    if unexpected:
+        warnings.warn(f"quantize_model: kept {len(unexpected)} linear layer(s) in float: "
+                      + "; ".join(f"{n} ({k}): {r}" for n, k, r in unexpected), stacklevel=2)
+    return report

@@ -93,7 +93,6 @@ def same(a, b) -> str:
 
 def measure(case, repeat, cfg):
     name, size, fns, args, nbytes, door = case
-    batch = int(size.rsplit(" ", 1)[1]) if "batch" in size else None
     row = {"op": name, "size": size,
            "none_picks": ops.default_implementation(door, cfg) if door else "n/a"}
     results = {}

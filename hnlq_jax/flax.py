@@ -52,7 +52,7 @@ from hnlq_jax._numerics import straight_through
 from hnlq_jax.codec import is_concrete
 from hnlq_jax.codes import FORMAT_VERSION, Codes, check_codes
 from hnlq_jax.config import HNLQConfig
-from hnlq_jax.rows import calibrate_rows, rows_codes, unit
+from hnlq_jax.rows import bucket_rows, calibrate_rows, rows_codes, unit
 from hnlq_jax.stats import gaussian_beta
 
 __all__ = [
@@ -120,8 +120,7 @@ def _quantize_rows(x, config: HNLQConfig, beta, ste: str):
         # Eager calls pad the rows to the blocks of an ops.bucket, so a stream of batch sizes
         # compiles the encoder O(log n) times. Under a transformation the caller's program owns
         # the shapes.
-        nb = -(-k // config.d)
-        flat = jnp.pad(flat, ((0, -(-ops.bucket(rows * nb) // nb) - rows), (0, 0)))
+        flat = jnp.pad(flat, ((0, bucket_rows(rows, k, config) - rows), (0, 0)))
     codes = rows_codes(jax.lax.stop_gradient(flat), config, beta)
     x_hat = ops.decode(codes, dtype=x.dtype)[:rows]
     mask = _ste_mask(codes, ste, x.dtype)

@@ -584,7 +584,7 @@ def _lut_gemv_call(x, codes: Codes, interpret, block_n, block_k, gpu_backend, dt
     """``W_hat x`` for one vector ``x [k]`` (batches are vmapped: a grid axis)."""
     config = codes.config
     n, nb = codes.blocks_shape
-    d, M, Q = config.d, config.M, config.q**config.d
+    d, M = config.d, config.M
     bn, bk = _tile(n, block_n, "block_n"), _tile(nb, block_k, "block_k")
     nbp = pl.cdiv(nb, bk) * bk
     x = x.astype(dtype)

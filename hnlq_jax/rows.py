@@ -19,7 +19,8 @@ from hnlq_jax.codes import Codes, pack_t
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.stats import search_beta
 
-__all__ = ["CALIBRATION_BLOCKS", "calibrate_rows", "encode_rows", "row_rms", "rows_codes", "unit"]
+__all__ = ["CALIBRATION_BLOCKS", "bucket_rows", "calibrate_rows", "encode_rows", "row_rms",
+           "rows_codes", "unit"]
 
 # Blocks the per-layer beta search looks at: a fixed-size sample compiles once for every layer.
 CALIBRATION_BLOCKS = 4096
@@ -28,6 +29,16 @@ CALIBRATION_BLOCKS = 4096
 def unit(config: HNLQConfig) -> HNLQConfig:
     """The codec config of row codes: beta lives in the row scales."""
     return config.replace(beta=1.0)
+
+
+def bucket_rows(rows: int, k: int, config: HNLQConfig) -> int:
+    """Rows to pad ``rows`` rows of length ``k`` to, so their blocks fill an ``ops.bucket``.
+
+    Eager row quantization of activations pads to it: a stream of batch sizes then compiles
+    the encoder O(log n) times.
+    """
+    nb = -(-k // config.d)
+    return -(-ops.bucket(rows * nb) // nb) if nb else rows
 
 
 def row_rms(w):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from hnlq_jax.config import HNLQConfig
-from hnlq_jax.ops import bucket
+from hnlq_jax.rows import bucket_rows
 from hnlq_jax.stats import gaussian_beta
 from torch_bridge.codec import decode, encode_rows
 from torch_bridge.quantized import CodesLayer, calibrated_beta
@@ -139,11 +139,10 @@ class QLinear(CodesLayer, torch.nn.Linear):
         """Straight-through per-row quantization of the activations ``x[..., k]``."""
         k = x.shape[-1]
         flat = x.reshape(-1, k)
-        rows, nb = flat.shape[0], -(-k // self.config.d)
-        # Rows padded to the blocks of an ops.bucket: a stream of batch sizes compiles the
-        # encoder O(log n) times (as hnlq_jax's eager front doors do).
-        padded = torch.nn.functional.pad(flat.detach(), (0, 0, 0, -(-bucket(rows * nb) // nb)
-                                                         - rows))
+        rows = flat.shape[0]
+        # Rows padded to a bucket: a stream of batch sizes compiles the encoder O(log n) times.
+        padded = torch.nn.functional.pad(flat.detach(),
+                                         (0, 0, 0, bucket_rows(rows, k, self.config) - rows))
         beta = gaussian_beta(self.config) if self.calibrate else self.config.beta
         codes = encode_rows(padded, self.config, beta=beta)
         x_hat = decode(codes, dtype=x.dtype)[:rows]

@@ -26,6 +26,7 @@ no gradient (their arrays are integers; ``scale`` is the one real leaf).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -34,7 +35,7 @@ import numpy as np
 
 from hnlq_jax.config import HNLQConfig
 
-__all__ = ["Codes", "FORMAT_VERSION", "index_dtype", "t_bits"]
+__all__ = ["Codes", "FORMAT_VERSION", "index_dtype", "t_bits", "saved_header", "check_saved_header"]
 
 # Bumped whenever the meaning of a stored field changes; serialized forms record it.
 FORMAT_VERSION = 1
@@ -53,6 +54,45 @@ def index_dtype(config: HNLQConfig) -> np.dtype:
 def t_bits(config: HNLQConfig) -> int:
     """Bits of one block's T field: 4 when ``max_T <= 14`` (``u = T + 1 <= 15``), else 8."""
     return 4 if config.max_T <= 14 else 8
+
+
+def saved_header(config: HNLQConfig) -> dict:
+    """What a serialized artifact records beside its arrays: format version and config."""
+    return {"format_version": FORMAT_VERSION, "config": dataclasses.asdict(config)}
+
+
+def check_saved_header(state, config: HNLQConfig, where: str, remedy: str) -> HNLQConfig:
+    """The config of a saved artifact, checked against this format version and ``config``.
+
+    Args:
+      state: the saved mapping; must hold ``format_version`` and ``config`` (a dict of
+        :class:`HNLQConfig` fields), as :func:`saved_header` writes them.
+      config: the config the loader expects.
+      where: the loader's name, for messages.
+      remedy: what to do on a config mismatch (e.g. "build the layer with the saved config").
+
+    Raises:
+      ValueError: a missing header, another format version, an invalid saved config, or a
+        config other than ``config`` (the message names both).
+    """
+    if not (isinstance(state, dict) and {"format_version", "config"} <= set(state)):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{where}: expected saved HNLQ codes with a format_version and a config, "
+                         f"got {got}")
+    version = state["format_version"]
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{where}: the codes were saved in format version {version}; this "
+                         f"version of hnlq_jax reads format version {FORMAT_VERSION}: quantize "
+                         "again with this version")
+    try:
+        saved = HNLQConfig(**state["config"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: the saved config {state['config']!r} is not valid: {e}") \
+            from None
+    if saved != config:
+        raise ValueError(f"{where}: the codes were saved with {saved}, but {config} is expected "
+                         f"(beta aside: it lives in the row scales); {remedy}")
+    return saved
 
 
 def _is_concrete(x) -> bool:

@@ -50,7 +50,7 @@ import numpy as np
 from hnlq_jax import ops
 from hnlq_jax._numerics import straight_through
 from hnlq_jax.codec import is_concrete
-from hnlq_jax.codes import FORMAT_VERSION, Codes, check_codes
+from hnlq_jax.codes import Codes, check_codes, check_saved_header, saved_header
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.rows import bucket_rows, calibrate_rows, rows_codes, unit
 from hnlq_jax.stats import gaussian_beta
@@ -455,37 +455,18 @@ def import_params(saved, config: HNLQConfig):
 # ------------------------------------------------------------- Codes in flax.serialization
 
 
-def _config_record(config: HNLQConfig) -> dict:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(HNLQConfig)}
-
-
 def _codes_state(codes: Codes) -> dict:
     """The saved form of codes: their arrays, format version, config and row length."""
-    return {"format_version": FORMAT_VERSION, "config": _config_record(codes.config),
-            "n": codes.n, "index": codes.index, "tfield": codes.tfield, "scale": codes.scale}
+    return {**saved_header(codes.config), "n": codes.n, "index": codes.index, "tfield": codes.tfield, "scale": codes.scale}
 
 
 def _codes_from_state(state, config: HNLQConfig, where: str) -> Codes:
     """Codes from their saved form; they must be of this format version and of ``config``."""
-    keys = {"format_version", "config", "n", "index", "tfield", "scale"}
-    if not isinstance(state, dict) or not keys <= set(state):
-        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+    keys = {"n", "index", "tfield", "scale"}
+    saved = check_saved_header(state, config, where, "load them into a model of their config")
+    if not keys <= set(state):
         raise ValueError(f"{where}: expected saved hnlq_jax.Codes with keys {sorted(keys)}, "
-                         f"got {got}")
-    version = state["format_version"]
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{where}: the codes were saved in format version {version}; this "
-                         f"hnlq_jax reads format version {FORMAT_VERSION}: export them again "
-                         "with this version")
-    try:
-        saved = HNLQConfig(**state["config"])
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: the saved config {state['config']!r} is not valid: {e}") \
-            from None
-    if saved != config:
-        raise ValueError(f"{where}: the codes were saved with {saved}, but {config} is "
-                         "expected (beta lives in the scales); load them into a model of their "
-                         "config")
+                         f"got {sorted(state)}")
     scale = None if state["scale"] is None else jnp.asarray(state["scale"])
     n = None if state["n"] is None else int(state["n"])
     codes = Codes(jnp.asarray(state["index"]), jnp.asarray(state["tfield"]), saved, scale=scale,

@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from hnlq_jax import FORMAT_VERSION, HNLQConfig
-from hnlq_jax.codes import index_dtype, tfield_shape
+from hnlq_jax.codes import check_saved_header, index_dtype, saved_header, tfield_shape
 from hnlq_jax.rows import calibrate_rows, unit
 from torch_bridge import ops
 from torch_bridge.codec import Codes, decode, encode_rows
@@ -105,30 +105,14 @@ class CodesLayer:
 
     # -- state dict: format version and config travel with the codes
     def get_extra_state(self) -> dict:
-        return {"format_version": FORMAT_VERSION,
-                "config": dataclasses.asdict(self.codes_config)}
+        return saved_header(self.codes_config)
 
     def set_extra_state(self, state):
         self._check_saved(state, type(self).__name__)
 
     def _check_saved(self, state, where: str):
-        if not (isinstance(state, dict) and {"format_version", "config"} <= set(state)):
-            raise ValueError(f"{where}: expected the extra state of HNLQ codes (format_version, "
-                             f"config), got {state!r}")
-        version = state["format_version"]
-        if version != FORMAT_VERSION:
-            raise ValueError(f"{where}: the codes were saved in format version {version}; this "
-                             f"torch_bridge reads format version {FORMAT_VERSION}: quantize the "
-                             "float model again with this version")
-        try:
-            saved = HNLQConfig(**state["config"])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: the saved config {state['config']!r} is not valid: "
-                             f"{e}") from None
-        if saved != self.codes_config:
-            raise ValueError(f"{where}: the state dict holds codes of {saved}, but the layer is "
-                             f"built for codes of {self.codes_config} (beta aside: it lives in "
-                             "the scales); build the layer with the saved config")
+        check_saved_header(state, self.codes_config, where,
+                           "build the layer with the saved config")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

@@ -35,7 +35,8 @@ import numpy as np
 
 from hnlq_jax.config import HNLQConfig
 
-__all__ = ["Codes", "FORMAT_VERSION", "index_dtype", "t_bits", "saved_header", "check_saved_header"]
+__all__ = ["Codes", "FORMAT_VERSION", "index_dtype", "t_bits", "logical_shape", "saved_header",
+           "check_saved_header"]
 
 # Bumped whenever the meaning of a stored field changes; serialized forms record it.
 FORMAT_VERSION = 1
@@ -93,6 +94,13 @@ def check_saved_header(state, config: HNLQConfig, where: str, remedy: str) -> HN
         raise ValueError(f"{where}: the codes were saved with {saved}, but {config} is expected "
                          f"(beta aside: it lives in the row scales); {remedy}")
     return saved
+
+
+def logical_shape(blocks_shape: tuple, config: HNLQConfig, n: int | None) -> tuple:
+    """Shape of the decoded array of codes with blocks ``blocks_shape``: ``blocks + (d,)`` for
+    block codes (``n`` None), ``blocks[:-1] + (n,)`` for row codes."""
+    blocks_shape = tuple(blocks_shape)
+    return blocks_shape + (config.d,) if n is None else blocks_shape[:-1] + (n,)
 
 
 def _is_concrete(x) -> bool:
@@ -204,10 +212,7 @@ class Codes:
     @property
     def shape(self) -> tuple:
         """Shape of the decoded array: ``[..., d]`` (block codes) or ``[..., n]`` (row codes)."""
-        lead = self.blocks_shape
-        if self.n is None:
-            return lead + (self.config.d,)
-        return lead[:-1] + (self.n,)
+        return logical_shape(self.blocks_shape, self.config, self.n)
 
     @property
     def labels(self) -> jax.Array:

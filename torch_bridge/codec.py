@@ -17,7 +17,7 @@ import torch
 import hnlq_jax as hq
 from hnlq_jax import HNLQConfig
 from hnlq_jax.codec import check_x, to_blocks
-from hnlq_jax.codes import check_codes
+from hnlq_jax.codes import check_codes, logical_shape
 from hnlq_jax.ops import resolve
 from hnlq_jax.rows import rows_codes
 from torch_bridge import ops
@@ -83,8 +83,7 @@ class Codes:
     @property
     def shape(self) -> tuple:
         """Shape of the decoded tensor (``[..., d]`` block codes, ``[..., n]`` row codes)."""
-        lead = self.blocks_shape
-        return lead + (self.config.d,) if self.n is None else lead[:-1] + (self.n,)
+        return logical_shape(self.blocks_shape, self.config, self.n)
 
     @property
     def T(self) -> torch.Tensor:

@@ -8,10 +8,12 @@ step, ``--epochs`` epochs, several seeds. The gradient mean across devices is:
   the usual low-bit baseline at 8 bits/value;
 * ``hnlq all_gather M=1|2`` and ``hnlq reduce_scatter M=1|2``: :func:`hnlq_jax.dist.compress_gradients`
   with D4 q=4 (beta from ``gaussian_beta``), error feedback, 10 warm-up steps, ``min_size=1024``
-  (the biases take the exact mean).
+  (the biases take the exact mean); the payload is :mod:`hnlq_jax.wire`'s (T entropy coded in
+  a fixed capacity per chunk).
 
 Reports final test accuracy (mean, min, max over seeds), bytes each device sends per step and
-the ratio to float32, the overload rate, and the step time (median over the run, same process,
+the ratio to float32, the overload rate, the fraction of chunks the wire's rate control coded at
+a larger scale (their T stream did not fit its capacity), and the step time (median over the run, same process,
 2 cores simulating 8 devices: the collectives are memory copies, so this is the compute cost of
 compression, not a network measurement). Writes ``results/grad_compression.{json,png}``.
 
@@ -21,7 +23,6 @@ Usage: ``python experiments/grad_compression.py [--seeds 0 1 2] [--epochs 30]``
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import sys
@@ -44,7 +45,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import hnlq_jax as hq  # noqa: E402
-from hnlq_jax import dist  # noqa: E402
+from hnlq_jax import dist, wire  # noqa: E402
 from qat_digits import data  # noqa: E402  (the same split and normalization)
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -166,6 +167,7 @@ def train(spec, built, seed, epochs, xtr, ytr, xte, yte):
         tl, acc = evaluate(params, xte, yte)
         curve.append({"train_loss": float(lval), "test_loss": float(tl), "test_acc": float(acc)})
         stats = dist.compression_stats(state)
+    rescaled = 0.0
     if spec is None:
         sent = float32_bytes(params, N_DEV)
         over = 0.0
@@ -173,8 +175,13 @@ def train(spec, built, seed, epochs, xtr, ytr, xte, yte):
         sent, over = int8_bytes(params, N_DEV), 0.0
     else:
         sent, over = float(stats["bytes_sent"][0]), float(stats["overload_rate"][0])
+        cfg, method = spec
+        parts = N_DEV if method == "reduce_scatter" else 1
+        chunks = sum(parts * wire.layout(p.size, cfg, parts).chunks
+                     for p in jax.tree.leaves(params) if p.size >= 1024)  # per device
+        rescaled = float(stats["rescaled_chunks"][0]) / (N_DEV * chunks)
     return {"curve": curve, "step_time_s": float(np.median(times[len(times) // 10:])),
-            "bytes_sent": sent, "overload_rate": over}
+            "bytes_sent": sent, "overload_rate": over, "rescaled_chunk_rate": rescaled}
 
 
 def main(argv=None):
@@ -199,7 +206,9 @@ def main(argv=None):
         summary.append({"method": name, "acc_mean": float(np.mean(acc)), "acc_min": min(acc),
                         "acc_max": max(acc), "bytes_per_step": rs[0]["bytes_sent"],
                         "fewer_bytes_than_float32": f32 / rs[0]["bytes_sent"],
-                        "overload_rate": rs[0]["overload_rate"], "step_time_ms": 1e3 * t,
+                        "overload_rate": rs[0]["overload_rate"],
+                        "rescaled_chunk_rate": rs[0]["rescaled_chunk_rate"],
+                        "step_time_ms": 1e3 * t,
                         "step_time_vs_float32": t / base_t})
     out = {"devices": N_DEV, "per_device_batch": PER_DEV, "epochs": args.epochs,
            "seeds": args.seeds, "params": int(sum(a.size for a in jax.tree.leaves(params))),
@@ -209,12 +218,13 @@ def main(argv=None):
     (RESULTS / "grad_compression.json").write_text(json.dumps(out, indent=1))
     plot(runs)
     print("| method | test accuracy (mean, min-max) | bytes/step/device | vs float32 | "
-          "overload rate | step time | vs float32 |")
-    print("|---|---|---|---|---|---|---|")
+          "overload rate | rescaled chunks | step time | vs float32 |")
+    print("|---|---|---|---|---|---|---|---|")
     for s in summary:
         print(f"| {s['method']} | {100 * s['acc_mean']:.2f} % ({100 * s['acc_min']:.2f}-"
               f"{100 * s['acc_max']:.2f}) | {s['bytes_per_step']:,.0f} | "
               f"{s['fewer_bytes_than_float32']:.2f}x fewer | {s['overload_rate']:.3f} | "
+              f"{s['rescaled_chunk_rate']:.3f} | "
               f"{s['step_time_ms']:.1f} ms | {s['step_time_vs_float32']:.2f}x |")
     return out
 

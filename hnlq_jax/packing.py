@@ -1,137 +1,633 @@
-"""Bit-packing of HNLQ labels.
+"""The storage form of :class:`~hnlq_jax.Codes`: labels at their information rate, T entropy coded.
 
-Each block's ``M*d`` labels (C order over ``[M, d]``) are read as base-q digits and grouped into
-chunks of ``k`` digits, the largest ``k`` with ``q^k <= 2^32``; a chunk is the little-endian
-mixed-radix number ``sum_j digit_j q^j`` written in ``bit_length(q^k' - 1)`` bits (``k'`` digits
-in the chunk). The chunks of all blocks form one little-endian bitstream.
+``pack(codes) -> Packed`` and ``unpack(packed) -> Codes``. A :class:`Packed` holds two
+bitstreams (``docs/format.md``, "Pack bitstream"):
 
-* q a power of two: a chunk is the plain concatenation of the digits, so a block takes exactly
-  ``M d log2 q`` bits (D4 q=4 M=2: 16 bits, E8 q=4 M=2: 32 bits).
-* other q: at most one bit per 32-bit chunk above ``M d log2 q`` (D4 q=3 M=2: 13 bits against
-  12.68; E8 q=3 M=2: 26 bits against 25.36).
+**Labels.** The labels of all blocks (C order over ``[..., M, d]``, the digit view
+``codes.labels``) are one sequence of base-q digits, cut into chunks of ``k`` digits
+(:func:`label_chunk`); a chunk is the little-endian mixed-radix number ``sum_j digit_j q^j`` in
+``B = bit_length(q^k - 1)`` bits (the last, shorter chunk in ``bit_length(q^k' - 1)``), and the
+chunks form one little-endian bitstream. For q a power of two this is every digit in
+``log2 q`` bits; otherwise ``B / k`` bits per digit, within 0.015 of ``log2 q`` for q <= 8
+(q = 3: 27 bits per 17 digits).
 
-``T`` stays a separate int8 array (its leading shape is the shape of the codes); entropy coding
-it is left to the caller (see :func:`hnlq_jax.rate_stats` for its entropy).
+**T.** Each block's T becomes the symbol ``v = T`` (``v = max_T + 1`` for a failed block,
+``T = -1``), coded in *unary planes*: plane ``j`` (``j = 0, 1, ...``) holds, for every block
+with ``v >= j`` in block order, the flag ``v >= j + 1``. The flags of a plane are run-length
+coded: each flag 1 ends a run of zeros, and a virtual 1 after the plane's last block ends the
+final run, so a plane with ``n`` blocks and ``m`` ones is ``m + 1`` runs summing to ``n - m``.
+Each run ``r`` is Rice coded with the plane's parameter ``k``: the quotient ``r >> k`` in unary
+(that many 0 bits, then a 1) and the remainder ``r mod 2^k`` in ``k`` bits. Planes with no block
+are skipped, and only planes ``0 .. P-1`` are coded with ``P`` the largest ``v`` (blocks still
+eligible after the last plane have ``v = P``). For iid T this is within about 0.03 bits per
+block of ``H(T)`` (the chain rule splits ``H(T)`` over the binary planes, and Rice codes are
+near-optimal for geometric runs).
+
+The codewords go into one buffer of ``C`` bits from both ends: the unary parts of all planes
+(in plane order) forward from bit 0, the ``k``-bit remainders backward from bit ``C`` (the
+field of the ``i``-th remainder of the stream ends where the previous one began). Decoding is
+vectorized: the unary terminators are the set bits of the forward part (one ``nonzero``), a
+plane's runs are ``(quotient << k) + remainder`` and its flags a scatter at the cumulative sum
+of ``run + 1``; only a loop over the (at most ``max_T + 1``) planes remains. The plane's Rice
+parameter is chosen by the encoder from the histogram of v (``rice_parameters``) and stored.
+:mod:`hnlq_jax.wire` uses the same coder per chunk with a fixed ``C``.
+
+``pack`` sizes its output from the data, so it runs eagerly (outside ``jit``); ``unpack`` is
+traceable. ``Packed.to_bytes`` / ``Packed.from_bytes`` give a self-describing byte string
+(format version, config, shapes, a CRC-32).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+import json
+import struct
+import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from hnlq_jax.codec import Codes, check_codes, is_concrete
+from hnlq_jax.codec import is_concrete
+from hnlq_jax.codes import (FORMAT_VERSION, Codes, check_codes, index_dtype, index_from_labels,
+                            labels_of_index, pack_t)
 from hnlq_jax.config import HNLQConfig
+from hnlq_jax.ops import bucket
 
-__all__ = ["Packed", "pack", "unpack", "bits_per_block"]
+__all__ = ["Packed", "pack", "unpack", "bits_per_block", "label_bits", "label_chunk",
+           "pack_labels", "unpack_labels",
+           "t_symbols", "t_from_symbols", "rice_parameters", "encode_stream", "decode_stream",
+           "stream_bits", "MAX_RICE"]
+
+# Rice parameters run 0..MAX_RICE; runs are shorter than 2^31 blocks.
+MAX_RICE = 30
+_MAGIC = b"HNLQPACK"
 
 
-class Packed(NamedTuple):
-    """Packed codes (a pytree).
-
-    Attributes:
-      data: ``[ceil(N * bits_per_block / 8)]`` uint8 bitstream of the labels of all N blocks.
-      T: ``[...]`` int8 overload steps; its shape is the leading shape of the codes.
-    """
-
-    data: jax.Array
-    T: jax.Array
+# ------------------------------------------------------------------------------------ labels
 
 
 @functools.lru_cache(maxsize=None)
-def _chunks(q: int, n: int) -> tuple[tuple[int, int], ...]:
-    """``(digits, bits)`` per chunk for ``n`` base-q digits."""
-    k = 1
-    while q ** (k + 1) <= 2**32:
+def label_chunk(q: int) -> tuple[int, int]:
+    """``(k, B)``: digits per chunk of the label bitstream and the bits of a full chunk.
+
+    ``k`` minimizes ``B / k`` with ``B = bit_length(q^k - 1)`` over ``q^k <= 2^32`` (ties: the
+    largest ``k``), e.g. q = 3: 17 digits in 27 bits (1.588 bits per digit against
+    log2 3 = 1.585); q = 5: 3 digits in 7 bits. For q a power of two, ``B / k = log2 q``.
+    """
+    best, k = None, 1
+    while q**k <= 2**32:
+        B = (q**k - 1).bit_length()
+        if best is None or B * best[0] <= best[1] * k:
+            best = (k, B)
         k += 1
-    out = []
-    for start in range(0, n, k):
-        nd = min(k, n - start)
-        out.append((nd, (q**nd - 1).bit_length()))
-    return tuple(out)
+    return best
 
 
-def bits_per_block(config: HNLQConfig) -> int:
-    """Packed bits per d-block (labels only; T is stored apart)."""
-    return sum(b for _, b in _chunks(config.q, config.M * config.d))
+def label_bits(config: HNLQConfig, n_blocks: int) -> int:
+    """Bits of the label bitstream of ``n_blocks`` blocks (the last chunk may be partial)."""
+    k, B = label_chunk(config.q)
+    digits = n_blocks * config.M * config.d
+    full, rest = divmod(digits, k)
+    return full * B + (config.q**rest - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _pack(labels, config):
+def bits_per_block(config: HNLQConfig) -> float:
+    """Label bits per d-block of a long bitstream: ``M d B / k`` (:func:`label_chunk`), which
+    is ``M d log2 q`` for q a power of two. T is coded apart."""
+    k, B = label_chunk(config.q)
+    return config.M * config.d * B / k
+
+
+def pack_labels(index, config: HNLQConfig):
+    """The label bitstream of blocks ``index[N, M]`` (traceable).
+
+    The digits ``labels[N, M, d]`` in C order are cut into chunks of ``k`` (the last one
+    shorter); a chunk is the little-endian mixed-radix number ``sum_j digit_j q^j`` in ``B``
+    bits (the last in ``bit_length(q^k' - 1)``), all chunks in one little-endian bitstream.
+
+    Returns:
+      ``[ceil(label_bits(config, N) / 8)]`` uint8.
+    """
     q = config.q
-    digits = labels.reshape(-1, config.M * config.d).astype(jnp.uint32)
-    fields, start = [], 0
-    for nd, nbits in _chunks(q, digits.shape[1]):
-        value = jnp.zeros(digits.shape[0], jnp.uint32)
-        for j in reversed(range(nd)):  # Horner: fits uint32 since q^nd <= 2^32
-            value = value * jnp.uint32(q) + digits[:, start + j]
-        fields.append((value[:, None] >> jnp.arange(nbits, dtype=jnp.uint32)) & 1)
-        start += nd
-    bits = jnp.concatenate(fields, axis=1).astype(jnp.uint8).reshape(-1)
+    k, B = label_chunk(q)
+    digits = labels_of_index(index, config).reshape(-1).astype(jnp.uint32)
+    n = digits.shape[0]
+    digits = jnp.pad(digits, (0, (-n) % k)).reshape(-1, k)
+    value = jnp.zeros(digits.shape[0], jnp.uint32)
+    for j in reversed(range(k)):  # Horner: fits uint32 since q^k <= 2^32
+        value = value * jnp.uint32(q) + digits[:, j]
+    bits = ((value[:, None] >> jnp.arange(B, dtype=jnp.uint32)) & 1).astype(jnp.uint8)
+    # The last chunk's value is below q^k', so the bits cut off here are zeros.
+    bits = bits.reshape(-1)[:label_bits(config, index.shape[0])]
     return jnp.packbits(bits, bitorder="little")
 
 
-def pack(codes: Codes, config: HNLQConfig) -> Packed:
-    """Packs the labels into a bitstream of :func:`bits_per_block` bits per block.
-
-    Args:
-      codes: ``Codes(labels[..., M, d], T[...])``.
-      config: the quantizer that made them.
+def unpack_labels(data, config: HNLQConfig, n_blocks: int):
+    """Inverse of :func:`pack_labels` (traceable).
 
     Returns:
-      ``Packed(data[ceil(N * bits / 8)] uint8, T[...] int8)`` with N the number of blocks.
+      ``(index [n_blocks, M], bad [n_blocks] bool)``: ``bad`` marks blocks with a digit in a
+      chunk above ``q^k - 1`` (impossible in a valid stream; only for q not a power of two).
     """
-    labels, T = check_codes(codes, config, None, "pack")
-    return Packed(_pack(labels, config), T.astype(jnp.int8))
+    q = config.q
+    k, B = label_chunk(q)
+    n = n_blocks * config.M * config.d
+    chunks = -(-n // k)
+    bits = jnp.unpackbits(data, bitorder="little")[:label_bits(config, n_blocks)]
+    bits = jnp.pad(bits, (0, chunks * B - bits.shape[0])).reshape(chunks, B).astype(jnp.uint32)
+    value = jnp.sum(bits << jnp.arange(B, dtype=jnp.uint32), axis=1, dtype=jnp.uint32)
+    digits = []
+    for _ in range(k):
+        digits.append(value % jnp.uint32(q))
+        value = value // jnp.uint32(q)
+    digits = jnp.stack(digits, axis=1)  # [chunks, k]
+    bad = jnp.broadcast_to((value != 0)[:, None], digits.shape).reshape(-1)[:n]
+    labels = digits.reshape(-1)[:n].reshape(n_blocks, config.M, config.d)
+    bad = jnp.any(bad.reshape(n_blocks, -1), axis=1)
+    return index_from_labels(labels, q, index_dtype(config)), bad
+
+
+# ------------------------------------------------------------------------ T: symbols, Rice
+
+
+def t_symbols(u, config: HNLQConfig):
+    """Coded symbols ``v`` (int32) of ``u = T + 1``: ``T``, or ``max_T + 1`` for ``u = 0``."""
+    u = u.astype(jnp.int32)
+    return jnp.where(u == 0, config.max_T + 1, u - 1)
+
+
+def t_from_symbols(v, config: HNLQConfig):
+    """``u = T + 1`` (int32) of symbols ``v`` (inverse of :func:`t_symbols`)."""
+    return jnp.where(v == config.max_T + 1, 0, v + 1).astype(jnp.int32)
+
+
+def rice_parameters(counts, planes: int, stream_tops=None, kmax: int = MAX_RICE):
+    """Rice parameter of each plane ``0 .. planes-1`` from the histogram of the symbols.
+
+    Plane j holds ``n_j = #(v >= j)`` flags with ``m_j = n_{j+1}`` ones, coded as ``m_j + s_j``
+    runs (``s_j``: the streams in which plane j is not empty, each ending with a final run) of
+    ``z_j = n_j - m_j`` zeros in all. Modelling the runs as geometric with
+    ``theta = z_j / (z_j + m_j + s_j)``, a run's expected unary length is
+    ``theta^(2^k) / (1 - theta^(2^k))``; the parameter minimizes the expected bits
+    ``(m_j + s_j) (1 + k + that)`` over ``k = 0 .. kmax``.
+
+    Args:
+      counts: ``[S]`` counts of the symbols ``v = 0 .. S-1`` (traceable).
+      planes: number of parameters wanted (static).
+      stream_tops: ``[S]`` counts of the streams' largest symbols, when the symbols are coded
+        as several streams (e.g. one per chunk); default: one stream.
+      kmax: the largest parameter allowed (static, at most ``MAX_RICE``).
+
+    Returns:
+      ``[planes]`` int32.
+    """
+    def tail(c):  # tail(c)[j] = sum_{i >= j} c[i], for j = 0 .. planes
+        c = jnp.pad(c.astype(jnp.float32), (0, max(0, planes + 1 - c.shape[0])))
+        return jnp.cumsum(c[::-1])[::-1][:planes + 1]
+
+    n = tail(counts)
+    streams = (n[:-1] > 0).astype(jnp.float32) if stream_tops is None else tail(stream_tops)[:-1]
+    zeros, runs = n[:-1] - n[1:], n[1:] + streams
+    theta = zeros / jnp.maximum(zeros + runs, 1)
+    k = jnp.arange(kmax + 1, dtype=jnp.float32)
+    log_theta = jnp.log2(jnp.where(theta > 0, theta, 1.0))[:, None]
+    tk = jnp.where(theta[:, None] > 0, jnp.exp2(log_theta * jnp.exp2(k)), 0.0)  # theta^(2^k)
+    cost = runs[:, None] * (1 + k + tk / jnp.maximum(1 - tk, 1e-30))
+    return jnp.argmin(cost, axis=1).astype(jnp.int32)
+
+
+def _plane(v, j):
+    """The Rice codewords of plane j of symbols ``v[N]`` (``-1``: not a block).
+
+    Returns:
+      ``(valid, run, count)``: ``[N + 1]`` mask of the plane's codewords (``m + 1`` of them,
+      none for an empty plane), ``[N + 1]`` int32 run lengths, and ``count`` (a scalar).
+    """
+    N = v.shape[0]
+    elig, ones = v >= j, v >= j + 1
+    n, m = jnp.sum(elig), jnp.sum(ones)
+    rank = jnp.cumsum(elig) - 1
+    slot = jnp.where(ones, jnp.cumsum(ones) - 1, N + 1)
+    pos = jnp.full(N + 1, n, jnp.int32).at[slot].set(rank, mode="drop")  # the ones, then n
+    run = pos - jnp.concatenate([jnp.full(1, -1, jnp.int32), pos[:-1]]) - 1
+    t = jnp.arange(N + 1)
+    valid = (t <= m) & (n > 0)
+    return valid, run, jnp.where(n > 0, m + 1, 0)
+
+
+def _zero(x, dtype):
+    """A zero scalar computed from ``x``: as a loop's initial carry it has ``x``'s varying
+    axes under ``shard_map`` (a literal would not, and the loop would not type-check)."""
+    return jnp.sum(jnp.zeros_like(x, dtype), dtype=dtype)
+
+
+def _over_planes(planes, nonempty, body, init):
+    """``carry = body(j, carry)`` for ``j = 0, 1, ...`` while ``j < planes`` and plane j has a
+    block (``nonempty(j, carry)``); once a plane is empty so are all later ones."""
+    def cond(s):
+        return (s[0] < planes) & nonempty(s[0], s[1])
+
+    return jax.lax.while_loop(cond, lambda s: (s[0] + 1, body(*s)), (jnp.int32(0), init))[1]
+
+
+def _unary_bits(valid, run, k):
+    return jnp.where(valid, (run >> k) + 1, 0)
+
+
+def stream_bits(v, ks, planes):
+    """Bits of the T stream of symbols ``v[N]`` (``-1`` pads) with Rice parameters ``ks``.
+
+    Args:
+      v: ``[N]`` int32 symbols (traceable); entries ``-1`` are padding, not coded.
+      ks: ``[S]`` int32 Rice parameters, ``S >= planes`` (traceable).
+      planes: planes coded (traceable int).
+    """
+    def body(j, used):
+        k = ks[j]
+        valid, run, count = _plane(v, j)
+        return used + jnp.sum(_unary_bits(valid, run, k)) + count * k
+
+    return _over_planes(planes, lambda j, _: jnp.any(v >= j), body, _zero(v, jnp.int32))
+
+
+def _write(words, pos, value, ok):
+    """Adds ``value`` (at most 32 bits) at bit ``pos`` of little-endian uint32 ``words``."""
+    W = words.shape[0]
+    w = jnp.where(ok, pos >> 5, W)  # out of range: dropped
+    s = (pos & 31).astype(jnp.uint32)
+    value = value.astype(jnp.uint32)
+    hi = jnp.where(s == 0, jnp.uint32(0), value >> (jnp.uint32(32) - s))
+    words = words.at[w].add(value << s, mode="drop")
+    return words.at[w + 1].add(hi, mode="drop")
+
+
+def _read(words, pos, k):
+    """``k``-bit fields (``k < 32``) at bit positions ``pos`` of uint32 ``words``."""
+    W = words.shape[0]
+    w = jnp.clip(pos >> 5, 0, W - 1)
+    s = (pos & 31).astype(jnp.uint32)
+    lo = words[w] >> s
+    hi = jnp.where(s == 0, jnp.uint32(0), words[jnp.minimum(w + 1, W - 1)] << (jnp.uint32(32) - s))
+    mask = (jnp.uint32(1) << k.astype(jnp.uint32)) - jnp.uint32(1)
+    return ((lo | hi) & mask).astype(jnp.int32)
+
+
+def _to_bytes(words, nbytes: int):
+    b = (words[:, None] >> jnp.arange(0, 32, 8, dtype=jnp.uint32)) & jnp.uint32(255)
+    return b.astype(jnp.uint8).reshape(-1)[:nbytes]
+
+
+def _to_words(data):
+    pad = (-data.shape[0]) % 4 + 4  # one word more: a field may straddle the last word
+    b = jnp.pad(data, (0, pad)).astype(jnp.uint32).reshape(-1, 4)
+    return jnp.sum(b << jnp.arange(0, 32, 8, dtype=jnp.uint32), axis=1, dtype=jnp.uint32)
+
+
+def encode_stream(v, ks, planes, capacity, nbytes: int):
+    """The T stream of symbols ``v[N]`` in a buffer of ``capacity`` bits (traceable).
+
+    Args:
+      v: ``[N]`` int32 symbols; ``-1`` entries are padding (not coded).
+      ks: ``[S]`` int32 Rice parameters (``S >= planes``).
+      planes: planes coded (traceable int; blocks with ``v >= planes`` decode as ``planes``).
+      capacity: the buffer's bits ``C`` (traceable, ``<= 8 nbytes``): remainders end there.
+      nbytes: static size of the returned buffer.
+
+    Returns:
+      ``(data [nbytes] uint8, used bits)``. When ``used > capacity`` the stream overflowed and
+      ``data`` is not decodable.
+    """
+    N = v.shape[0]
+    t = jnp.arange(N + 1)
+
+    def body(j, carry):
+        words, u_used, r_used = carry
+        k = ks[j]
+        valid, run, count = _plane(v, j)
+        ulen = _unary_bits(valid, run, k)
+        term = u_used + jnp.cumsum(ulen) - 1  # each codeword's unary 1
+        words = _write(words, term, jnp.ones_like(term), valid & (term < capacity))
+        field = capacity - r_used - (t + 1) * k  # remainders from the end, backward
+        rem = run & ((1 << k) - 1)
+        words = _write(words, field, rem, valid & (k > 0) & (field >= 0))
+        return words, u_used + jnp.sum(ulen), r_used + count * k
+
+    zero = _zero(v, jnp.int32)
+    words = jnp.zeros(nbytes // 4 + 2, jnp.uint32) + zero.astype(jnp.uint32)
+    words, u, r = _over_planes(planes, lambda j, _: jnp.any(v >= j), body, (words, zero, zero))
+    return _to_bytes(words, nbytes), u + r
+
+
+def decode_stream(data, ks, planes, capacity, n_valid, n_blocks: int):
+    """Symbols of a T stream (inverse of :func:`encode_stream`; traceable).
+
+    Args:
+      data: ``[nbytes]`` uint8 buffer.
+      ks: ``[S]`` int32 Rice parameters (``S >= planes``).
+      planes: planes coded (traceable).
+      capacity: the stream's ``C`` in bits (traceable, ``<= 8 nbytes``).
+      n_valid: blocks coded (traceable, ``<= n_blocks``).
+      n_blocks: static length of the result.
+
+    Returns:
+      ``(v [n_blocks] int32, ok)``: symbols (``-1`` beyond ``n_valid``) and whether the stream
+      is consistent (every plane's runs end exactly at its last block, the unary and remainder
+      parts fit in ``C`` without overlap, and no plane needs more codewords than are there).
+    """
+    N = n_blocks
+    C = 8 * data.shape[0]
+    words = _to_words(data)
+    bits = jnp.where(jnp.arange(C) < capacity, jnp.unpackbits(data, bitorder="little"), 0)
+    seen = jnp.cumsum(bits, dtype=jnp.int32)
+    n_terms = seen[-1]
+    term = jnp.full(C, C, jnp.int32).at[jnp.where(bits == 1, seen - 1, C)].set(
+        jnp.arange(C, dtype=jnp.int32), mode="drop")  # positions of the unary 1s
+    quot = term - jnp.concatenate([jnp.full(1, -1, jnp.int32), term[:-1]]) - 1
+    t = jnp.arange(N + 1, dtype=jnp.int32)
+
+    def body(j, carry):
+        # idx: the plane's blocks in order (N past its n of them); n, c, o: its block count,
+        # first codeword and remainder offset.
+        v, idx, n, c, o, ok = carry
+        k = ks[j]
+        q = quot[jnp.clip(c + t, 0, C - 1)]
+        r = jnp.where(k > 0, _read(words, capacity - o - (t + 1) * k, k), 0)
+        # A run beyond N is corrupt; clamp before shifting so nothing wraps.
+        run = jnp.where(q > (N >> k), N + 1, (q << k) + r)
+        cum = jnp.cumsum(run + 1)  # codeword i's 1 is the plane's block cum_i - 1
+        # The first codeword to reach n + 1 is the plane's last (it comes before the sum can
+        # wrap: every term is at least 1).
+        m = jnp.argmax(cum >= n + 1).astype(jnp.int32)
+        ones = idx[jnp.where(t < m, cum - 1, N)]  # blocks with v >= j + 1, in order
+        count = jnp.where(n > 0, m + 1, 0)
+        ok = ok & ((n == 0) | (cum[m] == n + 1)) & (c + count <= n_terms)
+        return (v.at[ones].add(1, mode="drop"), ones, jnp.where(n > 0, m, 0), c + count,
+                o + count * k, ok)
+
+    zero = _zero(data, jnp.int32)
+    n = jnp.minimum(n_valid, N) + zero
+    idx = jnp.where(t < n, t, N)
+    init = (jnp.where(t[:N] < n, 0, -1), idx, n, zero, zero, zero == 0)
+    v, _, _, c, o, ok = _over_planes(planes, lambda j, s: s[2] > 0, body, init)
+    u_end = jnp.where(c > 0, term[jnp.clip(c - 1, 0, C - 1)] + 1, 0)
+    return v, ok & (u_end + o <= capacity)
+
+
+# ------------------------------------------------------------------------------------ Packed
+
+
+@jax.tree_util.register_pytree_node_class
+class Packed:
+    """The storage form of :class:`~hnlq_jax.Codes` (a pytree).
+
+    :func:`pack` sizes the T stream from the data: it runs eagerly (outside ``jit``). A Packed
+    passes through ``jit`` and :func:`unpack` is traceable.
+
+    Attributes:
+      labels: ``[ceil(label_bits(config, N) / 8)]`` uint8 label bitstream of the N blocks.
+      tcode: ``[B]`` uint8 entropy-coded T stream (``8 B`` bits, the stream's ``C``).
+      rice: ``[P]`` uint8 Rice parameter of each coded plane (``P`` = largest symbol).
+      scale: ``None``, or the row scales ``[...rows]`` of row codes.
+      config: the quantizer (static).
+      blocks_shape: leading shape of the blocks (static).
+      n: logical row length of row codes, ``None`` for block codes (static).
+      version: the :data:`~hnlq_jax.FORMAT_VERSION` that wrote it (static).
+    """
+
+    __slots__ = ("labels", "tcode", "rice", "scale", "config", "blocks_shape", "n", "version")
+
+    def __init__(self, labels, tcode, rice, config: HNLQConfig, blocks_shape: tuple, *,
+                 scale=None, n: int | None = None, version: int = FORMAT_VERSION):
+        self.labels, self.tcode, self.rice, self.scale = labels, tcode, rice, scale
+        self.config, self.blocks_shape, self.n, self.version = (
+            config, tuple(int(s) for s in blocks_shape), n, version)
+
+    def tree_flatten(self):
+        return ((self.labels, self.tcode, self.rice, self.scale),
+                (self.config, self.blocks_shape, self.n, self.version))
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        obj = object.__new__(cls)
+        obj.labels, obj.tcode, obj.rice, obj.scale = children
+        obj.config, obj.blocks_shape, obj.n, obj.version = aux
+        return obj
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays held: labels, T stream, Rice parameters and scale."""
+        return sum(int(a.nbytes) for a in jax.tree.leaves(self))
+
+    def bits_per_value(self) -> float:
+        """``8 nbytes`` over the number of coded values (as ``Codes.bits_per_value``)."""
+        lead = self.blocks_shape
+        shape = lead + (self.config.d,) if self.n is None else lead[:-1] + (self.n,)
+        size = int(np.prod(shape, dtype=np.int64))
+        return 8 * self.nbytes / size if size else float("nan")
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Packed({c.lattice} q={c.q} M={c.M}, blocks {list(self.blocks_shape)}, "
+                f"labels {self.labels.shape[0]} B, T {self.tcode.shape[0]} B, "
+                f"{self.rice.shape[0]} planes, version {self.version})")
+
+    # -- bytes
+    def to_bytes(self) -> bytes:
+        """A self-describing byte string: magic, a JSON header (format version, config,
+        shapes, sizes), the arrays, and a CRC-32 of everything before it."""
+        c = self.config
+        scale = None if self.scale is None else np.asarray(self.scale)
+        header = {
+            "version": self.version,
+            "config": {"lattice": c.lattice, "q": c.q, "M": c.M, "beta": c.beta,
+                       "alpha": c.alpha, "max_T": c.max_T,
+                       "dither": None if c.dither is None else list(c.dither)},
+            "blocks_shape": list(self.blocks_shape), "n": self.n,
+            "sizes": [int(self.labels.shape[0]), int(self.tcode.shape[0]),
+                      int(self.rice.shape[0])],
+            "scale": None if scale is None else [scale.dtype.str, list(scale.shape)],
+        }
+        head = json.dumps(header, sort_keys=True).encode()
+        body = b"".join(np.asarray(a, np.uint8).tobytes()
+                        for a in (self.labels, self.tcode, self.rice))
+        if scale is not None:
+            body += scale.tobytes()
+        out = _MAGIC + struct.pack("<I", len(head)) + head + body
+        return out + struct.pack("<I", zlib.crc32(out))
+
+    @classmethod
+    def from_bytes(cls, buf: bytes, config: HNLQConfig | None = None) -> Packed:
+        """Reads :meth:`to_bytes` output.
+
+        Args:
+          buf: the bytes.
+          config: if given, the config the data must have been made with.
+
+        Raises:
+          ValueError: not packed HNLQ data, truncated or corrupted (size or checksum), another
+            format version, or (``config`` given) another config; the message names both.
+        """
+        buf = bytes(buf)
+        if not buf.startswith(_MAGIC):
+            raise ValueError("Packed.from_bytes: not HNLQ packed data (bad magic bytes)")
+        if len(buf) < len(_MAGIC) + 8:
+            raise ValueError(f"Packed.from_bytes: truncated data ({len(buf)} bytes)")
+        (crc,) = struct.unpack("<I", buf[-4:])
+        if zlib.crc32(buf[:-4]) != crc:
+            raise ValueError("Packed.from_bytes: corrupted or truncated data (CRC-32 mismatch)")
+        (hlen,) = struct.unpack("<I", buf[8:12])
+        h = json.loads(buf[12:12 + hlen])
+        if h["version"] != FORMAT_VERSION:
+            raise ValueError(f"Packed.from_bytes: the data is in format version {h['version']}, "
+                             f"this hnlq_jax reads version {FORMAT_VERSION}; decode it with "
+                             "the version that wrote it")
+        cd = dict(h["config"])
+        cd["dither"] = None if cd["dither"] is None else tuple(cd["dither"])
+        made = HNLQConfig(**cd)
+        if config is not None and config != made:
+            raise ValueError(f"Packed.from_bytes: the data was made with {made}, not {config}")
+        body = memoryview(buf)[12 + hlen:-4]
+        sizes = h["sizes"]
+        arrays, at = [], 0
+        for s in sizes:
+            arrays.append(np.frombuffer(body[at:at + s], np.uint8))
+            at += s
+        scale = None
+        if h["scale"] is not None:
+            dt, shape = np.dtype(h["scale"][0]), tuple(h["scale"][1])
+            size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            scale = jnp.asarray(np.frombuffer(body[at:at + size], dt).reshape(shape))
+            at += size
+        if at != len(body):
+            raise ValueError(f"Packed.from_bytes: the header announces {at} bytes of arrays, "
+                             f"the data holds {len(body)}")
+        labels, tcode, rice = (jnp.asarray(a) for a in arrays)
+        return cls(labels, tcode, rice, made, tuple(h["blocks_shape"]), scale=scale, n=h["n"],
+                   version=h["version"])
+
+
+# ------------------------------------------------------------------------------- pack/unpack
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _measure(u, config: HNLQConfig, planes):
+    """``(v padded with -1, Rice parameters [max_T + 1], stream bits)``; u padded with -1."""
+    v = jnp.where(u < 0, -1, t_symbols(u, config))
+    counts = jnp.bincount(jnp.where(v < 0, config.max_T + 2, v), length=config.max_T + 3)
+    ks = rice_parameters(counts[:config.max_T + 2], config.max_T + 1)
+    return v, ks, stream_bits(v, ks, planes)
+
+
+_encode_stream = jax.jit(encode_stream, static_argnums=(4,))
+_pack_labels = jax.jit(pack_labels, static_argnums=1)
+
+
+def pack(codes: Codes) -> Packed:
+    """The storage form of codes: labels near ``M d log2 q`` bits per block, T entropy coded.
+
+    Runs eagerly (it sizes the T stream from the data). On iid Gaussian data at the calibrated
+    beta it takes about ``M log2 q + (H(T) + 0.03) / d`` bits per value for q a power of two.
+
+    Args:
+      codes: :class:`~hnlq_jax.Codes` (block or row codes).
+
+    Returns:
+      :class:`Packed`, carrying the config, the blocks' shape, ``n``, the scale and the format
+      version.
+
+    Raises:
+      TypeError: not ``Codes``, or called under ``jit`` (use :mod:`hnlq_jax.wire` for
+        fixed-size buffers).
+      ValueError: corrupted codes (see :func:`hnlq_jax.codes.check_codes`).
+    """
+    check_codes(codes, "pack")
+    if not (is_concrete(codes.index) and is_concrete(codes.tfield)):
+        raise TypeError("pack: sizes its output from the data, so it runs outside jit; for a "
+                        "fixed-size buffer under jit use hnlq_jax.wire")
+    config = codes.config
+    lead = codes.blocks_shape
+    N = int(np.prod(lead, dtype=np.int64))
+    Nb = bucket(N)  # padded, so that new sizes reuse the compiled coder
+    index = codes.index.reshape(N, config.M)
+    u = codes.T.reshape(N).astype(jnp.int32) + 1
+    u = jnp.pad(u, (0, Nb - N), constant_values=-1)
+    v_max = int(jnp.max(jnp.where(u < 0, 0, t_symbols(u, config)))) if N else 0
+    v, ks, used = _measure(u, config, v_max)
+    nbytes = -(-int(used) // 8)
+    tcode = _encode_stream(v, ks, v_max, 8 * nbytes, bucket(nbytes))[0][:nbytes]
+    labels = _pack_labels(jnp.pad(index, ((0, Nb - N), (0, 0))), config)
+    labels = labels[: -(-label_bits(config, N) // 8)]
+    return Packed(labels, tcode, ks[:v_max].astype(jnp.uint8), config, lead, scale=codes.scale,
+                  n=codes.n)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _unpack(data, config, n_blocks):
-    q, n = config.q, config.M * config.d
-    bpb = bits_per_block(config)
-    bits = jnp.unpackbits(data, bitorder="little")[: n_blocks * bpb]
-    bits = bits.reshape(n_blocks, bpb).astype(jnp.uint32)
-    digits, start, corrupt = [], 0, jnp.zeros((), bool)
-    for nd, nbits in _chunks(q, n):
-        weights = jnp.uint32(1) << jnp.arange(nbits, dtype=jnp.uint32)
-        value = jnp.sum(bits[:, start : start + nbits] * weights, axis=1, dtype=jnp.uint32)
-        for _ in range(nd):
-            digits.append(value % jnp.uint32(q))
-            value = value // jnp.uint32(q)
-        corrupt = corrupt | jnp.any(value != 0)  # a chunk above q^nd - 1
-        start += nbits
-    return jnp.stack(digits, axis=1).astype(jnp.uint8), corrupt
+def _unpack(arrays, config: HNLQConfig, n_blocks: int):
+    labels, tcode, ks, planes, capacity, n_valid = arrays
+    index, bad = unpack_labels(labels, config, n_blocks)
+    v, ok = decode_stream(tcode, ks, planes, capacity, n_valid, n_blocks)
+    u = jnp.where(ok & ~bad, t_from_symbols(v, config), 0)
+    return index, u, ok, bad
 
 
-def unpack(packed: Packed, config: HNLQConfig) -> Codes:
-    """Exact inverse of :func:`pack`.
+def unpack(packed: Packed) -> Codes:
+    """Exact inverse of :func:`pack` (traceable). The config travels with the data.
 
     Args:
-      packed: ``Packed(data, T[...])``.
-      config: the quantizer of the codes.
+      packed: a :class:`Packed`.
 
     Returns:
-      ``Codes(labels[..., M, d] uint8, T[...] int8)``.
+      :class:`~hnlq_jax.Codes` equal to the packed ones (index, T field, scale, ``n``).
 
     Raises:
-      ValueError: when the bitstream length does not match ``T.shape`` and ``config``, or a
-        chunk decodes to a digit outside ``0..q-1`` (corrupt data; checked when concrete).
+      TypeError: not a ``Packed``.
+      ValueError: another format version, inconsistent sizes, more planes than ``max_T + 1``
+        or a Rice parameter above ``MAX_RICE``, or (checked when concrete) a corrupted stream.
+        Under ``jit`` a corrupted T stream marks every block failed (``T = -1``: they decode
+        to NaN) and a corrupted label chunk its block.
     """
-    data, T = jnp.asarray(packed[0]), jnp.asarray(packed[1])
-    n_blocks = T.size
-    expect = -(-n_blocks * bits_per_block(config) // 8)
-    if data.dtype != jnp.uint8 or data.shape != (expect,):
-        raise ValueError(
-            f"unpack: expected data uint8[{expect}] for {n_blocks} blocks of "
-            f"{bits_per_block(config)} bits ({config.lattice}, q={config.q}, M={config.M}), got "
-            f"{data.dtype}{list(data.shape)}"
-        )
-    labels, corrupt = _unpack(data, config, n_blocks)
-    if is_concrete(corrupt) and bool(corrupt):
-        raise ValueError(
-            f"unpack: corrupt bitstream: a chunk exceeds the largest value for q={config.q}"
-        )
-    labels = labels.reshape(T.shape + (config.M, config.d))
-    return Codes(labels, T.astype(jnp.int8))
+    if not isinstance(packed, Packed):
+        raise TypeError(f"unpack: expected hnlq_jax.Packed, got {type(packed).__name__}")
+    if packed.version != FORMAT_VERSION:
+        raise ValueError(f"unpack: the data is in format version {packed.version}, this "
+                         f"hnlq_jax reads version {FORMAT_VERSION}")
+    config = packed.config
+    if not isinstance(config, HNLQConfig):
+        raise TypeError(f"unpack: Packed.config must be an HNLQConfig, got {type(config).__name__}")
+    lead = packed.blocks_shape
+    N = int(np.prod(lead, dtype=np.int64))
+    labels, tcode, rice = (jnp.asarray(a) for a in (packed.labels, packed.tcode, packed.rice))
+    expect = -(-label_bits(config, N) // 8)
+    for name, a, size in (("labels", labels, expect), ("tcode", tcode, None),
+                          ("rice", rice, None)):
+        if a.dtype != jnp.uint8 or a.ndim != 1 or (size is not None and a.shape[0] != size):
+            want = f"[{size}]" if size is not None else "[...]"
+            raise ValueError(f"unpack: expected {name} uint8{want} for {N} blocks of "
+                             f"{config.lattice} q={config.q} M={config.M}, got "
+                             f"{a.dtype}{list(a.shape)} (truncated or another config?)")
+    if rice.shape[0] > config.max_T + 1:
+        raise ValueError(f"unpack: {rice.shape[0]} T planes for max_T = {config.max_T} (at most "
+                         f"{config.max_T + 1}): corrupted data or another config")
+    if is_concrete(rice) and rice.size and int(jnp.max(rice)) > MAX_RICE:
+        raise ValueError(f"unpack: Rice parameter {int(jnp.max(rice))} > {MAX_RICE}: corrupted "
+                         "data")
+    Nb, Bb = (bucket(N), bucket(tcode.shape[0])) if is_concrete(tcode) else (N, tcode.shape[0])
+    arrays = (jnp.pad(labels, (0, -(-label_bits(config, Nb) // 8) - labels.shape[0])),
+              jnp.pad(tcode, (0, Bb - tcode.shape[0])),
+              jnp.pad(rice.astype(jnp.int32), (0, config.max_T + 1 - rice.shape[0])),
+              jnp.int32(rice.shape[0]), jnp.int32(8 * tcode.shape[0]), jnp.int32(N))
+    index, u, ok, bad = _unpack(arrays, config, Nb)
+    if is_concrete(ok) and not bool(ok):
+        raise ValueError("unpack: corrupted T stream (its runs do not end at the last block, "
+                         "or its parts overlap or run past its end)")
+    if is_concrete(bad) and bool(jnp.any(bad[:N])):
+        raise ValueError(f"unpack: corrupted label bitstream: {int(jnp.sum(bad[:N]))} block(s) "
+                         f"hold a chunk above the largest value for q={config.q}")
+    index = index[:N].reshape(lead + (config.M,))
+    T = (u[:N] - 1).reshape(lead)
+    codes = Codes(index, pack_t(T, config), config)
+    if packed.n is not None or packed.scale is not None:
+        codes = codes.with_rows(scale=packed.scale, n=packed.n)
+    return codes
+

@@ -2,8 +2,13 @@
 
 Usage: ``python ddp_worker.py PORT OUT_DIR``. Each rank writes ``OUT_DIR/rank{r}.json``:
 
+* ``bucket``: the hook's mean of ``bucket_data()`` (row r on rank r) for each method, called
+  directly with a stand-in ``GradBucket``;
+* ``rebuild``: a bucket's result after a step with the same layout, after a step with another
+  layout of the same size (DDP's bucket rebuild), and with a fresh state;
 * ``exact``: max |grad - built-in grad| over the steps that must be exact (a warm-up step, and
-  every step of a bucket below ``min_size``), and the relative error of a coded step;
+  every step of a bucket below ``min_size``), and the relative error of a coded step (both
+  methods; the reduce-scatter gradients too, to compare the ranks);
 * ``high_rate``: max relative gradient error against the built-in all-reduce at q=16, M=4;
 * ``float64``: the same for a float64 model (gradient dtypes and relative error);
 * ``train``: per-step losses with D4 q=4 M=2 and with the built-in all-reduce, this rank's
@@ -20,11 +25,56 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import numpy as np
+
 import hnlq_jax as hq
 from torch_bridge import HNLQHookState, hnlq_hook
 
 D4_Q4_M2 = hq.HNLQConfig("D4", 4, 2, beta=0.2016)  # hq.gaussian_beta, rounded
 D4_Q16_M4 = hq.HNLQConfig("D4", 16, 4, beta=4.353e-5)
+
+
+def bucket_data(n=3001):
+    return np.random.default_rng(7).standard_normal((2, n)).astype(np.float32)
+
+
+class Bucket:
+    """A stand-in for ``dist.GradBucket`` (what the hook calls on it)."""
+
+    def __init__(self, buffer, params, index=0):
+        self._buffer, self._params, self._index = buffer, params, index
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self):
+        return self._params
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return True
+
+
+def hook(state, values, params):
+    return hnlq_hook(state, Bucket(torch.tensor(values), params)).wait().tolist()
+
+
+def buckets(rank):
+    """The hook called directly: both methods, and a bucket rebuild."""
+    x = bucket_data()[rank]
+    res = {"bucket": {m: hook(HNLQHookState(D4_Q4_M2, min_size=0, method=m), x,
+                              [torch.zeros(x.size)]) for m in ("all_gather", "reduce_scatter")}}
+    a, b = torch.zeros(1000), torch.zeros(2001)
+    state = HNLQHookState(D4_Q4_M2, min_size=0)
+    hook(state, x, [a, b])  # leaves a residual for bucket 0
+    same = hook(state, x, [a, b])
+    hook(state, x, [a, b])
+    rebuilt = hook(state, x, [b, a])  # same size, other layout
+    res["rebuild"] = {"same": same, "rebuilt": rebuilt,
+                      "fresh": hook(HNLQHookState(D4_Q4_M2, min_size=0), x, [b, a])}
+    return res
 
 
 def model():
@@ -62,7 +112,7 @@ def run(rank, port, out_dir):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    res = {}
+    res = buckets(rank)
     steps = 3
     builtin = ddp()
     ref = [grads(builtin, rank, s)[1] for s in range(steps)]
@@ -76,6 +126,10 @@ def run(rank, port, out_dir):
         "small": max((a - b).abs().max().item()
                      for s in range(steps) for a, b in zip(grads(small, rank, s)[1], ref[s])),
         "coded_rel": rel(got[2], ref[2]), "iter": state.iter, "stats": state.stats}
+    hooked = ddp(HNLQHookState(D4_Q4_M2, warmup_steps=1, method="reduce_scatter"))
+    rs = [grads(hooked, rank, s)[1] for s in range(steps)]
+    res["exact"]["reduce_scatter_rel"] = rel(rs[2], ref[2])
+    res["exact"]["reduce_scatter_grads"] = [g.tolist() for g in rs[2]]
 
     hooked = ddp(HNLQHookState(D4_Q16_M4, min_size=0))
     res["high_rate"] = max(rel(grads(hooked, rank, s)[1], ref[s]) for s in range(2))

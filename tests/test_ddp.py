@@ -10,16 +10,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import hnlq_jax as hq
-from hnlq_jax import dist
+from hnlq_jax import dist, wire
 from torch_bridge import HNLQHookState, hnlq_hook
 from torch_bridge.ddp import _compress, _mean
 
 CFG = hq.HNLQConfig("D4", 4, 2, beta=0.2016)
+
+
+def two_device_means(x, cfg=CFG):
+    """``[method, n]``: hnlq_jax.dist's compressed means of the rows of x on 2 devices."""
+    mesh = jax.make_mesh((2,), ("i",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    return [np.asarray(jax.jit(jax.shard_map(
+        lambda v, m=m: dist.compressed_mean(v[0], "i", cfg, m)[None],
+        mesh=mesh, in_specs=P("i"), out_specs=P("i")))(x))[0] for m in dist.METHODS]
 
 
 def test_wire_format_equals_compressed_mean():
@@ -27,13 +34,11 @@ def test_wire_format_equals_compressed_mean():
     n = 3001
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, n)) * [[1e-3], [5.0]],
                     jnp.float32)
-    kw = {"config": CFG, "chunk": 256, "implementation": None}
+    lay = wire.layout(n, CFG)
+    kw = {"lay": lay, "implementation": None}
     wires = [_compress(x[i], jnp.zeros(n, jnp.float32), **kw)[0] for i in range(2)]
-    got = _mean(jnp.stack(wires), numel=n, **kw)
-    mesh = jax.make_mesh((2,), ("i",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
-    ref = jax.jit(jax.shard_map(lambda v: dist.compressed_mean(v[0], "i", CFG)[None],
-                                mesh=mesh, in_specs=P("i"), out_specs=P("i")))(x)[0]
-    np.testing.assert_array_equal(got, ref)
+    got = _mean(jnp.concatenate(wires), **kw)[:n]
+    np.testing.assert_array_equal(got, two_device_means(x)[0])
     assert wires[0].dtype == jnp.uint8
     assert wires[0].size == dist.wire_bytes(x[0], CFG, 2)["payload"]
 
@@ -41,10 +46,11 @@ def test_wire_format_equals_compressed_mean():
 def test_residual_is_what_was_not_sent():
     v = jnp.asarray(np.random.default_rng(1).standard_normal(1000), jnp.float32)
     r = jnp.full(1000, 0.01, jnp.float32)
-    kw = {"config": CFG, "chunk": 256, "implementation": None}
-    wire, r2, _ = _compress(v, r, **kw)
-    sent = _mean(wire[None], numel=1000, **kw)
+    kw = {"lay": wire.layout(1000, CFG), "implementation": None}
+    payload, r2, info = _compress(v, r, **kw)
+    sent = _mean(payload, **kw)[:1000]
     np.testing.assert_array_equal(r2, (v + r) - sent)
+    assert int(info.overloaded) > 0 and int(info.failed) == 0
 
 
 def test_state_validation_and_pickling():
@@ -52,12 +58,17 @@ def test_state_validation_and_pickling():
         HNLQHookState("D4")
     with pytest.raises(ValueError, match="chunk"):
         HNLQHookState(CFG, chunk=12)
+    with pytest.raises(ValueError, match="method must be one of"):
+        HNLQHookState(CFG, method="psum")
     with pytest.raises(ValueError, match="warmup_steps"):
         HNLQHookState(CFG, warmup_steps=-1)
     with pytest.raises(ValueError, match="min_size"):
         HNLQHookState(CFG, min_size=1.5)
-    s = pickle.loads(pickle.dumps(HNLQHookState(CFG, process_group=object(), warmup_steps=3)))
+    state = HNLQHookState(CFG, process_group=object(), warmup_steps=3)
+    state.residuals[0] = (((1, (2,)),), jnp.ones(2))
+    s = pickle.loads(pickle.dumps(state))
     assert s.config == CFG and s.warmup_steps == 3 and s.process_group is None
+    np.testing.assert_array_equal(s.residuals[0][1], [1, 1])
     with pytest.raises(TypeError, match="HNLQHookState"):
         hnlq_hook(CFG, None)
     with pytest.raises(RuntimeError, match="not initialized"):
@@ -69,14 +80,26 @@ def test_two_ranks_gloo(tmp_path, free_port):
     worker = os.path.join(os.path.dirname(__file__), "ddp_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, worker, str(free_port), str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    sys.path.insert(0, os.path.dirname(__file__))
+    import ddp_worker
+
+    # The hook on a bucket equals hnlq_jax.dist's mean of the same data, for both methods.
+    ref = two_device_means(jnp.asarray(ddp_worker.bucket_data()), ddp_worker.D4_Q4_M2)
     for r in (r0, r1):
+        for k, method in enumerate(dist.METHODS):
+            np.testing.assert_array_equal(np.asarray(r["bucket"][method], np.float32), ref[k])
+        # A bucket whose layout changed (DDP's rebuild) restarts from a zero residual; the
+        # same layout keeps its residual.
+        rb = r["rebuild"]
+        assert rb["rebuilt"] == rb["fresh"] and rb["same"] != rb["fresh"]
         e = r["exact"]
         # Warm-up steps and buckets below min_size are DDP's own all-reduce, exactly.
         assert e["warmup"] == 0.0 and e["small"] == 0.0
         assert 0.0 < e["coded_rel"] < 0.6  # the coded steps really were quantized
+        assert 0.0 < e["reduce_scatter_rel"] < 0.6
         assert e["iter"] == 3 and e["stats"]["ratio"] > 4
         assert r["high_rate"] < 1e-3  # q=16, M=4: the built-in all-reduce to 1e-4
         assert r["float64"]["dtypes"] == ["torch.float64"] and r["float64"]["rel"] < 1e-3
@@ -85,7 +108,9 @@ def test_two_ranks_gloo(tmp_path, free_port):
         assert np.mean(t["losses"][-4:]) < 1.25 * np.mean(t["builtin"][-4:])
         assert t["total_bytes"] == 30 * t["stats"]["bytes_sent"]
         assert "ranks disagree" in r["mismatch"] and "q=8" in r["mismatch"]
-    # Every rank decodes the same payloads in the same order: parameters agree bit for bit.
+    # Every rank decodes the same payloads in the same order: gradients and parameters agree
+    # bit for bit.
+    assert r0["exact"]["reduce_scatter_grads"] == r1["exact"]["reduce_scatter_grads"]
     for a, b in zip(r0["train"]["params"], r1["train"]["params"]):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert r0["train"]["losses"] != r1["train"]["losses"]  # the ranks did see different data

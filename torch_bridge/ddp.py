@@ -5,12 +5,15 @@ Usage, in the style of PyTorch's PowerSGD hook::
     state = HNLQHookState(config, warmup_steps=10)
     ddp_model.register_comm_hook(state, hnlq_hook)
 
-Each gradient bucket is flattened, error feedback is added, and the JAX encoder of
-:mod:`hnlq_jax.dist` turns it into one payload: the packed label bitstream, int8 T and one int8
-power-of-two exponent per chunk of 256 d-blocks. The payloads are all-gathered (each rank sends
-``(world - 1) * P`` bytes), every rank decodes all of them and averages in rank order, so all
-ranks get the same gradient bit for bit. Small buckets and the warm-up steps take the exact
-all-reduce.
+Each gradient bucket is flattened, error feedback is added, and :func:`hnlq_jax.wire.encode`
+turns it into the payload of the wire format (labels at ``M log2 q`` bits per block, T entropy
+coded in a fixed capacity per chunk, one int8 power-of-two exponent per chunk). With
+``method="all_gather"`` the payloads are all-gathered (each rank sends ``(world - 1) P`` bytes)
+and every rank decodes all of them; with ``"reduce_scatter"`` an all-to-all sends part i of
+every payload to rank i, which averages and re-encodes it, and an all-gather of those parts
+completes the mean (``2 (world - 1) / world P`` bytes, like a ring all-reduce). Either way every
+rank averages in rank order and gets the same gradient bit for bit. Small buckets and the
+warm-up iterations take the exact all-reduce.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
@@ -21,74 +24,85 @@ import jax.numpy as jnp
 import torch
 import torch.distributed as dist
 
+from hnlq_jax import wire
+from hnlq_jax.codes import FORMAT_VERSION
 from hnlq_jax.config import HNLQConfig
-from hnlq_jax.dist import CHUNK, Payload, _check, _decode, _encode, _layout, _ordered_mean
-from hnlq_jax.packing import bits_per_block
 from torch_bridge.interop import to_jax, to_torch
 
-__all__ = ["HNLQHookState", "hnlq_hook"]
+__all__ = ["METHODS", "HNLQHookState", "hnlq_hook"]
+
+METHODS = ("all_gather", "reduce_scatter")
 
 
-def _sizes(numel: int, config: HNLQConfig, chunk: int) -> tuple[int, int, tuple[int, int, int]]:
-    """``(chunk, chunks, byte sizes of (data, T, exponent))`` of one payload."""
-    chunk, n_chunks = _layout(numel, config, chunk, 1)
-    data = n_chunks * chunk * bits_per_block(config) // 8
-    return chunk, n_chunks, (data, n_chunks * chunk, n_chunks)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "chunk", "implementation"))
-def _compress(v, r, *, config, chunk, implementation):
-    """``(payload bytes [P] uint8, v + r - sent, blocks with T > 0)`` of a flat float32 ``v``."""
+@functools.partial(jax.jit, static_argnames=("lay", "implementation"))
+def _compress(v, r, *, lay, implementation):
+    """``(payload [parts, part_bytes] uint8, v + r - sent, wire.Info)`` of a flat float32 v."""
     v = v + r
-    chunk, n_chunks, _ = _sizes(v.shape[0], config, chunk)
-    p = _encode(v, config, chunk, n_chunks, implementation)
-    wire = jnp.concatenate([p.data.reshape(-1), jax.lax.bitcast_convert_type(p.T, jnp.uint8)
-                            .reshape(-1), jax.lax.bitcast_convert_type(p.exponent, jnp.uint8)])
-    sent = _decode(p, config, implementation)[: v.shape[0]]
-    return wire, v - sent, jnp.sum(p.T > 0)
+    payload, info = wire.encode(v, lay, implementation)
+    return payload, v - wire.decode(payload, lay, implementation), info
 
 
-@functools.partial(jax.jit, static_argnames=("numel", "config", "chunk", "implementation"))
-def _mean(wires, *, numel, config, chunk, implementation):
-    """Mean ``[numel]`` float32 of the ranks' payloads ``wires [world, P]``, in rank order."""
-    chunk, n_chunks, (nd, nt, _) = _sizes(numel, config, chunk)
-    as_int8 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int8)
+@functools.partial(jax.jit, static_argnames=("lay", "implementation"))
+def _mean(parts, *, lay, implementation):
+    """Rank-order mean ``[lay.part_values]`` float32 of parts ``[world, part_bytes]``."""
+    dec = jax.vmap(lambda p: wire.decode_part(p, lay, implementation))(parts)
+    return jax.lax.fori_loop(1, dec.shape[0], lambda i, acc: acc + dec[i], dec[0]) / dec.shape[0]
 
-    def one(w):
-        p = Payload(w[:nd].reshape(n_chunks, -1), as_int8(w[nd:nd + nt]).reshape(n_chunks, chunk),
-                    as_int8(w[nd + nt:]))
-        return _decode(p, config, implementation)[:numel]
 
-    return _ordered_mean(jax.vmap(one)(wires))
+@functools.partial(jax.jit, static_argnames=("lay", "implementation"))
+def _decode_parts(parts, *, lay, implementation):
+    """Values ``[world * lay.part_values]`` float32 of parts ``[world, part_bytes]``, in order."""
+    return jax.vmap(lambda p: wire.decode_part(p, lay, implementation))(parts).reshape(-1)
+
+
+_encode = jax.jit(wire.encode, static_argnums=(1, 2))
+
+
+def _signature(bucket) -> tuple:
+    """What identifies a bucket's layout: its parameters' storage and shapes, in order."""
+    return tuple((p.data_ptr(), tuple(p.shape)) for p in bucket.parameters())
 
 
 class HNLQHookState:
     """State of :func:`hnlq_hook`: the quantizer, the knobs, residuals and statistics.
 
     Args:
-      config: the quantizer; ``beta`` for unit-RMS data (chunks are scaled to RMS ~ 1 by a
-        power of two; :func:`hnlq_jax.gaussian_beta`). Every rank must pass the same config:
-        the first call compares them across ranks and raises ``ValueError`` if they differ.
+      config: the quantizer; beta for unit-RMS data (chunks are scaled to RMS ~ 1 by a power
+        of two; :func:`hnlq_jax.gaussian_beta`, which is used when beta is the default 1.0).
+        Every rank must pass the same config: the first call compares them (and the format
+        version) across ranks and raises ``ValueError`` if they differ.
       process_group: the group to average over (default: the default group).
       error_feedback: add what quantization left out of a bucket to its next gradient.
-      warmup_steps: iterations that use the exact all-reduce first.
+      warmup_steps: iterations that use the exact all-reduce first (as PowerSGD's
+        ``start_powerSGD_iter``).
       min_size: buckets with fewer elements use the exact all-reduce.
+      method: ``"all_gather"`` or ``"reduce_scatter"`` (see the module docstring).
       chunk: d-blocks per power-of-two scale (a multiple of 8).
-      implementation: encode/decode implementation (:mod:`hnlq_jax.kernels`).
+      t_capacity: T stream bits per block of a chunk (:func:`hnlq_jax.wire.layout`).
+      implementation: encode/decode implementation (as for :func:`hnlq_jax.encode`).
 
     Attributes:
       iter: completed iterations (counted at each iteration's last bucket).
-      residuals: bucket index -> float32 JAX array of the error-feedback residual.
+      residuals: bucket index -> ``(signature, residual)``: the float32 JAX error-feedback
+        residual and the layout it belongs to (the bucket's parameters and shapes). A bucket
+        whose layout changed -- DDP rebuilds its buckets after the first iteration -- starts
+        again from a zero residual.
       stats: the last completed iteration: ``bytes_sent`` (by this rank), ``float32_bytes``
         (what a ring all-reduce of float32 sends: ``2 (world - 1) / world`` per value),
-        ``ratio`` and ``overload_rate`` (fraction of coded blocks with T > 0).
+        ``ratio``, ``overload_rate`` (fraction of coded blocks with T > 0) and
+        ``rescaled_chunks`` (chunks the wire's rate control coded at a larger scale).
       total_bytes_sent, total_float32_bytes: sums over all iterations.
+
+    The state pickles (without the process group, like ``PowerSGDState``); the residuals come
+    along, but a restored state resets each on first use, as the storage it was keyed by is new.
     """
 
     def __init__(self, config: HNLQConfig, process_group=None, error_feedback: bool = True,
-                 warmup_steps: int = 0, min_size: int = 1024, chunk: int = CHUNK,
-                 implementation=None):
-        _check(config, "all_gather", chunk, "HNLQHookState")
+                 warmup_steps: int = 0, min_size: int = 1024, method: str = "all_gather",
+                 chunk: int = wire.CHUNK, t_capacity=None, implementation=None):
+        if method not in METHODS:
+            raise ValueError(f"HNLQHookState: method must be one of {METHODS}, got {method!r}")
+        wire.layout(1, config, chunk=chunk, t_capacity=t_capacity)  # validates
         for name, v in (("warmup_steps", warmup_steps), ("min_size", min_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"HNLQHookState: {name} must be an int >= 0, got {v!r}")
@@ -97,42 +111,58 @@ class HNLQHookState:
         self.error_feedback = bool(error_feedback)
         self.warmup_steps = warmup_steps
         self.min_size = min_size
+        self.method = method
         self.chunk = chunk
+        self.t_capacity = t_capacity
         self.implementation = implementation
         self.iter = 0
-        self.residuals: dict[int, jax.Array] = {}
+        self.residuals: dict[int, tuple] = {}
         self.stats = {"bytes_sent": 0.0, "float32_bytes": 0.0, "ratio": 1.0,
-                      "overload_rate": 0.0}
+                      "overload_rate": 0.0, "rescaled_chunks": 0}
         self.total_bytes_sent = 0.0
         self.total_float32_bytes = 0.0
-        self._step = [0.0, 0.0, 0, 0]  # bytes sent, float32 bytes, overloaded, coded blocks
+        self._step = [0.0, 0.0, 0, 0, 0]  # bytes sent, float32 bytes, overloaded, blocks, rescaled
         self._agreed = False
 
+    def layout(self, numel: int, world: int) -> wire.Layout:
+        """The wire layout of a bucket of ``numel`` values among ``world`` ranks."""
+        parts = world if self.method == "reduce_scatter" else 1
+        return wire.layout(numel, self.config, parts, chunk=self.chunk, t_capacity=self.t_capacity)
+
     def _check_agreement(self, group, world: int):
-        """All ranks must decode each other's payloads with the same quantizer."""
-        mine = (repr(self.config), self.chunk)
+        """All ranks must decode each other's payloads with the same quantizer and format."""
+        mine = (FORMAT_VERSION, repr(self.config), self.method, self.chunk, self.t_capacity)
         everyone = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
         if any(other != mine for other in everyone):
-            lines = "\n".join(f"  rank {i}: config={c}, chunk={k}"
-                              for i, (c, k) in enumerate(everyone))
+            lines = "\n".join(f"  rank {i}: format version {v}, config={c}, method={m}, "
+                              f"chunk={k}, t_capacity={t}"
+                              for i, (v, c, m, k, t) in enumerate(everyone))
             raise ValueError("hnlq_hook: ranks disagree on the quantizer; every rank must "
-                             f"build HNLQHookState with the same config and chunk:\n{lines}")
+                             "run the same hnlq_jax and build HNLQHookState with the same "
+                             f"config, method, chunk and t_capacity:\n{lines}")
         self._agreed = True
 
-    def _account(self, bucket, sent: float, f32: float, over: int = 0, blocks: int = 0):
+    def _residual(self, bucket, n: int):
+        """The bucket's residual, or zeros when it is new or its layout changed."""
+        entry = self.residuals.get(bucket.index())
+        if entry is None or entry[0] != _signature(bucket) or entry[1].shape[0] != n:
+            return jnp.zeros((n,), jnp.float32)
+        return entry[1]
+
+    def _account(self, bucket, sent: float, f32: float, over: int = 0, blocks: int = 0,
+                 rescaled: int = 0):
         s = self._step
-        s[0] += sent
-        s[1] += f32
-        s[2] += over
-        s[3] += blocks
+        for i, v in enumerate((sent, f32, over, blocks, rescaled)):
+            s[i] += v
         if bucket.is_last():
             self.stats = {"bytes_sent": s[0], "float32_bytes": s[1],
                           "ratio": s[1] / s[0] if s[0] else 1.0,
-                          "overload_rate": s[2] / s[3] if s[3] else 0.0}
+                          "overload_rate": s[2] / s[3] if s[3] else 0.0,
+                          "rescaled_chunks": s[4]}
             self.total_bytes_sent += s[0]
             self.total_float32_bytes += s[1]
-            self._step = [0.0, 0.0, 0, 0]
+            self._step = [0.0, 0.0, 0, 0, 0]
             self.iter += 1
 
     def __getstate__(self):
@@ -151,9 +181,9 @@ def hnlq_hook(state: HNLQHookState,
     Register with ``ddp_model.register_comm_hook(state, hnlq_hook)``. Buckets with fewer than
     ``state.min_size`` elements, and every bucket during the first ``state.warmup_steps``
     iterations, are all-reduced exactly (as DDP's default). Other buckets are encoded (with
-    the error-feedback residual added), all-gathered as bytes, decoded and averaged in rank
-    order; the result is identical on every rank. Non-float32 buckets are coded in float32
-    and returned in their own dtype.
+    the error-feedback residual added), exchanged as bytes (``state.method``), decoded and
+    averaged in rank order; the result is identical on every rank. Non-float32 buckets are
+    coded in float32 and returned in their own dtype.
 
     Args:
       state: an :class:`HNLQHookState`.
@@ -179,23 +209,43 @@ def hnlq_hook(state: HNLQHookState,
         work = dist.all_reduce(buffer, group=group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
-    index = bucket.index()
-    r = state.residuals.get(index)
-    if r is None or r.shape[0] != n:  # first use, or DDP rebuilt its buckets
-        r = jnp.zeros((n,), jnp.float32)
-    kw = {"config": state.config, "chunk": state.chunk, "implementation": state.implementation}
-    wire, r, over = _compress(to_jax(buffer.float()), r, **kw)
+    lay = state.layout(n, world)
+    kw = {"lay": lay, "implementation": state.implementation}
+    payload, r, info = _compress(to_jax(buffer.float()), state._residual(bucket, n), **kw)
     if state.error_feedback:
-        state.residuals[index] = r
-    mine = to_torch(wire)
-    state._account(bucket, (world - 1) * mine.numel(), f32, int(over), -(-n // state.config.d))
-    out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=buffer.device)
-    work = dist.all_gather_single(out, mine, group=group, async_op=True)
+        state.residuals[bucket.index()] = (_signature(bucket), r)
+    mine = to_torch(payload)  # [parts, part_bytes]
+    P = mine.numel()
+    sent = (world - 1) * P if lay.parts == 1 else 2 * (world - 1) * P // world
+    state._account(bucket, sent, f32, int(info.overloaded), -(-n // lay.config.d),
+                   int(info.rescaled))
 
-    def finish(fut):
-        # On gloo the future's value is not the gathered tensor: read ``out``.
+    def gather(part: torch.Tensor):
+        """``[world, part_bytes]``: every rank's part (all-gather of bytes)."""
+        out = torch.empty(world * part.numel(), dtype=torch.uint8, device=buffer.device)
+        return dist.all_gather_single(out, part.reshape(-1), group=group, async_op=True), out
+
+    if lay.parts == 1:
+        work, out = gather(mine)
+
+        def finish(fut):
+            # On gloo the future's value is not the gathered tensor: read ``out``.
+            fut.wait()
+            mean = _mean(to_jax(out).reshape(world, -1), **kw)[:n]
+            return buffer.copy_(to_torch(mean))
+
+        return work.get_future().then(finish)
+
+    parts = torch.empty_like(mine)
+    work = dist.all_to_all_single(parts, mine, group=group, async_op=True)
+
+    def reduce_then_gather(fut):
         fut.wait()
-        mean = _mean(to_jax(out).reshape(world, -1), numel=n, **kw)
+        avg = _mean(to_jax(parts), **kw)  # this rank's part of the mean
+        mine_part, _ = _encode(avg, lay.slice(), state.implementation)
+        work2, out = gather(to_torch(mine_part))
+        work2.wait()
+        mean = _decode_parts(to_jax(out).reshape(world, -1), **kw)[:n]
         return buffer.copy_(to_torch(mean))
 
-    return work.get_future().then(finish)
+    return work.get_future().then(reduce_then_gather)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import codec, kernels, lut
+from hnlq_jax._numerics import straight_through
 from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes, pack_t,
                             row_length, unpack_t)
 from hnlq_jax.config import HNLQConfig
@@ -225,26 +226,16 @@ def _finish_rows(blocks, codes: Codes, compute):
     return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _quantize(x, config, impl, interpret):
-    index, T = encode_flat(x.reshape(-1, config.d), config, impl, interpret)
+    """``decode(encode(x))`` with the shared straight-through gradient (none through the codes)."""
+    xs = jax.lax.stop_gradient(x)
+    index, T = encode_flat(xs.reshape(-1, config.d), config, impl, interpret)
     c = Codes(index, pack_t(T, config), config)
     if impl == "xla":
         out = codec.decode_xla(c, None, x.dtype)
     else:
         out = kernels.decode(c, None, x.dtype, interpret=interpret)
-    return out.reshape(x.shape)
-
-
-def _quantize_fwd(x, config, impl, interpret):
-    return _quantize(x, config, impl, interpret), None
-
-
-def _quantize_bwd(config, impl, interpret, _, g):
-    return (g,)
-
-
-_quantize.defvjp(_quantize_fwd, _quantize_bwd)
+    return straight_through(x, out.reshape(x.shape), None)
 
 
 def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None):

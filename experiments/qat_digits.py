@@ -17,7 +17,7 @@ refresh_codes from the loop every 8 and 32 steps, against float32, same process)
 use quantize_every = 1. Writes <out>/qat_digits.{json,png} (default: results/).
 
 Usage: python experiments/qat_digits.py [--seeds 0 1 2] [--epochs 40] [--iters 320] [--out DIR]
-(a smoke run: --seeds 0 --epochs 1 --iters 8 --out /tmp/qat)
+(a smoke run: --seeds 0 --epochs 1 --iters 8 --out some/folder)
 """
 
 from __future__ import annotations

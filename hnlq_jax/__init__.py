@@ -12,12 +12,15 @@ The public API, re-exported here:
   :func:`gaussian_beta`,
   :class:`BetaSearch`
 
-Submodules: :mod:`hnlq_jax.lut` (lookup-table inner products and matrix products),
-:mod:`hnlq_jax.modq` (mod-q sums of codes), :mod:`hnlq_jax.kernels` (Pallas kernels for encode,
-decode, the fused decode-matmul, the LUT GEMV and the mod-q sum), :mod:`hnlq_jax.dist`
-(compressed means over devices and the optax gradient compressor; import it explicitly), :mod:`hnlq_jax.rd` (the paper's rate-distortion
-experiment) and, with the ``flax`` extra, :mod:`hnlq_jax.flax` (``QDense``,
-``QuantDotGeneral``; import it explicitly).
+The front doors (``encode``, ``decode``, ``quantize``, ``matmul``) live in :mod:`hnlq_jax.ops`
+and take ``implementation=None | "xla" | "pallas"`` (``"lut"`` for matmul). Submodules:
+:mod:`hnlq_jax.codes` (the code format), :mod:`hnlq_jax.lut` (lookup-table inner products and
+matrix products), :mod:`hnlq_jax.modq` (mod-q sums of codes), :mod:`hnlq_jax.kernels` (the Pallas
+kernels), :mod:`hnlq_jax.rows` (the per-row weight format), :mod:`hnlq_jax.rd` (the paper's
+rate-distortion experiment); imported explicitly: :mod:`hnlq_jax.wire` (the wire format of
+compressed collectives), :mod:`hnlq_jax.dist` (compressed means over devices and the optax
+gradient compressor) and, with the ``flax`` extra, :mod:`hnlq_jax.flax` (``QDense``,
+``QuantDotGeneral``). The formats and the math are in ``docs/``.
 """
 
 from hnlq_jax import kernels, lut, modq, rd

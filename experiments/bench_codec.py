@@ -4,7 +4,7 @@ For D4 and E8 (q=4, M=2, beta calibrated on 4000 Gaussian samples) and N in {1e4
 iid N(0,1) vectors, times the jitted ``encode``, ``decode`` and ``quantize`` (best of
 ``--repeat`` runs after a warm-up) and the simplest scalar quantizer, ``round(x/s)`` to int8 and
 back, on the same data. Writes ``experiments/results/bench_codec.json`` and ``.png`` and prints
-a Markdown table.
+a Markdown table (also written into ``docs/performance.md``).
 
 Usage: ``python experiments/bench_codec.py [--sizes 1e4 1e5 1e6] [--repeat 5]``
 """
@@ -22,6 +22,7 @@ import numpy as np
 
 import hnlq_jax as hq
 from hnlq_jax.timing import best_time
+from report import DOCS, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -129,6 +130,7 @@ def main():
             "machine": platform.machine(), "cpu_count": __import__("os").cpu_count()}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     plot(rows, out.with_suffix(".png"))
+    write_between_markers(DOCS / "performance.md", "bench_codec", table(rows))
     print(table(rows))
 
 

@@ -33,6 +33,7 @@ import numpy as np
 import hnlq_jax as hq
 from hnlq_jax import dist
 from hnlq_jax.timing import best_time
+from report import DOCS, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -140,17 +141,6 @@ def table(base, rows, times) -> str:
     return "\n".join(out)
 
 
-def write_between_markers(path: pathlib.Path, name: str, text: str):
-    """Replaces the text between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in ``path``."""
-    doc = path.read_text()
-    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    if begin not in doc:
-        doc += f"\n{begin}\n{end}\n"
-    head, rest = doc.split(begin, 1)
-    tail = rest.split(end, 1)[1]
-    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=1024)
@@ -176,8 +166,7 @@ def main():
         {"meta": meta, "baselines_bits": base, "sizes": rows, "matmul_times": times}, indent=2))
     plot(rows, base, out.with_suffix(".png"))
     md = table(base, rows, times)
-    write_between_markers(pathlib.Path(__file__).parent.parent / "docs" / "performance.md",
-                          "code_bytes", md)
+    write_between_markers(DOCS / "performance.md", "code_bytes", md)
     print(md)
 
 

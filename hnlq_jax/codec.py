@@ -23,7 +23,7 @@ import numpy as np
 from hnlq_jax import _numerics
 from hnlq_jax.codes import Codes, digits_of_index, index_dtype, unpack_t, valid_blocks
 from hnlq_jax.config import NORM_SLACK, HNLQConfig
-from hnlq_jax.lattices import columns, matvec, nearest_float, nearest_int, sumsq
+from hnlq_jax.lattices import columns, floor_div, matvec, mod, nearest_float, nearest_int, sumsq
 
 __all__ = ["codebook", "to_blocks", "from_blocks", "encode_blocks", "decode_xla"]
 
@@ -77,8 +77,8 @@ def _labels_of(g: list, config: HNLQConfig) -> list:
     lat = config.lat
     basis = matvec(lat.basis_from_P, g)
     if lat.basis_den != 1:
-        basis = [jnp.floor_divide(c, lat.basis_den) for c in basis]
-    return [jnp.remainder(c, config.q) for c in basis]
+        basis = [floor_div(c, lat.basis_den) for c in basis]
+    return [mod(c, config.q) for c in basis]
 
 
 def encode_at(y: list, config: HNLQConfig, lookup: bool = True):
@@ -118,7 +118,7 @@ def encode_at(y: list, config: HNLQConfig, lookup: bool = True):
 def unpack_digits(digits: list, config: HNLQConfig) -> list:
     """Label columns ``b[m][j]`` (int32) from :func:`encode_at`'s base-q digits."""
     q = config.q
-    return [[jnp.remainder(jnp.floor_divide(c, q**m), q) for c in digits] for m in range(config.M)]
+    return [[mod(floor_div(c, q**m), q) for c in digits] for m in range(config.M)]
 
 
 def index_from_digits(digits: list, config: HNLQConfig) -> list:
@@ -138,9 +138,7 @@ def _next_state(g: list, b: list, config: HNLQConfig, lookup: bool) -> list:
     if not lookup or config.lat.kind != "E8" or q**config.d > _TABLE_MAX:
         return nearest_int(g, q, config.lat)
     r = _lookup(b, config)
-    if q & (q - 1) == 0:  # exact division by a power of two: an arithmetic shift
-        return [(gi - ri) >> (q.bit_length() - 1) for gi, ri in zip(g, r)]
-    return [jnp.floor_divide(gi - ri, q) for gi, ri in zip(g, r)]
+    return [floor_div(gi - ri, q) for gi, ri in zip(g, r)]
 
 
 def flat_index(b: list, q: int):
@@ -208,19 +206,22 @@ def _attempt(st: _Search, config: HNLQConfig, scales, z) -> _Search:
 
 # Below this many blocks the search just iterates over all of them.
 _COMPACT_MIN = 4096
-# Larger inputs are encoded in chunks of this many blocks.
-_CHUNK = 2**16
+# Larger inputs are encoded in chunks of this many blocks: XLA:CPU runs the search as many
+# separate loops over per-coordinate arrays, so they should stay in cache (2^15 measured best
+# on a 2-core x86 machine, 1.5x faster than 2^16; docs/performance.md, "Where encode spends").
+_CHUNK = 2**15
 
 
-def _search(st: _Search, config: HNLQConfig, scales, z, top: bool = True) -> _Search:
+def _search(st: _Search, config: HNLQConfig, scales, z) -> _Search:
     """Resolves T for every active block.
 
-    One attempt over all n blocks; those still active are gathered into a smaller buffer and
-    solved there recursively: n/4 (or n/2 when more remain) at the top, then halving. For
-    Gaussian data at a calibrated beta, where a quarter to a half of the blocks need T > 0,
-    that is 1.5-2 passes of work, against one full pass per rescaling step for a plain loop,
-    which is what runs when even n/2 is too small. A block's result depends on its own data
-    only, so codes do not depend on batching.
+    One attempt over all n blocks; the blocks still active (a quarter to a half for Gaussian
+    data at a calibrated beta) are gathered into the smallest buffer of n/8, n/4 or n/2 that
+    holds them and solved there recursively, so each rescaling step costs work in proportion
+    to the blocks that still overload: about 1.5 passes over the data in all, against one full
+    pass per step for a plain loop (which runs when even n/2 is too small, and below
+    ``_COMPACT_MIN`` blocks). The sub-buffer carries only what an unresolved block needs
+    (x, t); a block's result depends on its own data only, so codes do not depend on batching.
     """
     n = st.x.shape[1]
 
@@ -233,27 +234,25 @@ def _search(st: _Search, config: HNLQConfig, scales, z, top: bool = True) -> _Se
         return loop(st)
     st = _attempt(st, config, scales, z)
 
-    def compact(s, cap):
+    def compact(cap, s):
         idx = jnp.nonzero(s.active, size=cap, fill_value=n)[0]
         take = jnp.minimum(idx, n - 1)
-        sub = _Search(s.x[:, take], s.t[take], s.active[take] & (idx < n), s.digits[:, take],
-                      s.T[take])
-        sub = _search(sub, config, scales, z, top=False)
-        return _Search(
-            s.x, s.t.at[idx].set(sub.t, mode="drop"),
-            jnp.zeros_like(s.active), s.digits.at[:, idx].set(sub.digits, mode="drop"),
-            s.T.at[idx].set(sub.T, mode="drop"),
-        )
+        t = s.t[take]
+        # Built from t, so that under shard_map they carry x's varying axes.
+        sub = _Search(s.x[:, take], t, s.active[take] & (idx < n),
+                      jnp.broadcast_to(jnp.zeros_like(t), (config.d, cap)), jnp.full_like(t, -1))
+        sub = _search(sub, config, scales, z)
+        return s._replace(active=jnp.zeros_like(s.active),
+                          digits=s.digits.at[:, idx].set(sub.digits, mode="drop"),
+                          T=s.T.at[idx].set(sub.T, mode="drop"))
 
-    def rest(s):
-        count = jnp.sum(s.active)
-        half = functools.partial(compact, cap=n // 2)
-        if top:
-            half = functools.partial(jax.lax.cond, count <= n // 2, half, loop)
-            return jax.lax.cond(count <= n // 4, functools.partial(compact, cap=n // 4), half, s)
-        return jax.lax.cond(count <= n // 2, half, loop, s)
-
-    return jax.lax.cond(jnp.any(st.active), rest, lambda s: s, st)
+    count = jnp.sum(st.active)
+    # One switch rather than nested conds: each conditional boundary costs copies on XLA:CPU.
+    branch = jnp.where(count == 0, 0, 1 + (count > n // 8).astype(jnp.int32)
+                       + (count > n // 4) + (count > n // 2))
+    return jax.lax.switch(branch, [lambda s: s, functools.partial(compact, n // 8),
+                                   functools.partial(compact, n // 4),
+                                   functools.partial(compact, n // 2), loop], st)
 
 
 def scale_tables(config: HNLQConfig, beta, dtype):

@@ -208,6 +208,26 @@ def sumsq(cols: list):
     return acc
 
 
+def floor_div(N, D: int):
+    """``floor(N / D)`` for an integer array ``N`` and a positive Python int ``D``.
+
+    A power of two is an arithmetic shift (exact for negative ``N`` too): XLA lowers a signed
+    floor division by a constant to a division plus sign fix-ups, several times the work on
+    the encoder's inner levels.
+    """
+    if D & (D - 1) == 0:
+        return N >> (D.bit_length() - 1)
+    return jnp.floor_divide(N, D)
+
+
+def mod(N, D: int):
+    """``N mod D`` in ``[0, D)`` for an integer array ``N`` and a positive Python int ``D``
+    (a mask for a power of two: two's complement makes it the non-negative remainder)."""
+    if D & (D - 1) == 0:
+        return N & (D - 1)
+    return jnp.remainder(N, D)
+
+
 def _round_ties(N, D, u_i: float):
     """Nearest integer to ``N / D``; an exact half goes toward ``sign(u_i)``.
 
@@ -218,9 +238,9 @@ def _round_ties(N, D, u_i: float):
     """
     if jnp.issubdtype(N.dtype, jnp.integer):
         t = 2 * N + D
-        f = jnp.floor_divide(t, 2 * D)
+        f = floor_div(t, 2 * D)
         if u_i < 0:  # N/D = f - 1/2 exactly: floor took the upper neighbour
-            f = f - (jnp.remainder(t, 2 * D) == 0).astype(N.dtype)
+            f = f - (mod(t, 2 * D) == 0).astype(N.dtype)
         return f, N - D * f
     # On |N|, not N: a - floor(a) is exact for a >= 0 (for negative N, N - floor(N) can round
     # onto 0.5). floor/abs/where only, so the same code lowers for Triton (no round there).
@@ -240,7 +260,8 @@ def _nearest_dn(cols: list, D, u: np.ndarray):
     total = f[0]
     for c in f[1:]:
         total = total + c
-    odd = jnp.remainder(total, 2) != 0
+    odd = (mod(total, 2) if jnp.issubdtype(total.dtype, jnp.integer)
+           else jnp.remainder(total, 2)) != 0
     # Flip the coordinate maximizing (|rho_i|, s_i u_i), s_i = sign(rho_i) or sign(u_i) if 0.
     # The |u_i| are distinct, so the pick is unique.
     best_mag = best_score = best_i = None
@@ -308,7 +329,7 @@ def nearest_int(cols: list, D: int, lat: Lattice) -> list:
         # Cartesian y = N / (2D); y - 1/2 = (N - D) / (2D).
         return _nearest_e8(cols, [c - D for c in cols], 2 * D, u)
     # A2 in basis coordinates: the nearest point is a corner of the cell floor(N/D) + {0,1}^2.
-    base = [jnp.floor_divide(c, D) for c in cols]
+    base = [floor_div(c, D) for c in cols]
     v0, v1 = (c - D * b for c, b in zip(cols, base))
     dists = [
         (v0 - D * o0) * (v0 - D * o0) + (v0 - D * o0) * (v1 - D * o1) + (v1 - D * o1) ** 2

@@ -22,7 +22,7 @@ import numpy as np
 
 from hnlq_jax import _numerics
 from hnlq_jax.codes import Codes, digits_of_index, index_dtype, unpack_t, valid_blocks
-from hnlq_jax.config import NORM_SLACK, HNLQConfig
+from hnlq_jax.config import NORM_SLACK, HNLQConfig, check_config
 from hnlq_jax.lattices import columns, floor_div, matvec, mod, nearest_float, nearest_int, sumsq
 
 __all__ = ["codebook", "to_blocks", "from_blocks", "encode_blocks", "decode_xla"]
@@ -50,8 +50,7 @@ def concrete_all(x, predicate) -> bool:
 
 def check_x(x, config: HNLQConfig, fn: str):
     """Validates ``x[..., d]`` and returns it in its compute dtype (half -> float32)."""
-    if not isinstance(config, HNLQConfig):
-        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
+    check_config(config, fn)
     x = jnp.asarray(x)
     d = config.d
     if x.ndim == 0 or x.shape[-1] != d:
@@ -394,7 +393,7 @@ def codebook(config: HNLQConfig, dtype=None):
     Returns:
       ``[q^d, d]`` Cartesian coordinates in lattice units.
     """
-    q, d = config.q, config.d
+    q, d = check_config(config, "codebook").q, config.d
     if q**d > MAX_CODEBOOK:
         raise ValueError(
             f"codebook: q^d = {q}^{d} = {q**d} entries exceeds {MAX_CODEBOOK}; decode labels "

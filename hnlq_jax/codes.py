@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = ["Codes", "FORMAT_VERSION", "index_dtype", "t_bits", "logical_shape", "saved_header",
            "check_saved_header"]
@@ -304,8 +304,7 @@ def _concrete_all(x, predicate) -> bool:
 
 def check_labels(labels, T, config: HNLQConfig, fn: str):
     """Validates a digit view ``(labels[..., M, d], T[...])`` against ``config``."""
-    if not isinstance(config, HNLQConfig):
-        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
+    check_config(config, fn)
     labels, T = jnp.asarray(labels), jnp.asarray(T)
     M, d = config.M, config.d
     if labels.shape[-2:] != (M, d) or labels.shape[:-2] != T.shape:

@@ -11,7 +11,7 @@ import numpy as np
 
 from hnlq_jax.lattices import Lattice, closest_point, lattice
 
-__all__ = ["HNLQConfig"]
+__all__ = ["HNLQConfig", "check_config"]
 
 MAX_Q_POW_M = 2**20  # keeps every integer of the encoder and decoder inside int32 (docs/math.md)
 MAX_T_CAP = 127  # T + 1 is stored in at most 8 bits
@@ -143,6 +143,23 @@ class HNLQConfig:
     def replace(self, **changes) -> HNLQConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def check_config(config, fn: str, name: str = "config") -> HNLQConfig:
+    """Returns ``config`` if it is an :class:`HNLQConfig`.
+
+    Args:
+      config: the value to check.
+      fn: the public function checking it, named first in the message.
+      name: what ``config`` is called there (e.g. ``"Packed.config"``).
+
+    Raises:
+      TypeError: ``config`` is not an ``HNLQConfig`` (e.g. a lattice name or a dict):
+        ``"{fn}: {name} must be an HNLQConfig, got {type}"``.
+    """
+    if not isinstance(config, HNLQConfig):
+        raise TypeError(f"{fn}: {name} must be an HNLQConfig, got {type(config).__name__}")
+    return config
 
 
 @functools.lru_cache(maxsize=None)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import wire
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = ["METHODS", "CHUNK", "compressed_mean", "wire_bytes", "compress_gradients",
            "CompressState", "compression_stats"]
@@ -50,8 +50,7 @@ CHUNK = wire.CHUNK
 def _layout(size: int, config: HNLQConfig, method: str, n: int, chunk: int, t_capacity,
             fn: str) -> wire.Layout:
     """The wire layout of one device's ``size`` values (validates the arguments)."""
-    if not isinstance(config, HNLQConfig):
-        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
+    check_config(config, fn)
     if method not in METHODS:
         raise ValueError(f"{fn}: method must be one of {METHODS}, got {method!r}")
     return wire.layout(size, config, n if method == "reduce_scatter" else 1, chunk=chunk,

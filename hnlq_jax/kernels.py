@@ -71,7 +71,7 @@ from hnlq_jax import _numerics, codec, lut, modq
 from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes,
                              digits_of_index, index_dtype, pack_t, t_bits, unpack_t,
                              valid_blocks)
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.lattices import sumsq
 
 __all__ = [
@@ -118,8 +118,7 @@ def _interpret(interpret) -> bool:
 
 
 def _check_config(config: HNLQConfig, fn: str):
-    if not isinstance(config, HNLQConfig):
-        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
+    check_config(config, fn)
     why = unsupported(config)
     if why:
         raise ValueError(f"{fn}: no Pallas kernel for {config.lattice}: {why}; use "

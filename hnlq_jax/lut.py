@@ -32,7 +32,7 @@ from hnlq_jax import _numerics
 from hnlq_jax.codec import (codebook, codebook_table, concrete_all, decode_blocks,
                             default_float, to_blocks)
 from hnlq_jax.codes import Codes, check_codes, unpack_t, valid_blocks
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = [
     "MAX_ONE_SIDED",
@@ -86,8 +86,7 @@ def _two_sided_table(name: str, q: int) -> np.ndarray:
 
 def _base(config, fn: str):
     """Validates the config; returns ``(q, M, d, Q = q^d)``."""
-    if not isinstance(config, HNLQConfig):
-        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
+    check_config(config, fn)
     return config.q, config.M, config.d, config.q**config.d
 
 

@@ -238,7 +238,8 @@ def _quantize(x, config, impl, interpret):
     return straight_through(x, out.reshape(x.shape), None)
 
 
-def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None):
+def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None,
+             failures: str = "raise"):
     """``decode(encode(x))`` with a straight-through (identity) gradient.
 
     Args:
@@ -246,14 +247,19 @@ def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None):
       config: the quantizer.
       implementation: ``None``, ``"xla"`` or ``"pallas"``.
       interpret: Pallas interpret mode (default: on a CPU).
+      failures: as :func:`encode`: an eager call raises on blocks beyond ``max_T``
+        (``"raise"``) or returns NaN there (``"mark"``); under ``jit`` they are NaN.
 
     Returns:
-      ``[..., d]`` in ``x``'s dtype (half precision is computed in float32 and rounded back);
-      NaN in blocks that could not be encoded (values beyond ``beta 2^(alpha max_T)``'s reach:
-      :func:`encode` raises on those when called eagerly).
+      ``[..., d]`` in ``x``'s dtype (half precision is computed in float32 and rounded back).
+
+    Raises:
+      ValueError, TypeError: as :func:`encode`.
     """
     dtype = jnp.asarray(x).dtype
     x = codec.check_x(x, config, "quantize")
+    if failures not in FAILURES:
+        raise ValueError(f"quantize: failures must be one of {FAILURES}, got {failures!r}")
     impl = resolve(implementation, config, "quantize")
     if x.size == 0:
         return x.astype(dtype)
@@ -261,8 +267,11 @@ def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None):
         return _quantize_jit(x, config, impl, interpret).astype(dtype)
     flat = x.reshape(-1, config.d)  # eager: a bucket-padded flat batch (see bucket)
     N = flat.shape[0]
-    out = _quantize_jit(jnp.pad(flat, ((0, bucket(N) - N), (0, 0))), config, impl, interpret)
-    return out[:N].reshape(x.shape).astype(dtype)
+    out = _quantize_jit(jnp.pad(flat, ((0, bucket(N) - N), (0, 0))), config, impl, interpret)[:N]
+    if failures == "raise":  # the input is finite (checked), so NaN marks a failed block
+        _raise_on_failures(flat, -jnp.any(jnp.isnan(out), axis=-1).astype(jnp.int32), config,
+                           "quantize")
+    return out.reshape(x.shape).astype(dtype)
 
 
 _quantize_jit = jax.jit(_quantize, static_argnums=(1, 2, 3))

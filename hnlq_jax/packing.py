@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import struct
 import zlib
 
@@ -51,7 +52,7 @@ import numpy as np
 from hnlq_jax.codec import is_concrete
 from hnlq_jax.codes import (FORMAT_VERSION, Codes, check_codes, index_dtype, index_from_labels,
                             labels_of_index, pack_t)
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.ops import bucket
 
 __all__ = ["Packed", "pack", "unpack", "bits_per_block", "label_bits", "label_chunk",
@@ -94,8 +95,12 @@ def label_bits(config: HNLQConfig, n_blocks: int) -> int:
 
 def bits_per_block(config: HNLQConfig) -> float:
     """Label bits per d-block of a long bitstream: ``M d B / k`` (:func:`label_chunk`), which
-    is ``M d log2 q`` for q a power of two. T is coded apart."""
-    k, B = label_chunk(config.q)
+    is ``M d log2 q`` for q a power of two. T is coded apart.
+
+    Raises:
+      TypeError: ``config`` is not an :class:`~hnlq_jax.HNLQConfig`.
+    """
+    k, B = label_chunk(check_config(config, "bits_per_block").q)
     return config.M * config.d * B / k
 
 
@@ -123,18 +128,34 @@ def pack_labels(index, config: HNLQConfig):
     return jnp.packbits(bits, bitorder="little")
 
 
-def unpack_labels(data, config: HNLQConfig, n_blocks: int):
+def unpack_labels(data, config: HNLQConfig, n_blocks: int, n_valid=None):
     """Inverse of :func:`pack_labels` (traceable).
+
+    Args:
+      data: ``[>= ceil(label_bits(config, n_blocks) / 8)]`` uint8.
+      config: the quantizer.
+      n_blocks: blocks decoded (static).
+      n_valid: blocks coded in ``data`` (traceable, at most ``n_blocks``; default
+        ``n_blocks``), for a stream padded to ``n_blocks`` blocks to reuse a compiled decoder;
+        the bits after the stream's end are ignored.
 
     Returns:
       ``(index [n_blocks, M], bad [n_blocks] bool)``: ``bad`` marks blocks with a digit in a
-      chunk above ``q^k - 1`` (impossible in a valid stream; only for q not a power of two).
+      chunk above ``q^k - 1``, or in the last (shorter) chunk of ``k'`` digits above
+      ``q^k' - 1`` (impossible in a valid stream; only for q not a power of two).
     """
     q = config.q
     k, B = label_chunk(q)
     n = n_blocks * config.M * config.d
     chunks = -(-n // k)
     bits = jnp.unpackbits(data, bitorder="little")[:label_bits(config, n_blocks)]
+    end = n  # digits coded
+    if n_valid is not None:
+        end = n_valid * (config.M * config.d)
+        # The stream's bits: full chunks of B, then bit_length(q^k' - 1) for the k' left.
+        tail = jnp.asarray(np.array([(q**r - 1).bit_length() for r in range(k)], np.int32))
+        nbits = (end // k) * B + tail[end % k]
+        bits = jnp.where(jnp.arange(bits.shape[0]) < nbits, bits, jnp.uint8(0))
     bits = jnp.pad(bits, (0, chunks * B - bits.shape[0])).reshape(chunks, B).astype(jnp.uint32)
     value = jnp.sum(bits << jnp.arange(B, dtype=jnp.uint32), axis=1, dtype=jnp.uint32)
     digits = []
@@ -142,7 +163,11 @@ def unpack_labels(data, config: HNLQConfig, n_blocks: int):
         digits.append(value % jnp.uint32(q))
         value = value // jnp.uint32(q)
     digits = jnp.stack(digits, axis=1)  # [chunks, k]
-    bad = jnp.broadcast_to((value != 0)[:, None], digits.shape).reshape(-1)[:n]
+    # A chunk is bad above q^k - 1 (value left after k digits), the last one above q^k' - 1 (a
+    # digit past the last coded one).
+    beyond = jnp.arange(chunks * k).reshape(chunks, k) >= end
+    bad = (value != 0) | jnp.any(beyond & (digits != 0), axis=1)
+    bad = jnp.broadcast_to(bad[:, None], digits.shape).reshape(-1)[:n]
     labels = digits.reshape(-1)[:n].reshape(n_blocks, config.M, config.d)
     bad = jnp.any(bad.reshape(n_blocks, -1), axis=1)
     return index_from_labels(labels, q, index_dtype(config)), bad
@@ -377,6 +402,61 @@ def decode_stream(data, ks, planes, capacity, n_valid, n_blocks: int):
 # ------------------------------------------------------------------------------------ Packed
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_dims(v) -> bool:
+    return isinstance(v, list) and all(_is_int(s) and s >= 0 for s in v)
+
+
+# The header :meth:`Packed.to_bytes` writes: key -> (check, what it must be). "version" comes
+# first: it is checked before the rest, whose schema is that of the version.
+_HEADER = {
+    "version": (_is_int, "an int"),
+    "config": (lambda v: isinstance(v, dict), "an object"),
+    "blocks_shape": (_is_dims, "a list of ints >= 0"),
+    "n": (lambda v: v is None or (_is_int(v) and v >= 0), "null or an int >= 0"),
+    "sizes": (lambda v: _is_dims(v) and len(v) == 3,
+              "a list of 3 ints >= 0 (bytes of labels, tcode and rice)"),
+    "scale": (lambda v: v is None or (isinstance(v, list) and len(v) == 2
+                                      and isinstance(v[0], str) and _is_dims(v[1])),
+              "null or [NumPy dtype string, shape]"),
+}
+_HEADER_CONFIG = {
+    "lattice": (lambda v: isinstance(v, str), "a string"),
+    "q": (_is_int, "an int"),
+    "M": (_is_int, "an int"),
+    "beta": (_is_real, "a number"),
+    "alpha": (_is_real, "a number"),
+    "max_T": (_is_int, "an int"),
+    "dither": (lambda v: v is None or (isinstance(v, list) and all(_is_real(z) for z in v)),
+               "null or a list of numbers"),
+}
+
+
+def _bad_header(what: str) -> ValueError:
+    return ValueError(f"Packed.from_bytes: not a valid hnlq_jax packed header: {what}")
+
+
+def _check_fields(obj: dict, schema: dict, where: str, keys=None):
+    """Raises ``_bad_header`` unless ``obj`` has the ``keys`` of ``schema`` (default: all of
+    them, and no other), each passing its check."""
+    for key in schema if keys is None else keys:
+        check, what = schema[key]
+        if key not in obj:
+            raise _bad_header(f"missing {where}{key!r}")
+        if not check(obj[key]):
+            raise _bad_header(f"{where}{key!r} must be {what}, got {obj[key]!r}")
+    extra = sorted(set(obj) - set(schema)) if keys is None else []
+    if extra:
+        raise _bad_header(f"unexpected {where}key(s) {extra}")
+
+
 @jax.tree_util.register_pytree_node_class
 class Packed:
     """The storage form of :class:`~hnlq_jax.Codes` (a pytree).
@@ -461,13 +541,21 @@ class Packed:
         """Reads :meth:`to_bytes` output.
 
         Args:
-          buf: the bytes.
+          buf: the bytes (``bytes``, ``bytearray`` or ``memoryview``; from a file,
+            ``Path(file).read_bytes()``).
           config: if given, the config the data must have been made with.
 
         Raises:
+          TypeError: ``buf`` is not bytes (e.g. a file name).
           ValueError: not packed HNLQ data, truncated or corrupted (size or checksum), another
-            format version, or (``config`` given) another config; the message names both.
+            format version, a header that does not follow the schema of ``docs/format.md``
+            (a missing key, a value of the wrong type, an invalid config), or (``config``
+            given) another config; the message names both.
         """
+        if not isinstance(buf, (bytes, bytearray, memoryview)):
+            raise TypeError("Packed.from_bytes: expected the packed data as bytes, bytearray or "
+                            "memoryview (for a file, Path(file).read_bytes()), got "
+                            f"{type(buf).__name__}")
         buf = bytes(buf)
         if not buf.startswith(_MAGIC):
             raise ValueError("Packed.from_bytes: not HNLQ packed data (bad magic bytes)")
@@ -477,31 +565,51 @@ class Packed:
         if zlib.crc32(buf[:-4]) != crc:
             raise ValueError("Packed.from_bytes: corrupted or truncated data (CRC-32 mismatch)")
         (hlen,) = struct.unpack("<I", buf[8:12])
-        h = json.loads(buf[12:12 + hlen])
+        if 12 + hlen > len(buf) - 4:
+            raise _bad_header(f"its length {hlen} runs past the data ({len(buf)} bytes)")
+        try:
+            h = json.loads(buf[12:12 + hlen])
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise _bad_header(f"not JSON ({e})") from None
+        if not isinstance(h, dict):
+            raise _bad_header(f"expected a JSON object, got {type(h).__name__}")
+        _check_fields(h, _HEADER, "", keys=("version",))
         if h["version"] != FORMAT_VERSION:
             raise ValueError(f"Packed.from_bytes: the data is in format version {h['version']}, "
                              f"this hnlq_jax reads version {FORMAT_VERSION}; decode it with "
                              "the version that wrote it")
+        _check_fields(h, _HEADER, "")
+        _check_fields(h["config"], _HEADER_CONFIG, "config ")
         cd = dict(h["config"])
         cd["dither"] = None if cd["dither"] is None else tuple(cd["dither"])
-        made = HNLQConfig(**cd)
+        try:
+            made = HNLQConfig(**cd)
+        except (TypeError, ValueError) as e:
+            raise _bad_header(f"its config is not valid: {e}") from e
+        scale_dtype = None
+        if h["scale"] is not None:
+            try:
+                scale_dtype = np.dtype(h["scale"][0])
+            except (TypeError, ValueError):
+                scale_dtype = np.dtype("V")  # refused below
+            if scale_dtype.kind not in "biuf":
+                raise _bad_header(f"'scale' dtype must be a numeric NumPy dtype string, got "
+                                  f"{h['scale'][0]!r}")
         if config is not None and config != made:
             raise ValueError(f"Packed.from_bytes: the data was made with {made}, not {config}")
         body = memoryview(buf)[12 + hlen:-4]
         sizes = h["sizes"]
+        scale_size = 0 if scale_dtype is None else math.prod(h["scale"][1]) * scale_dtype.itemsize
+        if sum(sizes) + scale_size != len(body):
+            raise ValueError(f"Packed.from_bytes: the header announces {sum(sizes) + scale_size} "
+                             f"bytes of arrays, the data holds {len(body)}")
         arrays, at = [], 0
         for s in sizes:
             arrays.append(np.frombuffer(body[at:at + s], np.uint8))
             at += s
         scale = None
-        if h["scale"] is not None:
-            dt, shape = np.dtype(h["scale"][0]), tuple(h["scale"][1])
-            size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            scale = jnp.asarray(np.frombuffer(body[at:at + size], dt).reshape(shape))
-            at += size
-        if at != len(body):
-            raise ValueError(f"Packed.from_bytes: the header announces {at} bytes of arrays, "
-                             f"the data holds {len(body)}")
+        if scale_dtype is not None:
+            scale = jnp.asarray(np.frombuffer(body[at:], scale_dtype).reshape(h["scale"][1]))
         labels, tcode, rice = (jnp.asarray(a) for a in arrays)
         return cls(labels, tcode, rice, made, tuple(h["blocks_shape"]), scale=scale, n=h["n"],
                    version=h["version"])
@@ -565,7 +673,7 @@ def pack(codes: Codes) -> Packed:
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _unpack(arrays, config: HNLQConfig, n_blocks: int):
     labels, tcode, ks, planes, capacity, n_valid = arrays
-    index, bad = unpack_labels(labels, config, n_blocks)
+    index, bad = unpack_labels(labels, config, n_blocks, n_valid)
     v, ok = decode_stream(tcode, ks, planes, capacity, n_valid, n_blocks)
     u = jnp.where(ok & ~bad, t_from_symbols(v, config), 0)
     return index, u, ok, bad
@@ -583,18 +691,18 @@ def unpack(packed: Packed) -> Codes:
     Raises:
       TypeError: not a ``Packed``.
       ValueError: another format version, inconsistent sizes, more planes than ``max_T + 1``
-        or a Rice parameter above ``MAX_RICE``, or (checked when concrete) a corrupted stream.
-        Under ``jit`` a corrupted T stream marks every block failed (``T = -1``: they decode
-        to NaN) and a corrupted label chunk its block.
+        or a Rice parameter above ``MAX_RICE``, or (checked when concrete) a corrupted stream
+        (a T stream whose runs do not end at the last block, or a label chunk above its
+        largest value, ``q^k - 1`` or for the last, shorter chunk ``q^k' - 1``). Under ``jit``
+        a corrupted T stream marks every block failed (``T = -1``: they decode to NaN) and a
+        corrupted label chunk its blocks.
     """
     if not isinstance(packed, Packed):
         raise TypeError(f"unpack: expected hnlq_jax.Packed, got {type(packed).__name__}")
     if packed.version != FORMAT_VERSION:
         raise ValueError(f"unpack: the data is in format version {packed.version}, this "
                          f"hnlq_jax reads version {FORMAT_VERSION}")
-    config = packed.config
-    if not isinstance(config, HNLQConfig):
-        raise TypeError(f"unpack: Packed.config must be an HNLQConfig, got {type(config).__name__}")
+    config = check_config(packed.config, "unpack", "Packed.config")
     lead = packed.blocks_shape
     N = int(np.prod(lead, dtype=np.int64))
     labels, tcode, rice = (jnp.asarray(a) for a in (packed.labels, packed.tcode, packed.rice))

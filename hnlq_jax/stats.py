@@ -12,7 +12,7 @@ import numpy as np
 
 from hnlq_jax.codec import check_x, decode_blocks, encode_blocks
 from hnlq_jax.codes import Codes, check_codes
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = ["RateStats", "rate_stats", "calibrate_beta", "gaussian_beta", "search_beta", "BetaSearch"]
 
@@ -167,7 +167,11 @@ def gaussian_beta(config: HNLQConfig) -> float:
     """beta of the paper's grid search on 4000 iid N(0,1) d-vectors (``default_rng(0)``).
 
     The default beta for data normalized to unit RMS (activations per token, gradient chunks).
+
+    Raises:
+      TypeError: ``config`` is not an :class:`~hnlq_jax.HNLQConfig` (e.g. a lattice name).
     """
+    check_config(config, "gaussian_beta")
     x = np.random.default_rng(0).standard_normal((4000, config.d)).astype(np.float32)
     with jax.ensure_compile_time_eval():  # a constant, also when first asked for under jit
         return calibrate_beta(x, config)[0]

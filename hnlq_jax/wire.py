@@ -45,11 +45,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hnlq_jax import ops, packing
 from hnlq_jax.codec import scale_tables
 from hnlq_jax.codes import Codes, pack_t
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.rows import row_rms
 from hnlq_jax.stats import gaussian_beta
 
@@ -65,8 +66,7 @@ _E_MIN, _E_MAX = -126, 127
 def chunk_config(config: HNLQConfig) -> HNLQConfig:
     """The config the unit-RMS chunks are coded with: ``config``, or with
     :func:`hnlq_jax.gaussian_beta` when its beta is the uncalibrated default 1.0."""
-    if not isinstance(config, HNLQConfig):
-        raise TypeError(f"wire: config must be an HNLQConfig, got {type(config).__name__}")
+    check_config(config, "wire")
     if config.beta == HNLQConfig.beta:
         return config.replace(beta=gaussian_beta(config))
     return config
@@ -140,7 +140,7 @@ def layout(size: int, config: HNLQConfig, parts: int = 1, *, chunk: int = CHUNK,
     per part plus one chunk.
 
     Args:
-      size: number of values.
+      size: number of values, an int >= 0.
       config: the quantizer (passed through :func:`chunk_config`).
       parts: parts (devices of a reduce-scatter), >= 1.
       chunk: largest blocks per chunk, a positive multiple of 8.
@@ -148,9 +148,11 @@ def layout(size: int, config: HNLQConfig, parts: int = 1, *, chunk: int = CHUNK,
         needed to hold a chunk with all T = 0.
 
     Raises:
-      TypeError, ValueError: a bad config, chunk, parts or capacity.
+      TypeError, ValueError: a bad config, size, chunk, parts or capacity.
     """
     config = chunk_config(config)
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+        raise ValueError(f"wire: size must be an int >= 0 (the number of values), got {size!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 8 or chunk % 8:
         raise ValueError(f"wire: chunk must be a positive multiple of 8 blocks, got {chunk!r}")
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
@@ -227,7 +229,15 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
 
     Returns:
       ``(payload uint8 [parts, part_bytes], Info)``.
+
+    Raises:
+      ValueError: ``v`` is not a flat array of ``lay.size`` values.
     """
+    v = jnp.asarray(v)
+    if v.shape != (lay.size,):
+        raise ValueError(f"wire.encode: expected a flat array of {lay.size} values (the layout's "
+                         f"size), got shape {tuple(v.shape)}; make the layout with "
+                         "wire.layout(v.size, ...)")
     config = lay.config
     impl = ops.resolve(implementation, config, "encode")
     C = lay.parts * lay.chunks
@@ -273,12 +283,27 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
     return payload, info
 
 
+def _check_payload(payload, shape: tuple, lay: Layout, fn: str):
+    """``payload`` as an array; raises unless it is ``uint8[shape]``."""
+    payload = jnp.asarray(payload)
+    if payload.dtype != jnp.uint8 or payload.shape != shape:
+        raise ValueError(f"wire.{fn}: expected a payload uint8{list(shape)} for this layout "
+                         f"({lay.size} values, {lay.parts} part(s) of {lay.part_bytes} bytes), got "
+                         f"{payload.dtype}{list(payload.shape)}; a payload made with another "
+                         "config or layout?")
+    return payload
+
+
 def decode_part(part, lay: Layout, implementation=None, interpret=None):
     """The values ``[lay.part_values]`` float32 of one part ``uint8 [lay.part_bytes]``.
 
     Chunks marked failed, or whose labels or T stream are inconsistent (corrupted), decode to
     NaN. Traceable.
+
+    Raises:
+      ValueError: ``part`` is not ``uint8 [lay.part_bytes]`` (a part of another layout).
     """
+    part = _check_payload(part, (lay.part_bytes,), lay, "decode_part")
     config = lay.config
     impl = ops.resolve(implementation, config, "decode")
     records = part[:lay.chunks * lay.record_bytes].reshape(lay.chunks, lay.record_bytes)
@@ -298,7 +323,13 @@ def decode_part(part, lay: Layout, implementation=None, interpret=None):
 
 
 def decode(payload, lay: Layout, implementation=None, interpret=None):
-    """The values ``[lay.size]`` float32 of a payload ``uint8 [parts, part_bytes]``."""
+    """The values ``[lay.size]`` float32 of a payload ``uint8 [parts, part_bytes]``.
+
+    Raises:
+      ValueError: ``payload`` is not ``uint8 [lay.parts, lay.part_bytes]`` (a payload of
+        another config or layout, or truncated).
+    """
+    payload = _check_payload(payload, (lay.parts, lay.part_bytes), lay, "decode")
     parts = jax.vmap(functools.partial(decode_part, lay=lay, implementation=implementation,
                                        interpret=interpret))(payload)
     return parts.reshape(-1)[:lay.size]

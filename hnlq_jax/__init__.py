@@ -17,13 +17,15 @@ and take ``implementation=None | "xla" | "pallas"`` (``"lut"`` for matmul). Subm
 :mod:`hnlq_jax.codes` (the code format), :mod:`hnlq_jax.lut` (lookup-table inner products and
 matrix products), :mod:`hnlq_jax.modq` (mod-q sums of codes), :mod:`hnlq_jax.kernels` (the Pallas
 kernels), :mod:`hnlq_jax.rows` (the per-row weight format), :mod:`hnlq_jax.rd` (the paper's
-rate-distortion experiment); imported explicitly: :mod:`hnlq_jax.wire` (the wire format of
+rate-distortion experiment), :mod:`hnlq_jax.ptq` (post-training quantization: Hessian-aware
+compensated rounding), :mod:`hnlq_jax.incoherence` (the randomized Hadamard rotation of a layer's
+input side); imported explicitly: :mod:`hnlq_jax.wire` (the wire format of
 compressed collectives), :mod:`hnlq_jax.dist` (compressed means over devices and the optax
 gradient compressor) and, with the ``flax`` extra, :mod:`hnlq_jax.flax` (``QDense``,
 ``QuantDotGeneral``). The formats and the math are in ``docs/``.
 """
 
-from hnlq_jax import kernels, lut, modq, rd
+from hnlq_jax import incoherence, kernels, lut, modq, ptq, rd
 from hnlq_jax.codec import codebook, from_blocks, to_blocks
 from hnlq_jax.codes import FORMAT_VERSION, Codes
 from hnlq_jax.config import HNLQConfig
@@ -52,11 +54,13 @@ __all__ = [
     "encode_rows",
     "from_blocks",
     "gaussian_beta",
+    "incoherence",
     "kernels",
     "lattice",
     "lut",
     "matmul",
     "modq",
+    "ptq",
     "rd",
     "pack",
     "quantize",

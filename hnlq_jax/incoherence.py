@@ -1,0 +1,252 @@
+"""Incoherence processing: a seeded random orthogonal transform of a layer's input side.
+
+``R = diag(s) K``: random signs ``s`` followed by a fast Hadamard-type transform ``K``, applied
+to row vectors as ``x -> x R`` (the last axis). For ``n = 2^k m`` (``docs/ptq.md``):
+
+    K = H_{2^k} / 2^(k/2)  (Kronecker)  B_m,
+
+with ``H_{2^k}`` the Walsh-Hadamard matrix (a butterfly, ``n k`` additions) and ``B_m`` an
+``m x m`` orthogonal matrix: a normalized Paley Hadamard matrix when one of order ``m`` exists
+(``m = 12 = 11 + 1``, ``20``, ...), otherwise a seeded random orthogonal matrix. ``m`` is the odd
+part of ``n``, doubled while that gives a Paley order (at most :data:`MAX_MIXER`), so
+``384 = 32 * 12`` and ``1536 = 128 * 12``. Applying it costs ``n (k + m)`` operations per vector.
+
+Both sides of a linear layer use the same :meth:`Rotation.apply`: ``x' = x R`` and ``W' = W R``
+(each weight row rotated), so ``x' W'^T = x R R^T W^T = x W^T``; the Hessian of the rotated inputs
+is ``R^T H R`` (:meth:`Rotation.rotate_hessian`).
+
+Everything random comes from the seed through NumPy's PCG64 on the host (the signs from raw
+PCG64 words, the mixer from a float64 Gaussian), so JAX, PyTorch and NumPy callers build the
+same transform, and :meth:`Rotation.to_dict` (kind, version, n, seed) is all a saved layer needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["KIND", "MAX_MIXER", "ROTATION_VERSION", "Rotation", "mixer", "paley_hadamard",
+           "signs", "split_size"]
+
+KIND = "randomized_hadamard"
+ROTATION_VERSION = 1
+# Largest Paley order used for the mixer (it costs m multiply-adds per value).
+MAX_MIXER = 64
+_MAX_SEED = 2**63
+
+
+def _is_prime(p: int) -> bool:
+    return p >= 2 and all(p % f for f in range(2, math.isqrt(p) + 1))
+
+
+def _paley_order(p: int) -> bool:
+    """A Paley (type I) Hadamard matrix of order p exists: p - 1 a prime = 3 mod 4."""
+    return _is_prime(p - 1) and (p - 1) % 4 == 3
+
+
+@functools.lru_cache(maxsize=None)
+def split_size(n: int) -> tuple[int, int, bool]:
+    """``(k, m, paley)`` with ``n = 2^k m``: the Walsh-Hadamard size ``2^k`` and the mixer size.
+
+    ``m`` starts as the odd part of ``n`` and is doubled (taking factors from ``2^k``) to the
+    smallest Paley order ``<= MAX_MIXER``; when there is none, ``m`` stays odd and the mixer is a
+    random orthogonal matrix (``paley`` False; ``m = 1`` needs no mixer).
+    """
+    k = (n & -n).bit_length() - 1
+    m = n >> k
+    if m == 1:
+        return k, 1, True
+    for j in range(k + 1):
+        p = m << j
+        if p > MAX_MIXER:
+            break
+        if _paley_order(p):
+            return k - j, p, True
+    return k, m, False
+
+
+@functools.lru_cache(maxsize=None)
+def paley_hadamard(p: int) -> np.ndarray:
+    """The ``p x p`` Paley type I Hadamard matrix (entries +-1, ``H H^T = p I``), int8.
+
+    With ``g = p - 1`` a prime = 3 mod 4 and ``chi`` the quadratic character mod ``g``:
+    ``H = I + [[0, 1^T], [-1, Q]]``, ``Q[i, j] = chi(j - i)``.
+    """
+    g = p - 1
+    if not _paley_order(p):
+        raise ValueError(f"paley_hadamard: p - 1 = {g} is not a prime = 3 mod 4")
+    squares = np.zeros(g, bool)
+    squares[(np.arange(1, g) ** 2) % g] = True
+    chi = np.where(squares, 1, -1)
+    chi[0] = 0
+    i = np.arange(g)
+    Q = chi[(i[None, :] - i[:, None]) % g]
+    S = np.zeros((p, p), np.int64)
+    S[0, 1:] = 1
+    S[1:, 0] = -1
+    S[1:, 1:] = Q
+    return (np.eye(p, dtype=np.int64) + S).astype(np.int8)
+
+
+@functools.lru_cache(maxsize=64)
+def signs(n: int, seed: int) -> np.ndarray:
+    """``[n]`` float64 random signs: bit ``i`` of the raw PCG64(seed) words (least significant
+    first), ``s_i = 1 - 2 bit``."""
+    words = np.random.PCG64(seed).random_raw(-(-n // 64)).astype(np.uint64)
+    bits = (words[:, None] >> np.arange(64, dtype=np.uint64)[None, :]) & np.uint64(1)
+    return 1.0 - 2.0 * bits.reshape(-1)[:n].astype(np.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def mixer(n: int, seed: int) -> np.ndarray:
+    """``[m, m]`` float64 orthogonal mixer of ``n`` (``m`` from :func:`split_size`).
+
+    A Paley Hadamard matrix over ``sqrt(m)`` when one exists; otherwise the Q factor of the QR
+    decomposition of a ``default_rng([seed, 1])`` Gaussian, its columns' signs fixed so that R
+    has a positive diagonal (a unique, Haar-distributed matrix).
+    """
+    _, m, paley = split_size(n)
+    if paley:
+        return paley_hadamard(m).astype(np.float64) / math.sqrt(m) if m > 1 else np.ones((1, 1))
+    g = np.random.default_rng([seed, 1]).standard_normal((m, m))
+    q, r = np.linalg.qr(g)
+    return q * np.where(np.diag(r) < 0, -1.0, 1.0)[None, :]
+
+
+def _wht(x, k: int, m: int):
+    """Normalized Walsh-Hadamard transform over the ``2^k`` axis of ``x[..., 2^k, m]``."""
+    lead = x.shape[:-2]
+    for j in range(k):
+        h = 1 << j
+        y = x.reshape(lead + ((1 << k) // (2 * h), 2, h, m))
+        a, b = y[..., 0, :, :], y[..., 1, :, :]
+        x = jnp.stack([a + b, a - b], axis=-3).reshape(lead + (1 << k, m))
+    return x * jnp.asarray(2.0 ** (-k / 2), x.dtype) if k else x
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _transform(x, rot: Rotation, ct, inverse: bool):
+    """``x @ R`` (or ``x @ R^T``) in the compute dtype ``ct``, returned in ``x.dtype``."""
+    n = rot.n
+    k, m, _ = split_size(n)
+    s = jnp.asarray(signs(n, rot.seed), ct)
+    B = jnp.asarray(mixer(n, rot.seed), ct)
+    y = x.astype(ct)
+    if not inverse:
+        y = y * s
+    y = y.reshape(x.shape[:-1] + (1 << k, m))
+    if inverse and m > 1:
+        y = jnp.matmul(y, B.T, precision=jax.lax.Precision.HIGHEST)
+    y = _wht(y, k, m)
+    if not inverse and m > 1:
+        y = jnp.matmul(y, B, precision=jax.lax.Precision.HIGHEST)
+    y = y.reshape(x.shape)
+    if inverse:
+        y = y * s
+    return y.astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotation:
+    """The randomized orthogonal transform ``R = diag(s) K`` of size ``n`` (module docstring).
+
+    Frozen and hashable (a static argument of ``jax.jit``); the arrays it needs are derived
+    from ``(n, seed)`` on the host and cached.
+
+    Attributes:
+      n: the transformed axis' length (a layer's in-features), >= 1.
+      seed: an int in ``0 .. 2^63 - 1``.
+    """
+
+    n: int
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("n", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"Rotation.{name} must be an int, got {v!r}")
+            object.__setattr__(self, name, int(v))
+        if self.n < 1:
+            raise ValueError(f"Rotation.n must be >= 1, got {self.n}")
+        if not 0 <= self.seed < _MAX_SEED:
+            raise ValueError(f"Rotation.seed must be in 0..2^63-1, got {self.seed}")
+
+    # -- saving
+    def to_dict(self) -> dict:
+        """What a saved layer stores: ``{"kind", "version", "n", "seed"}`` (JSON-ready)."""
+        return {"kind": KIND, "version": ROTATION_VERSION, "n": self.n, "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, state) -> Rotation:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+          ValueError: not a dict of this kind and version, or invalid fields.
+        """
+        if not isinstance(state, dict) or not {"kind", "version", "n", "seed"} <= set(state):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"Rotation.from_dict: expected a dict with kind, version, n and "
+                             f"seed, got {got}")
+        if state["kind"] != KIND or state["version"] != ROTATION_VERSION:
+            raise ValueError(f"Rotation.from_dict: saved kind {state['kind']!r} version "
+                             f"{state['version']!r}; this version reads {KIND!r} version "
+                             f"{ROTATION_VERSION}")
+        try:
+            return cls(int(state["n"]), int(state["seed"]))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"Rotation.from_dict: invalid fields: {e}") from None
+
+    # -- the transform
+    @property
+    def signs(self) -> np.ndarray:
+        """``[n]`` float64 signs ``s``."""
+        return signs(self.n, self.seed)
+
+    def matrix(self) -> np.ndarray:
+        """The dense ``[n, n]`` float64 ``R`` with ``apply(x) = x @ R`` (for tests and tools)."""
+        k, _, _ = split_size(self.n)
+        h = np.ones((1, 1))
+        for _ in range(k):
+            h = np.block([[h, h], [h, -h]])
+        K = np.kron(h / math.sqrt(2**k), mixer(self.n, self.seed))
+        return self.signs[:, None] * K
+
+    def _check(self, x, fn: str):
+        x = jnp.asarray(x)
+        if x.ndim == 0 or x.shape[-1] != self.n:
+            raise ValueError(f"Rotation.{fn}: expected an array [..., n={self.n}] (the rotated "
+                             f"axis last), got shape {tuple(x.shape)}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"Rotation.{fn}: expected a floating-point array, got {x.dtype}")
+        return x, jnp.promote_types(x.dtype, jnp.float32)
+
+    def apply(self, x):
+        """``x @ R`` over the last axis (``[..., n]``, traceable); same dtype as ``x``
+        (half precision is computed in float32)."""
+        x, ct = self._check(x, "apply")
+        return _transform(x, self, ct, False)
+
+    def inverse(self, x):
+        """``x @ R^T``: undoes :meth:`apply` (``R`` is orthogonal)."""
+        x, ct = self._check(x, "inverse")
+        return _transform(x, self, ct, True)
+
+    # -- a layer's two sides
+    def rotate_weight(self, w):
+        """``W' = W R`` for a weight ``w[out, n]`` (rows along the input side)."""
+        return self.apply(w)
+
+    def rotate_hessian(self, H):
+        """``H' = R^T H R``: the Hessian ``X'^T X'`` of the rotated inputs ``X' = X R``."""
+        H = jnp.asarray(H)
+        if H.ndim != 2 or H.shape != (self.n, self.n):
+            raise ValueError(f"Rotation.rotate_hessian: expected H [{self.n}, {self.n}], got "
+                             f"shape {tuple(H.shape)}")
+        Hr = self.apply(jnp.swapaxes(self.apply(H), 0, 1))  # (H R)^T R = R^T H R, H symmetric
+        return (Hr + Hr.T) / 2

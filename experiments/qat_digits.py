@@ -4,8 +4,9 @@ An MLP 64-256-256-10 trained with optax Adam (batch 64, 40 epochs, several seeds
 
 * float32 (nn.Dense);
 * QAT, weights only: QDense, D4 q=4 M=2 (compact codes: 4 bits of codebook index and 1 bit of
-  T field per weight, one float32 scale per output unit), beta from gaussian_beta;
-* QAT, weights + activations (per-token activation quantization, same config);
+  T field per weight, one float32 scale per output unit), at the default refresh schedule
+  (``quantize_every = hnlq_jax.flax.QUANTIZE_EVERY``) and refreshing every step;
+* QAT, weights + activations (per-token activation quantization, same config, default schedule);
 * PTQ: the float32 model's weights quantized after training (no retraining).
 
 The quantized models are evaluated in their inference form (export_params: codes, scales and
@@ -13,8 +14,9 @@ biases only, computed with hnlq_jax.matmul), checked to predict exactly as the t
 Reports test accuracy (mean, min, max over seeds), test loss, agreement of the predictions
 with float32's, loss curves (PNG), model sizes (float32 vs the inference form) and the time of
 one jitted training step (QAT at quantize_every = 1, 8 and 32, and with quantize_every = 0 plus
-refresh_codes from the loop every 8 and 32 steps, against float32, same process). Accuracy runs
-use quantize_every = 1. Writes <out>/qat_digits.{json,png} (default: results/).
+refresh_codes from the loop every 32 steps, against float32, same process, interleaved rounds).
+Writes <out>/qat_digits.{json,png} (default: results/) and, for the default output folder, the
+tables into docs/performance.md.
 
 Usage: python experiments/qat_digits.py [--seeds 0 1 2] [--epochs 40] [--iters 320] [--out DIR]
 (a smoke run: --seeds 0 --epochs 1 --iters 8 --out some/folder)
@@ -41,7 +43,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import hnlq_jax as hq  # noqa: E402
-from hnlq_jax.flax import QDense, export_params, refresh_codes  # noqa: E402
+from hnlq_jax.flax import QUANTIZE_EVERY, QDense, export_params, refresh_codes  # noqa: E402
+from report import DOCS, write_between_markers  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 CFG = hq.HNLQConfig("D4", 4, 2)
@@ -50,7 +53,7 @@ BATCH = 64
 
 class MLP(nn.Module):
     kind: str = "float"  # float | qat_w | qat_wa
-    quantize_every: int = 1
+    quantize_every: int = QUANTIZE_EVERY
 
     @nn.compact
     def __call__(self, x, deterministic: bool = False):
@@ -99,7 +102,7 @@ def evaluate(model, v, x, y):
     return float(jnp.mean(pred == y)), float(loss), np.asarray(pred)
 
 
-def train(kind, seed, epochs, xtr, ytr, quantize_every=1):
+def train(kind, seed, epochs, xtr, ytr, quantize_every=QUANTIZE_EVERY):
     model = MLP(kind, quantize_every)
     v = model.init(jax.random.key(seed), xtr[:1])
     v = dict(v)
@@ -156,6 +159,26 @@ def stepper(kind, quantize_every, xtr, ytr, manual_every=None):
     return run
 
 
+def tables(args, acc, test_loss, agree, times, sizes) -> str:
+    """The Markdown tables of a run (accuracy, step time, size)."""
+    lines = [f"MLP 64-256-256-10, D4 q=4 M=2, {args.epochs} epochs, seeds {args.seeds}, "
+             f"{jax.default_backend()}", "",
+             "| model | test accuracy mean (min–max) | vs float32 (pp) | test loss | same "
+             "prediction as float32 |", "|---|---|---|---|---|"]
+    base = np.mean(acc["float32"])
+    for k, a in acc.items():
+        lines.append(f"| {k} | {100 * np.mean(a):.2f} % ({100 * min(a):.2f}–{100 * max(a):.2f}) "
+                     f"| {100 * (np.mean(a) - base):+.2f} | {np.mean(test_loss[k]):.4f} | "
+                     f"{100 * np.mean(agree[k]):.1f} % |")
+    lines += ["", "| training step (batch 64) | ms | vs float32 |", "|---|---|---|"]
+    for k, t in times.items():
+        lines.append(f"| {k} | {1e3 * t:.3f} | {t / times['float32']:.2f}x |")
+    lines += ["", f"Model size: float32 {sizes['float32_bytes']:,} bytes, inference form "
+              f"{sizes['deployed_bytes']:,} bytes ({sizes['ratio']:.2f}x smaller; "
+              f"{sizes['bits_per_weight']:.3f} bits per quantized weight)."]
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -165,57 +188,50 @@ def main():
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)  # fail now, not after the runs
     xtr, xte, ytr, yte = data()
-    acc = {k: [] for k in ("float32", "QAT weights", "QAT weights+acts", "PTQ weights")}
+    default = f"quantize_every={QUANTIZE_EVERY} (default)"
+    acc = {k: [] for k in ("float32", f"QAT weights, {default}", "QAT weights, quantize_every=1",
+                           f"QAT weights+acts, {default}", "PTQ weights")}
     test_loss = {k: [] for k in acc}
     agree = {k: [] for k in acc}  # fraction of test predictions equal to float32's
-    curves = {k: [] for k in ("float32", "QAT weights", "QAT weights+acts")}
+    curves = {k: [] for k in list(acc)[:4]}
     sizes = None
     for seed in tqdm(args.seeds, desc="seeds"):
         fm, fv, fl = train("float", seed, args.epochs, xtr, ytr)
         wm, wv, wl = train("qat_w", seed, args.epochs, xtr, ytr)
+        w1m, w1v, w1l = train("qat_w", seed, args.epochs, xtr, ytr, quantize_every=1)
         am, av, al = train("qat_wa", seed, args.epochs, xtr, ytr)
         pm, pv = ptq(fv, xtr)
         ref = None
-        for name, (m, v) in zip(acc, ((fm, fv), (wm, wv), (am, av), (pm, pv))):
+        for name, (m, v) in zip(acc, ((fm, fv), (wm, wv), (w1m, w1v), (am, av), (pm, pv))):
             a, loss, pred = evaluate(m, v, xte, yte)
             ref = pred if ref is None else ref
             acc[name].append(a)
             test_loss[name].append(loss)
             agree[name].append(float(np.mean(pred == ref)))
-        for k, c in zip(curves, (fl, wl, al)):
+        for k, c in zip(curves, (fl, wl, w1l, al)):
             curves[k].append(c)
         if sizes is None:
             sizes = export_params(wv, CFG)[1]
-    runs = {"float32": stepper("float", 1, xtr, ytr)}
+    runs = {"float32": stepper("float", 1, xtr, ytr),
+            f"QAT weights, {default}": stepper("qat_w", QUANTIZE_EVERY, xtr, ytr)}
     for every in (1, 8, 32):
         runs[f"QAT weights, quantize_every={every}"] = stepper("qat_w", every, xtr, ytr)
-    for every in (8, 32):
-        runs[f"QAT weights, quantize_every=0 + refresh_codes every {every}"] = stepper(
-            "qat_w", 0, xtr, ytr, manual_every=every)
-    for every in (1, 32):
-        runs[f"QAT weights+acts, quantize_every={every}"] = stepper("qat_wa", every, xtr, ytr)
+    runs["QAT weights, quantize_every=0 + refresh_codes every 32"] = stepper(
+        "qat_w", 0, xtr, ytr, manual_every=32)
+    runs[f"QAT weights+acts, {default}"] = stepper("qat_wa", QUANTIZE_EVERY, xtr, ytr)
+    runs["QAT weights+acts, quantize_every=1"] = stepper("qat_wa", 1, xtr, ytr)
     times = {k: np.inf for k in runs}
     for _ in range(5):  # interleaved rounds: every variant sees the same machine noise
         for k, run in runs.items():
             times[k] = min(times[k], run(args.iters))
 
-    print(f"\nMLP 64-256-256-10, D4 q=4 M=2, {args.epochs} epochs, seeds {args.seeds}\n")
-    print("| model | test accuracy mean (min–max) | vs float32 (pp) | test loss | same "
-          "prediction as float32 |\n|---|---|---|---|---|")
-    base = np.mean(acc["float32"])
-    for k, a in acc.items():
-        print(f"| {k} | {100 * np.mean(a):.2f} % ({100 * min(a):.2f}–{100 * max(a):.2f}) | "
-              f"{100 * (np.mean(a) - base):+.2f} | {np.mean(test_loss[k]):.4f} | "
-              f"{100 * np.mean(agree[k]):.1f} % |")
-    print("\n| training step (batch 64) | ms | vs float32 |\n|---|---|---|")
-    for k, t in times.items():
-        print(f"| {k} | {1e3 * t:.3f} | {t / times['float32']:.2f}x |")
-    print(f"\nmodel size: float32 {sizes['float32_bytes']:,} bytes, inference form "
-          f"{sizes['deployed_bytes']:,} bytes ({sizes['ratio']:.2f}x smaller; "
-          f"{sizes['bits_per_weight']:.3f} bits per quantized weight)")
+    text = tables(args, acc, test_loss, agree, times, sizes)
+    print(text)
+    if args.out.resolve() == RESULTS.resolve():
+        write_between_markers(DOCS / "performance.md", "qat_digits", text)
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for (k, cs), col in zip(curves.items(), ("k", "C0", "C1")):
+    for (k, cs), col in zip(curves.items(), ("k", "C0", "C2", "C1")):
         for i, c in enumerate(cs):
             ax.plot(np.arange(1, len(c) + 1), c, color=col, alpha=0.7, label=k if i == 0 else None)
     ax.set_yscale("log")

@@ -51,12 +51,13 @@ from hnlq_jax import ops
 from hnlq_jax._numerics import straight_through
 from hnlq_jax.codec import is_concrete
 from hnlq_jax.codes import Codes, check_codes, check_saved_header, saved_header
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.rows import bucket_rows, calibrate_rows, rows_codes, unit
 from hnlq_jax.stats import gaussian_beta
 
 __all__ = [
     "QDense",
+    "QUANTIZE_EVERY",
     "QuantDotGeneral",
     "export_params",
     "gaussian_beta",
@@ -68,11 +69,14 @@ STE_MODES = ("identity", "clipped")
 # compute mode -> hnlq_jax.matmul implementation (None: the backend's default).
 COMPUTE_MODES = {"decode": None, "kernel": "pallas", "lut": "lut"}
 COLLECTION = "hnlq"
+# QDense's default refresh interval: a training step then costs <= 2x a float step on the
+# digits MLP at the accuracy of refreshing every step (experiments/qat_digits.py, 3 seeds;
+# docs/flax.md, "Refresh schedule"). Encoding the kernel every step costs 5-6x on CPU there.
+QUANTIZE_EVERY = 16
 
 
 def _check_knobs(config, ste, compute, quantize_every, where: str):
-    if not isinstance(config, HNLQConfig):
-        raise TypeError(f"{where}: config must be an HNLQConfig, got {type(config).__name__}")
+    check_config(config, where)
     if ste not in STE_MODES:
         raise ValueError(f"{where}: ste must be one of {STE_MODES}, got {ste!r}")
     if compute not in COMPUTE_MODES:
@@ -225,12 +229,13 @@ class QDense(nn.Module):
       quantize_activations: also quantize the input per token (row).
       ste: straight-through variant, ``"identity"`` or ``"clipped"`` (zero gradient in blocks
         that overloaded).
-      quantize_every: re-quantize the kernel every N training calls; the codes are cached in
-        the ``hnlq`` collection between refreshes (apply with ``mutable=["hnlq"]``). ``0``:
-        training calls use the cache too, and the loop refreshes it with :func:`refresh_codes`
-        (a separate program; in-step refreshes cost a conditional that slows every step on
-        XLA:CPU). Calls with ``deterministic=True`` always use the cached codes and never
-        re-quantize.
+      quantize_every: re-quantize the kernel every N training calls (default
+        :data:`QUANTIZE_EVERY`); the codes are cached in the ``hnlq`` collection between
+        refreshes, so apply with ``mutable=["hnlq"]`` (without it there is no cache to keep
+        and every training call re-quantizes). Between refreshes the forward pass uses the
+        cached codes and the gradient still reaches the kernel. ``0``: training calls use the
+        cache too, and the loop refreshes it with :func:`refresh_codes`. Calls with
+        ``deterministic=True`` always use the cached codes and never re-quantize.
       compute: how :func:`hnlq_jax.matmul` runs: ``"decode"`` (its default implementation for
         the backend), ``"kernel"`` (the fused Pallas decode-matmul, which reads only the codes;
         interpret mode on a CPU, so slow there) or ``"lut"`` (one-sided lookup tables). The
@@ -249,7 +254,7 @@ class QDense(nn.Module):
     quantize_weights: bool = True
     quantize_activations: bool = False
     ste: str = "identity"
-    quantize_every: int = 1
+    quantize_every: int = QUANTIZE_EVERY
     compute: str = "decode"
     calibrate: bool = True
     deterministic: bool | None = None
@@ -320,28 +325,21 @@ class QDense(nn.Module):
 
         if self.is_initializing() or deterministic or self.quantize_every == 0:
             codes = cache.value
-        elif self.is_mutable_collection(COLLECTION):
+        elif self.is_mutable_collection(COLLECTION) and self.quantize_every > 1:
             refresh = step.value % self.quantize_every == 0
             codes = jax.lax.cond(refresh, fresh, lambda: cache.value)
             step.value = step.value + 1
             cache.value = codes
-        elif self.quantize_every == 1:
+        else:  # every call (no cache to keep without a mutable collection)
             codes = fresh()
-        else:
-            raise ValueError(
-                f"QDense: quantize_every={self.quantize_every} caches codes between training "
-                "calls: apply with mutable=['hnlq'] (or deterministic=True to use the cache)"
-            )
+            if self.is_mutable_collection(COLLECTION):
+                step.value = step.value + 1
+                cache.value = codes
         return _forward(x, kernel, codes, self.ste, self.compute,
                         _act_beta(cfg, self.calibrate, self.quantize_activations), self.precision)
 
 
 # ------------------------------------------------------------------ variables and artifacts
-
-
-def _check_config(config, fn: str):
-    if not isinstance(config, HNLQConfig):
-        raise TypeError(f"{fn}: config must be an HNLQConfig, got {type(config).__name__}")
 
 
 def _codes_in(collection) -> dict:
@@ -376,7 +374,7 @@ def refresh_codes(variables, config: HNLQConfig):
       ValueError: no QDense layers, a layer without a kernel (the inference form), or codes of
         another config.
     """
-    _check_config(config, "refresh_codes")
+    check_config(config, "refresh_codes")
     flat = traverse_util.flatten_dict(variables[COLLECTION]) if COLLECTION in variables else {}
     params = traverse_util.flatten_dict(variables.get("params", {}))
     for path, codes in _layers(variables, "refresh_codes").items():
@@ -440,7 +438,7 @@ def import_params(saved, config: HNLQConfig):
       ValueError: no codes, codes saved in another format version or with another config
         (the message names both), or corrupted codes.
     """
-    _check_config(config, "import_params")
+    check_config(config, "import_params")
     params = saved.get("params", {})
     hnlq = {}
     for path, record in _layers(saved, "import_params").items():

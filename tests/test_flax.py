@@ -206,8 +206,11 @@ def test_quantize_every(variables):
         fresh = hf._kernel_codes(kernels[src], CFG, v["hnlq"]["beta"]).scale
         np.testing.assert_allclose(cached[i], fresh, rtol=1e-6)
     assert not np.allclose(cached[2], cached[3])
-    with pytest.raises(ValueError, match=r"mutable=\['hnlq'\]"):
-        m.apply(v, X)
+    # Without a mutable collection there is no cache to keep: the call quantizes afresh.
+    moved = _with_kernel(v, kernels[-1] * 3)
+    fresh_y = QDense(16, CFG, quantize_every=1).apply(moved, X)
+    np.testing.assert_array_equal(m.apply(moved, X), fresh_y)
+    assert not np.array_equal(fresh_y, m.apply(moved, X, deterministic=True))
     refreshed = hf.refresh_codes(v, CFG)
     np.testing.assert_allclose(refreshed["hnlq"]["codes"].scale,
                                hf._kernel_codes(kernels[-1], CFG, v["hnlq"]["beta"]).scale,
@@ -310,7 +313,8 @@ def test_training_reduces_loss_like_float():
         @nn.compact
         def __call__(self, x):
             if self.quantized:
-                return QDense(3, CFG, quantize_every=2)(nn.relu(QDense(32, CFG)(x)))
+                hidden = QDense(32, CFG, quantize_every=1)
+                return QDense(3, CFG, quantize_every=2)(nn.relu(hidden(x)))
             return nn.Dense(3)(nn.relu(nn.Dense(32)(x)))
 
     v, q_losses = _train(Net(True), x, y)

@@ -15,6 +15,8 @@ op                  JAX function (same result bit for bit)
 ``quantize``        :func:`hnlq_jax.quantize`; autograd: straight-through (identity)
 ``matmul``          :func:`hnlq_jax.matmul`; autograd: ``matmul_backward`` (x and scale)
 ``matmul_backward`` the ``jax.vjp`` of :func:`hnlq_jax.matmul` -> ``(dx, dscale)``
+``rotate``          :meth:`hnlq_jax.incoherence.Rotation.apply` / ``inverse``; autograd: the
+                    other one
 ==================  ========================================================================
 
 Float64 inputs (or a float64 ``dtype``) run under JAX's x64 mode
@@ -241,3 +243,36 @@ def _matmul_backward(ctx, g):
 
 
 matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+
+
+# ------------------------------------------------------------------------------------ rotate
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _rotate(x, rotation, inverse):
+    return rotation.inverse(x) if inverse else rotation.apply(x)
+
+
+@torch.library.custom_op("hnlq::rotate", mutates_args=())
+def rotate(x: torch.Tensor, n: int, seed: int, inverse: bool) -> torch.Tensor:
+    """``x @ R`` (``inverse``: ``x @ R^T``) of :class:`hnlq_jax.incoherence.Rotation(n, seed)`
+    over the last axis, bit for bit its ``apply`` / ``inverse``."""
+    with x64_for(x):
+        return _own(to_torch(_rotate(to_jax(x), hq.incoherence.Rotation(n, seed), inverse)), x)
+
+
+@rotate.register_fake
+def _(x, n, seed, inverse):
+    return torch.empty_like(x)
+
+
+def _rotate_setup(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _rotate_backward(ctx, g):
+    n, seed, inverse = ctx.args  # R is orthogonal: the gradient of x @ R is g @ R^T
+    return torch.ops.hnlq.rotate(g.contiguous(), n, seed, not inverse), None, None, None
+
+
+rotate.register_autograd(_rotate_backward, setup_context=_rotate_setup)

@@ -17,6 +17,13 @@ index ``>= q^d``, a T field above ``max_T + 1``) raise too.
 
 **Forward**: ``torch.ops.hnlq.matmul`` (:func:`hnlq_jax.matmul`, bit for bit) plus the bias,
 also under ``torch.compile(fullgraph=True)``.
+
+**Calibration and rotation** (:func:`quantize_model` ``calibration=run``, ``rotate=True``): the
+codes come from :func:`hnlq_jax.ptq.gptq_rows` on each layer's input Hessian, collected by
+forward pre-hooks during ``run(model)``; a rotated layer holds the codes of ``W R`` and applies
+``R`` (:class:`hnlq_jax.incoherence.Rotation`, ``torch.ops.hnlq.rotate``) to its inputs; its
+extra state also records ``rotation`` (``Rotation.to_dict()``), checked on loading like the
+config.
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ import warnings
 import torch
 
 from hnlq_jax import FORMAT_VERSION, HNLQConfig
+from hnlq_jax import ptq as hptq
 from hnlq_jax.codes import check_saved_header, index_dtype, saved_header, tfield_shape
+from hnlq_jax.incoherence import Rotation
 from hnlq_jax.rows import calibrate_rows, unit
 from torch_bridge import ops
 from torch_bridge.codec import Codes, decode, encode_rows
-from torch_bridge.interop import to_jax, x64_for
+from torch_bridge.interop import to_jax, to_torch, x64_for
 
 __all__ = ["CodesLayer", "QuantizeReport", "QuantizedLinear", "quantize_model"]
 
@@ -149,13 +158,25 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
       implementation: the :func:`hnlq_jax.matmul` implementation (``None``: the backend's
         default; ``"xla"``, ``"pallas"``, ``"lut"``).
       dtype: dtype of the bias and scales (default float32).
+      rotation: an :class:`hnlq_jax.incoherence.Rotation` of size ``in_features``: the codes
+        are of the rotated weight ``W R`` and the layer computes ``matmul(x R, codes)``
+        (``torch.ops.hnlq.rotate``, bit for bit ``Rotation.apply``). It is saved in the extra
+        state (``Rotation.to_dict()``); loading a state dict with another rotation (or none,
+        into a rotated layer, or the reverse) raises ``ValueError``.
     """
 
     def __init__(self, in_features: int, out_features: int, config: HNLQConfig,
-                 bias: bool = True, *, implementation=None, device=None, dtype=None):
+                 bias: bool = True, *, implementation=None, device=None, dtype=None,
+                 rotation: Rotation | None = None):
         super().__init__()
+        if rotation is not None and (not isinstance(rotation, Rotation)
+                                     or rotation.n != in_features):
+            raise ValueError(f"QuantizedLinear: rotation must be None or an "
+                             f"hnlq_jax.incoherence.Rotation of size in_features = "
+                             f"{in_features}, got {rotation!r}")
         self.in_features, self.out_features = in_features, out_features
         self.implementation = implementation
+        self.rotation = rotation
         dtype = torch.float32 if dtype is None else dtype
         self._register_codes(config, device, dtype)
         self.bias = (torch.nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
@@ -163,54 +184,111 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, config: HNLQConfig, *, calibrate: bool = True,
-                    implementation=None) -> QuantizedLinear:
+                    implementation=None, hessian=None, rotation: Rotation | None = None,
+                    damp: float = hptq.DAMP, act_order: bool = False) -> QuantizedLinear:
         """The quantized form of ``linear``.
 
         A plain ``nn.Linear`` (or a subclass) is coded by :func:`torch_bridge.encode_rows` with
-        its calibrated beta (``calibrate=False``: ``config.beta``). A layer that already holds
-        codes (a :class:`~torch_bridge.QLinear`) keeps them, so the result computes exactly as
-        that layer in eval mode.
+        its calibrated beta (``calibrate=False``: ``config.beta``), or, given the ``hessian``
+        of its inputs, by :func:`hnlq_jax.ptq.gptq_rows` (compensated rounding; ``damp``,
+        ``act_order`` as there; its beta search when ``calibrate``, else ``config.beta``).
+        With a ``rotation`` the rotated weight is coded (see the class). A layer that already
+        holds codes (a :class:`~torch_bridge.QLinear`) keeps them, so the result computes
+        exactly as that layer in eval mode.
 
         Raises:
           TypeError: not an ``nn.Linear``.
           ValueError: a ``QLinear`` with another config or that quantizes its activations
-            (which ``QuantizedLinear`` does not).
+            (which ``QuantizedLinear`` does not), or given a ``hessian`` or ``rotation``; the
+            errors of :func:`~hnlq_jax.ptq.gptq_rows` for a bad ``hessian``.
         """
+        return cls._from_linear(linear, config, calibrate=calibrate,
+                                implementation=implementation, hessian=hessian,
+                                rotation=rotation, damp=damp, act_order=act_order)[0]
+
+    @classmethod
+    def _from_linear(cls, linear, config, *, calibrate, implementation, hessian=None,
+                     rotation=None, damp=hptq.DAMP, act_order=False):
+        """``(layer, PTQResult or None)``: :meth:`from_linear` and the compensation's result."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"QuantizedLinear.from_linear: expected an nn.Linear, got "
                             f"{type(linear).__name__}")
         w = linear.weight
+        dtype = torch.promote_types(w.dtype, torch.float32)
         layer = cls(linear.in_features, linear.out_features, config, linear.bias is not None,
-                    implementation=implementation, device=w.device,
-                    dtype=torch.promote_types(w.dtype, torch.float32))
+                    implementation=implementation, device=w.device, dtype=dtype,
+                    rotation=rotation)
+        result = None
         if isinstance(linear, CodesLayer) and getattr(linear, "quantize_weights", True):
             if getattr(linear, "quantize_activations", False):
                 raise ValueError("QuantizedLinear.from_linear: the layer quantizes its "
                                  "activations, which QuantizedLinear does not")
+            if hessian is not None or rotation is not None:
+                raise ValueError("QuantizedLinear.from_linear: the layer already holds codes "
+                                 "(it keeps them): no hessian or rotation applies")
             codes = linear.codes()
+        elif hessian is not None:
+            wd = w.detach().to(dtype)
+            H = hessian if not isinstance(hessian, torch.Tensor) else to_jax(hessian.detach())
+            with x64_for(wd, getattr(hessian, "dtype", None)):
+                result = hptq.gptq_rows(to_jax(wd), H, config, damp=damp, act_order=act_order,
+                                        beta=None if calibrate else config.beta,
+                                        rotation=rotation, implementation=implementation)
+                codes = Codes.from_jax(result.codes, copy=True)
         else:
-            codes = encode_rows(w.detach(), config, beta=calibrated_beta(w, config, calibrate),
+            wd = w.detach()
+            if rotation is not None:
+                with x64_for(wd):
+                    wd = to_torch(rotation.rotate_weight(to_jax(wd)), copy=True)
+            codes = encode_rows(wd, config, beta=calibrated_beta(wd, config, calibrate),
                                 implementation=implementation)
         layer.set_codes(codes)
         if linear.bias is not None:
             with torch.no_grad():
                 layer.bias.copy_(linear.bias)
-        return layer.train(linear.training)
+        return layer.train(linear.training), result
 
     @property
     def weight(self) -> torch.Tensor:
         """The decoded weight ``[out, in]``, computed on each access and never stored (for code
         that reads ``.weight`` directly, e.g. ``nn.MultiheadAttention``'s ``out_proj``)."""
-        return decode(self.codes(), dtype=self.scale.dtype, implementation=self.implementation)
+        w = decode(self.codes(), dtype=self.scale.dtype, implementation=self.implementation)
+        if self.rotation is not None:  # W = W' R^T
+            w = torch.ops.hnlq.rotate(w, self.rotation.n, self.rotation.seed, True)
+        return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotation is not None:
+            if x.shape[-1] != self.in_features:
+                raise ValueError(f"{type(self).__name__}: expected input [..., "
+                                 f"{self.in_features}], got {tuple(x.shape)}")
+            x = torch.ops.hnlq.rotate(x, self.rotation.n, self.rotation.seed, False)
         y = self.codes_matmul(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    # -- the rotation travels in the extra state too
+    def get_extra_state(self) -> dict:
+        state = super().get_extra_state()
+        if self.rotation is not None:
+            state["rotation"] = self.rotation.to_dict()
+        return state
+
+    def _check_saved(self, state, where: str):
+        super()._check_saved(state, where)
+        saved = state.get("rotation")
+        saved = None if saved is None else Rotation.from_dict(saved)
+        if saved != self.rotation:
+            def say(r):
+                return "no rotation" if r is None else f"Rotation(n={r.n}, seed={r.seed})"
+            raise ValueError(f"{where}: the codes were saved with {say(saved)}, but the layer "
+                             f"has {say(self.rotation)}; build the layer with the saved rotation "
+                             "(QuantizedLinear(..., rotation=Rotation.from_dict(...)))")
 
     def extra_repr(self) -> str:
         c = self.codes_config
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, lattice={c.lattice}, q={c.q}, M={c.M}")
+                f"bias={self.bias is not None}, lattice={c.lattice}, q={c.q}, M={c.M}"
+                + ("" if self.rotation is None else f", rotation_seed={self.rotation.seed}"))
 
 
 def _state_bytes(module: torch.nn.Module) -> int:
@@ -226,12 +304,21 @@ class QuantizeReport:
       skipped: ``(name, type name, reason)`` of each ``nn.Linear`` left in place.
       float32_bytes: the converted layers' weight and bias as float32.
       quantized_bytes: the tensor bytes of their state dicts now (codes, scales, bias).
+      proxy_loss: with ``calibration``, ``{name: tr(dW H dW^T)}`` of each layer coded by
+        compensated rounding (:attr:`hnlq_jax.ptq.PTQResult.loss`, with ``H`` the sum over all
+        calibration tokens); empty otherwise.
+      clipped: with ``calibration``, ``{name: blocks shrunk to encode}``
+        (:attr:`~hnlq_jax.ptq.PTQResult.clipped`, normally 0).
+      tokens: with ``calibration``, ``{name: input rows seen}`` of each layer.
     """
 
     converted: list = dataclasses.field(default_factory=list)
     skipped: list = dataclasses.field(default_factory=list)
     float32_bytes: int = 0
     quantized_bytes: int = 0
+    proxy_loss: dict = dataclasses.field(default_factory=dict)
+    clipped: dict = dataclasses.field(default_factory=dict)
+    tokens: dict = dataclasses.field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -242,6 +329,9 @@ class QuantizeReport:
         lines = [f"quantize_model: converted {len(self.converted)} linear layer(s): "
                  f"{self.float32_bytes:,} bytes as float32 -> {self.quantized_bytes:,} bytes "
                  f"({self.ratio:.3f}x)"]
+        lines += [f"  {name}: proxy loss {loss:.6g} over {self.tokens.get(name, 0):,} "
+                  f"input rows, {self.clipped.get(name, 0)} clipped block(s)"
+                  for name, loss in self.proxy_loss.items()]
         lines += [f"  kept {name} ({kind}): {reason}" for name, kind, reason in self.skipped]
         return "\n".join(lines)
 
@@ -261,8 +351,51 @@ def _why_not(module: torch.nn.Linear) -> str | None:
     return None
 
 
+def _collect_hessians(model, targets: dict, run) -> dict:
+    """``{id(layer): (H, rows)}``: ``H = sum x^T x`` of each target layer's inputs over one call
+    ``run(model)`` (forward pre-hooks, :func:`hnlq_jax.ptq.hessian_update`)."""
+    acc: dict = {}
+
+    def hook(module, args):
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"quantize_model: calibration fed {targets[id(module)]} a "
+                            f"{type(x).__name__} input; expected a floating tensor")
+        x = x.detach()
+        H, rows = acc.get(id(module), (None, 0))
+        with x64_for(x):
+            acc[id(module)] = hptq.hessian_update(H, to_jax(x), rows)
+
+    handles = [m.register_forward_pre_hook(hook) for m in
+               {id(m): m for m in model.modules()}.values() if id(m) in targets]
+    try:
+        with torch.no_grad():
+            run(model)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [name for key, name in targets.items() if acc.get(key, (None, 0))[1] == 0]
+    if missing:
+        raise ValueError(f"quantize_model: calibration never ran {len(missing)} of the layers "
+                         f"to convert, so they have no Hessian: {', '.join(missing)}; run the "
+                         "model on inputs that reach them, or leave them out with filter_fn")
+    return acc
+
+
+def _progress(items, enabled: bool, total: int):
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError as e:
+        raise ImportError("quantize_model(progress=True) needs tqdm (pip install tqdm)") from e
+    return tqdm(items, total=total, desc="quantize_model", unit="layer")
+
+
 def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *,
-                   calibrate: bool = True, implementation=None) -> QuantizeReport:
+                   calibrate: bool = True, implementation=None, calibration=None,
+                   rotate: bool = False, act_order: bool = False, damp: float = hptq.DAMP,
+                   seed: int = 0, progress: bool = False) -> QuantizeReport:
     """Replaces the ``nn.Linear`` layers of ``model``, in place, by :class:`QuantizedLinear`.
 
     Converted: every ``nn.Linear`` and every subclass that does not override ``forward`` (e.g.
@@ -272,21 +405,44 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
     with their own ``forward`` and ``QLinear`` layers that quantize activations. A layer
     shared by several parents is converted once and replaced everywhere.
 
+    **Calibration** (``calibration=run``): forward pre-hooks on the layers to convert collect
+    ``H = sum x^T x`` of each one's inputs (:func:`hnlq_jax.ptq.hessian_update`, float32, or
+    float64 for float64 inputs) during one call ``run(model)`` of the still-float model
+    (under ``torch.no_grad()``); each layer is then coded by
+    :func:`hnlq_jax.ptq.gptq_rows` (compensated rounding) instead of round-to-nearest. All
+    layers' Hessians are held at once: ``4 * in^2`` bytes per layer (the sequential variant,
+    each layer's inputs taken from the partly quantized model, is not implemented). ``QLinear``
+    layers keep their codes and are not hooked.
+
     Args:
       model: any module (not itself an ``nn.Linear``).
       config: the quantizer.
       filter_fn: ``filter_fn(name, linear) -> bool``; only layers where it is true are
         converted (default: all). ``name`` is the qualified name, as in ``named_modules``.
       calibrate: each layer's beta from :func:`hnlq_jax.rows.calibrate_rows` of its weight
-        (default); ``False`` uses ``config.beta``.
+        (default; with ``calibration``, :func:`~hnlq_jax.ptq.gptq_rows`' beta search around
+        it); ``False`` uses ``config.beta``.
       implementation: the layers' :func:`hnlq_jax.matmul` implementation.
+      calibration: ``None`` (round-to-nearest), or a callable ``run(model)`` that runs the
+        model on calibration data (any input types; its return value is ignored).
+      rotate: incoherence processing: converted layer ``k`` (0, 1, ... in ``named_modules``
+        order, counting each shared layer once) gets
+        ``Rotation(in_features, seed + k)`` (:mod:`hnlq_jax.incoherence`), codes of the
+        rotated weight and applies the rotation to its inputs; with or without calibration.
+      act_order, damp: as :func:`hnlq_jax.ptq.gptq_rows` (with ``calibration`` only).
+      seed: the base seed of the rotations.
+      progress: a tqdm progress bar over the layers being coded (needs ``tqdm``).
 
     Returns:
-      A :class:`QuantizeReport` (print it for a summary).
+      A :class:`QuantizeReport` (print it for a summary); with ``calibration`` it holds each
+      layer's proxy loss.
 
     Raises:
-      TypeError: ``model`` is not a module or ``config`` not an ``HNLQConfig``.
-      ValueError: ``model`` is itself an ``nn.Linear`` (use ``QuantizedLinear.from_linear``).
+      TypeError: ``model`` is not a module, ``config`` not an ``HNLQConfig``, ``calibration``
+        neither ``None`` nor callable.
+      ValueError: ``model`` is itself an ``nn.Linear`` (use ``QuantizedLinear.from_linear``);
+        ``calibration`` never ran a layer to convert (the message names them); the errors of
+        :func:`~hnlq_jax.ptq.gptq_rows` (e.g. a bad ``damp``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"quantize_model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -294,6 +450,12 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
     if isinstance(model, torch.nn.Linear):
         raise ValueError("quantize_model: replaces layers inside a model, and the model is "
                          "itself an nn.Linear: use QuantizedLinear.from_linear(model, config)")
+    if calibration is not None and not callable(calibration):
+        raise TypeError(f"quantize_model: calibration must be None or a callable run(model) "
+                        f"that runs the model on calibration data, got "
+                        f"{type(calibration).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"quantize_model: seed must be a non-negative int, got {seed!r}")
     report = QuantizeReport()
     sites, seen = [], set()
     for parent_name, parent in model.named_modules(remove_duplicate=False):
@@ -302,22 +464,42 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
                 seen.add((id(parent), child_name))
                 name = f"{parent_name}.{child_name}" if parent_name else child_name
                 sites.append((name, parent, child_name, child))
-    done: dict[int, QuantizedLinear] = {}
+    chosen = []
     for name, parent, child_name, child in sites:
-        kind = type(child).__name__
         why = ("filter_fn" if filter_fn is not None and not filter_fn(name, child)
                else _why_not(child))
         if why is not None:
-            report.skipped.append((name, kind, why))
-            continue
-        if id(child) not in done:
-            q = done[id(child)] = QuantizedLinear.from_linear(
-                child, config, calibrate=calibrate, implementation=implementation)
-            report.float32_bytes += 4 * (child.weight.numel() + q.out_features * (
-                child.bias is not None))
-            report.quantized_bytes += _state_bytes(q)
+            report.skipped.append((name, type(child).__name__, why))
+        else:
+            chosen.append((name, parent, child_name, child))
+    firsts = {}  # id(layer) -> (first name, layer), in order
+    for name, _, _, child in chosen:
+        firsts.setdefault(id(child), (name, child))
+    fresh = {k: v for k, v in firsts.items() if not isinstance(v[1], CodesLayer)}
+    hessians = {}
+    if calibration is not None and fresh:
+        hessians = _collect_hessians(model, {k: n for k, (n, _) in fresh.items()},
+                                     calibration)
+    done: dict[int, QuantizedLinear] = {}
+    for k, (key, (name, child)) in enumerate(_progress(firsts.items(), progress, len(firsts))):
+        plain = key in fresh
+        H, rows = hessians.get(key, (None, 0))
+        rotation = Rotation(child.in_features, seed + k) if rotate and plain else None
+        q, result = QuantizedLinear._from_linear(
+            child, config, calibrate=calibrate, implementation=implementation, hessian=H,
+            rotation=rotation, damp=damp, act_order=act_order)
+        hessians.pop(key, None)  # free it
+        done[key] = q
+        if result is not None:
+            report.proxy_loss[name], report.clipped[name] = result.loss, result.clipped
+            report.tokens[name] = rows
+        report.float32_bytes += 4 * (child.weight.numel() + q.out_features * (
+            child.bias is not None))
+        report.quantized_bytes += _state_bytes(q)
+    for name, parent, child_name, child in chosen:
         setattr(parent, child_name, done[id(child)])
-        report.converted.append((name, kind, (child.out_features, child.in_features)))
+        report.converted.append((name, type(child).__name__,
+                                 (child.out_features, child.in_features)))
     unexpected = [s for s in report.skipped if s[2] not in ("filter_fn", "already quantized")]
     if unexpected:
         warnings.warn(f"quantize_model: kept {len(unexpected)} linear layer(s) in float: "

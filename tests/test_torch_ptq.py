@@ -1,0 +1,172 @@
+"""quantize_model with calibration (compensated rounding, hnlq_jax.ptq.gptq_rows) and rotation
+(incoherence): lower output error than round-to-nearest, the same codes as gptq_rows in JAX bit
+for bit, rotated state dicts that reload exactly and refuse other rotations, clear errors."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import hnlq_jax as hq
+import torch_bridge as tb
+from hnlq_jax.incoherence import Rotation
+from torch_bridge import QuantizedLinear, quantize_model
+
+CFG = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8))
+
+
+def _inputs(seed, n=256):
+    # correlated, anisotropic inputs: where compensation beats plain rounding
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(24, 24, generator=torch.Generator().manual_seed(99)) * torch.linspace(
+        0.1, 2.0, 24)
+    return torch.randn(n, 24, generator=g) @ mix
+
+
+CAL, TEST = _inputs(1), _inputs(2)
+
+
+def _run(model):
+    for chunk in CAL.split(64):
+        model(chunk)
+
+
+def _err(model, ref):
+    with torch.no_grad():
+        return float(((model(TEST) - ref(TEST)) ** 2).mean())
+
+
+def _copy(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_calibrated_beats_round_to_nearest_and_reports_losses():
+    ref = _mlp()
+    rtn, gptq, rot = _copy(ref), _copy(ref), _copy(ref)
+    r0 = quantize_model(rtn, CFG)
+    assert r0.proxy_loss == {}
+    r1 = quantize_model(gptq, CFG, calibration=_run)
+    r2 = quantize_model(rot, CFG, calibration=_run, rotate=True, act_order=True)
+    e_rtn, e_gptq, e_rot = _err(rtn, ref), _err(gptq, ref), _err(rot, ref)
+    assert e_gptq < 0.8 * e_rtn and e_rot < 0.8 * e_rtn, (e_rtn, e_gptq, e_rot)
+    for r in (r1, r2):
+        assert set(r.proxy_loss) == {"0", "2"} and all(v > 0 for v in r.proxy_loss.values())
+        assert r.tokens == {"0": 256, "2": 256} and r.clipped == {"0": 0, "2": 0}
+        assert "0: proxy loss" in str(r)
+    assert rot[0].rotation == Rotation(24, 0) and rot[2].rotation == Rotation(40, 1)
+    assert gptq[0].rotation is None
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_codes_equal_gptq_rows_in_jax(rotate):
+    ref = _mlp(3)
+    model = _copy(ref)
+    quantize_model(model, CFG, calibration=_run, rotate=rotate, seed=7, damp=0.02)
+    # The same H, accumulated the same way (hessian_update per call), and gptq_rows in JAX.
+    seen = {0: [], 2: []}
+    hooks = [ref[i].register_forward_pre_hook(lambda m, a, i=i: seen[i].append(a[0].detach()))
+             for i in seen]
+    with torch.no_grad():
+        _run(ref)
+    for h in hooks:
+        h.remove()
+    for k, i in enumerate(seen):
+        H, rows = None, 0
+        for x in seen[i]:
+            H, rows = hq.ptq.hessian_update(H, x.numpy(), rows)
+        rotation = Rotation(ref[i].in_features, 7 + k) if rotate else None
+        want = hq.ptq.gptq_rows(ref[i].weight.detach().numpy(), H, CFG, damp=0.02,
+                                rotation=rotation)
+        got = model[i].codes()
+        np.testing.assert_array_equal(got.index.numpy(), np.asarray(want.codes.index))
+        np.testing.assert_array_equal(got.tfield.numpy(), np.asarray(want.codes.tfield))
+        np.testing.assert_array_equal(got.scale.numpy(), np.asarray(want.codes.scale))
+        # the layer's forward is PTQResult.matmul plus the bias, bit for bit
+        with torch.no_grad():
+            y = model[i](seen[i][0]).numpy()
+        np.testing.assert_array_equal(
+            y, np.asarray(want.matmul(seen[i][0].numpy())) + ref[i].bias.detach().numpy())
+
+
+def test_rotated_state_dict_round_trip_and_mismatch():
+    model = _mlp()
+    quantize_model(model, CFG, calibration=_run, rotate=True, seed=5)
+    assert model[0].get_extra_state()["rotation"] == Rotation(24, 5).to_dict()
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf)  # weights_only: the extra state is plain data
+    fresh = torch.nn.Sequential(
+        QuantizedLinear(24, 40, CFG, rotation=Rotation(24, 5)), torch.nn.GELU(),
+        QuantizedLinear(40, 8, CFG, rotation=Rotation(40, 6)))
+    fresh.load_state_dict(sd)
+    with torch.no_grad():
+        assert torch.equal(fresh(TEST), model(TEST))
+    # the decoded weight is in the original basis
+    with torch.no_grad():
+        torch.testing.assert_close(TEST @ model[0].weight.T + model[0].bias, model[0](TEST),
+                                   rtol=1e-5, atol=1e-5)
+    # compiled, no graph break
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(TEST), fresh(TEST))
+    one = {k.removeprefix("0."): v for k, v in sd.items() if k.startswith("0.")}
+    for layer, match in [
+            (QuantizedLinear(24, 40, CFG), r"saved with Rotation\(n=24, seed=5\), but the "
+                                           r"layer has no rotation"),
+            (QuantizedLinear(24, 40, CFG, rotation=Rotation(24, 6)),
+             r"Rotation\(n=24, seed=5\), but the layer has Rotation\(n=24, seed=6\)")]:
+        before = layer.index.clone()
+        with pytest.raises(ValueError, match=match):
+            layer.load_state_dict(one)
+        assert torch.equal(layer.index, before)  # nothing written
+    plain = _mlp()
+    quantize_model(plain, CFG)
+    with pytest.raises(ValueError, match="saved with no rotation, but the layer has Rotation"):
+        fresh.load_state_dict(plain.state_dict())
+    with pytest.raises(ValueError, match="rotation must be None or an"):
+        QuantizedLinear(24, 40, CFG, rotation=Rotation(40, 0))
+
+
+def test_rotation_gradient_and_rtn_rotation():
+    layer = QuantizedLinear.from_linear(torch.nn.Linear(24, 4), CFG, rotation=Rotation(24, 3))
+    x = torch.randn(5, 24, requires_grad=True)
+    layer(x).sum().backward()
+    # y = (x R) W'^T: dy/dx = 1 W'^T R^T = ones @ weight (the decoded weight, original basis)
+    torch.testing.assert_close(x.grad, torch.ones(5, 4) @ layer.weight.detach(), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_clear_errors():
+    with pytest.raises(TypeError, match="calibration must be None or a callable"):
+        quantize_model(_mlp(), CFG, calibration=CAL)
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"calibration never ran 1 of the layers.*: 2;"):
+        quantize_model(model, CFG, calibration=lambda m: m[0](CAL))
+    assert isinstance(model[0], torch.nn.Linear) and not model[0]._forward_pre_hooks  # untouched
+    def boom(m):
+        m[0](CAL)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        quantize_model(model, CFG, calibration=boom)
+    assert not model[0]._forward_pre_hooks
+    # a filter that leaves out the layer calibration does not reach: fine
+    r = quantize_model(model, CFG, lambda name, m: name == "0", calibration=lambda m: m[0](CAL))
+    assert list(r.proxy_loss) == ["0"] and isinstance(model[2], torch.nn.Linear)
+    with pytest.raises(ValueError, match="damp"):
+        quantize_model(_mlp(), CFG, calibration=_run, damp=-1.0)
+
+
+def test_progress_bar(capsys):
+    quantize_model(_mlp(), CFG, calibration=_run, progress=True)
+    assert "quantize_model" in capsys.readouterr().err

@@ -151,8 +151,9 @@ def test_decode_layouts_tables_and_invalid(cfg):
 
 
 def test_quantize_straight_through():
-    x = jnp.asarray(_data(D4, 64))
-    np.testing.assert_array_equal(hq.quantize(x, D4, **PALLAS), hq.quantize(x, D4, **XLA))
+    x = jnp.asarray(_data(D4, 64))  # includes blocks beyond max_T: both mark them NaN
+    np.testing.assert_array_equal(hq.quantize(x, D4, failures="mark", **PALLAS),
+                                  hq.quantize(x, D4, failures="mark", **XLA))
     g = jax.grad(lambda v: jnp.sum(hq.quantize(v, D4, **PALLAS) * 3.0))(x)
     np.testing.assert_array_equal(g, jnp.full_like(x, 3.0))
 

@@ -71,7 +71,7 @@ COMPUTE_MODES = {"decode": None, "kernel": "pallas", "lut": "lut"}
 COLLECTION = "hnlq"
 # QDense's default refresh interval: a training step then costs <= 2x a float step on the
 # digits MLP at the accuracy of refreshing every step (experiments/qat_digits.py, 3 seeds;
-# docs/flax.md, "Refresh schedule"). Encoding the kernel every step costs 5-6x on CPU there.
+# docs/flax.md, "Refresh schedule"). Encoding the kernel every step costs 6-7x on CPU there.
 QUANTIZE_EVERY = 16
 
 

@@ -37,6 +37,7 @@ from hnlq_jax.codes import Codes, index_dtype, pack_t
 from hnlq_jax.config import HNLQConfig, check_config, pow2_table
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.rows import calibrate_rows, row_rms, unit
+from hnlq_jax.stats import entropy_bits, t_counts
 
 __all__ = ["DAMP", "DEFAULT_GRID", "GROUP_COLUMNS", "PTQResult", "gptq_rows", "hessian",
            "hessian_update", "proxy_loss"]
@@ -371,9 +372,7 @@ def _search(w, H, Wp, A, perm, betas, rms, mode, *, ucfg: HNLQConfig, G: int, im
     losses = jnp.where(jnp.isnan(losses), jnp.inf, losses)
     total = jnp.sum(losses, axis=1)
     # "f": loss 2^(2 H(T) / d), H(T) the entropy of the layer's overload steps
-    hist = jax.vmap(lambda t: jnp.bincount(t.reshape(-1), length=ucfg.max_T + 1))(T)
-    p = hist / jnp.sum(hist, axis=1, keepdims=True)
-    ent = -jnp.sum(jnp.where(p > 0, p * jnp.log2(jnp.where(p > 0, p, 1)), 0), axis=1)
+    ent = entropy_bits(jax.vmap(lambda t: t_counts(t, ucfg))(T))
     layer = jnp.where(mode == 2, jnp.argmin(total * 2 ** (2 * ent / ucfg.d)), jnp.argmin(total))
     k = jnp.where(mode == 0, jnp.argmin(losses, axis=0), layer)
     rows = jnp.arange(losses.shape[1])

@@ -35,12 +35,22 @@ class RateStats(NamedTuple):
     rate: jax.Array
 
 
+def t_counts(T, config: HNLQConfig):
+    """``[max_T + 2]`` counts of the overload steps ``T`` (any shape; index 0 counts T = -1)."""
+    return jnp.bincount(T.reshape(-1).astype(jnp.int32) + 1, length=config.max_T + 2)
+
+
+def entropy_bits(counts):
+    """Entropy in bits of the empirical distribution ``counts[..., S]`` (over the last axis;
+    traceable)."""
+    p = counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1)
+    return -jnp.sum(jnp.where(p > 0, p * jnp.log2(jnp.where(p > 0, p, 1)), 0), axis=-1)
+
+
 def _rate_stats(T, config: HNLQConfig) -> RateStats:
-    T = T.reshape(-1).astype(jnp.int32)
     n = max(T.size, 1)
-    counts = jnp.bincount(T + 1, length=config.max_T + 2)  # index 0: T = -1
-    p = counts / n
-    H = -jnp.sum(jnp.where(p > 0, p * jnp.log2(jnp.where(p > 0, p, 1)), 0))
+    counts = t_counts(T, config)
+    H = entropy_bits(counts)
     return RateStats(
         overload_rate=jnp.sum(counts[2:]) / n,
         failure_rate=counts[0] / n,

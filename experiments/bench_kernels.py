@@ -8,10 +8,12 @@ products to float rounding), and what ``implementation=None`` picks on this back
 beta calibrated on N(0,1), iid N(0,1) data; the weights are row codes (``hq.encode_rows``).
 Bytes moved count the compact codes as stored (``Codes.nbytes``).
 
-Writes ``results/bench_kernels.json`` and prints a Markdown table. ``gpu_check.py`` reuses
-:func:`cases` and :func:`measure` at GPU sizes.
+Writes ``results/bench_kernels.json``, prints a Markdown table and writes it into
+``docs/performance.md``. ``gpu_check.py`` reuses :func:`cases`, :func:`measure` and
+:func:`table` at GPU sizes.
 
-Usage: ``python experiments/bench_kernels.py [--scale 1] [--repeat 3]``
+Usage: ``python experiments/bench_kernels.py [--scale 1] [--repeat 3]``; ``--report`` only
+rewrites the docs table from ``results/bench_kernels.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 import hnlq_jax as hq
 from hnlq_jax import kernels, ops
 from hnlq_jax.timing import best_time
+from report import DOCS, add_report_flag, load_results, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -130,17 +133,23 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=int, default=1, help="multiplies the sizes")
     p.add_argument("--repeat", type=int, default=3)
+    add_report_flag(p)
     args = p.parse_args(argv)
-    cfg = config()
-    rows = [measure(c, args.repeat, cfg)
-            for c in cases(cfg, 2**16 * args.scale, 1024 * args.scale, (1, 16))]
-    out = {"environment": environment(), "config": repr(cfg),
-           "default": " ".join(ops.default_implementation.__doc__.split("\n\n")[1].split()),
-           "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bench_kernels.json").write_text(json.dumps(out, indent=1))
-    print(table(rows))
-    print(f"\nimplementation=None: {out['default']}")
+    if args.report:
+        out = load_results("bench_kernels")
+    else:
+        cfg = config()
+        rows = [measure(c, args.repeat, cfg)
+                for c in cases(cfg, 2**16 * args.scale, 1024 * args.scale, (1, 16))]
+        out = {"environment": environment(), "config": repr(cfg),
+               "default": " ".join(ops.default_implementation.__doc__.split("\n\n")[1].split()),
+               "rows": rows}
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "bench_kernels.json").write_text(json.dumps(out, indent=1))
+        print(f"implementation=None: {out['default']}\n")
+    text = table(out["rows"])
+    print(text)
+    write_between_markers(DOCS / "performance.md", "bench_kernels", text)
     return out
 
 

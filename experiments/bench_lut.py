@@ -13,9 +13,11 @@ N(0,1) entries, D4 q=4 M=2 row codes (``hq.encode_rows``, the layers' weight for
 
 Reports best-of-``--repeat`` seconds, rows of x per second, the time ratio to the float32 dot,
 the relative error to the exact float32 product, and the memory of each weight representation.
-Writes ``results/bench_lut.json`` and prints a Markdown table.
+Writes ``results/bench_lut.json``, prints a Markdown table and writes the tables into
+``docs/performance.md``.
 
-Usage: ``python experiments/bench_lut.py [--size 4096] [--batches 1 8 64] [--repeat 3]``
+Usage: ``python experiments/bench_lut.py [--size 4096] [--batches 1 8 64] [--repeat 3]``;
+``--report`` only rewrites the docs tables from ``results/bench_lut.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 import hnlq_jax as hq
 from hnlq_jax import lut
 from hnlq_jax.timing import best_time
+from report import DOCS, add_report_flag, load_results, markdown_table, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -96,33 +99,55 @@ def run(size, batches, repeat):
     return cfg, rows, memory(cW, max(batches))
 
 
+def _cell(row: dict) -> str:
+    t, ratio = row["seconds"], row["time_vs_float32"]
+    return (f"{t:.3g} s" if t >= 1 else f"{1e3 * t:.3g} ms") + (
+        f" ({ratio:.0f}×)" if ratio >= 10 else f" ({ratio:.2g}×)")
+
+
+def table(res: dict) -> str:
+    """The docs tables of a result dict: time per call (and ratio to the float32 dot) by batch
+    and method; the bytes of each representation of the weight."""
+    batches = list(dict.fromkeys(r["batch"] for r in res["rows"]))
+    methods = list(dict.fromkeys(r["method"] for r in res["rows"]))
+    cell = {(r["batch"], r["method"]): r for r in res["rows"]}
+    times = markdown_table(
+        ["batch"] + [f"`{m}`" if m.startswith("matmul") else m for m in methods],
+        [[b] + [_cell(cell[b, m]) for m in methods] for b in batches])
+    weights = res["n"] * res["k"]
+    memory = markdown_table(
+        ["weight representation", "MiB", "bits per weight"],
+        [[name + (f", batch {max(batches)}" if "per call" in name else ""),
+          f"{b / 2**20:.3g}", "" if "table" in name else f"{8 * b / weights:.2f}"]
+         for name, b in res["memory_bytes"].items()])
+    caption = (f"y = x @ Wᵀ, W {res['n']} × {res['k']}, {res['config']} {res['weights']}, "
+               f"β = {res['beta_relative_to_row_rms']:.4f} × row RMS, best of {res['repeat']}, "
+               f"{res['backend']}; time per call (time / float32 dot):")
+    return f"{caption}\n\n{times}\n\n{memory}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--repeat", type=int, default=3)
+    add_report_flag(ap)
     args = ap.parse_args()
-    cfg, rows, mem = run(args.size, args.batches, args.repeat)
-    print(f"D4 q=4 M=2 row codes (beta {cfg.beta:.4f} x row RMS), n = k = {args.size}, "
-          f"{jax.default_backend()}, {jax.device_count()} device(s)\n")
-    print("| batch | method | time (ms) | rows/s | time / float32 dot | max rel. error |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        err = "" if r["max_rel_err_vs_float64"] is None else f"{r['max_rel_err_vs_float64']:.1e}"
-        print(f"| {r['batch']} | {r['method']} | {1e3 * r['seconds']:.2f} | "
-              f"{r['rows_per_s']:.3g} | {r['time_vs_float32']:.1f}x | {err} |")
-    print("\n| weight representation | bytes | bits per weight |\n|---|---|---|")
-    for name, b in mem.items():
-        per_weight = "" if "table" in name else f"{8 * b / args.size**2:.2f}"
-        print(f"| {name} | {b:,} | {per_weight} |")
-    RESULTS.mkdir(exist_ok=True)
-    out = {"config": "D4 q=4 M=2", "weights": "row codes (hq.encode_rows)",
-           "beta_relative_to_row_rms": cfg.beta, "n": args.size, "k": args.size,
-           "repeat": args.repeat, "backend": jax.default_backend(), "jax": jax.__version__,
-           "machine": platform.machine(), "cpus": jax.device_count(), "rows": rows,
-           "memory_bytes": mem}
-    (RESULTS / "bench_lut.json").write_text(json.dumps(out, indent=1))
-    print(f"\nwrote {RESULTS / 'bench_lut.json'}")
+    if args.report:
+        out = load_results("bench_lut")
+    else:
+        cfg, rows, mem = run(args.size, args.batches, args.repeat)
+        RESULTS.mkdir(exist_ok=True)
+        out = {"config": "D4 q=4 M=2", "weights": "row codes (hq.encode_rows)",
+               "beta_relative_to_row_rms": cfg.beta, "n": args.size, "k": args.size,
+               "repeat": args.repeat, "backend": jax.default_backend(), "jax": jax.__version__,
+               "machine": platform.machine(), "cpus": jax.device_count(), "rows": rows,
+               "memory_bytes": mem}
+        (RESULTS / "bench_lut.json").write_text(json.dumps(out, indent=1))
+        print(f"wrote {RESULTS / 'bench_lut.json'}\n")
+    text = table(out)
+    print(text)
+    write_between_markers(DOCS / "performance.md", "bench_lut", text)
 
 
 if __name__ == "__main__":

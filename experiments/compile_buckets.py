@@ -4,13 +4,16 @@ Eager calls pad their flat batch to a shape bucket (``hnlq_jax.ops.bucket``: the
 two, at least 1024), so a stream of different batch sizes compiles O(log n) programs instead of
 one per size. For each of 20 batch sizes (drawn once, 100..100,000 vectors, D4 q=4 M=2) this
 times the first call (including any compile) and the best of 3 later calls, and counts the
-compiled programs. Writes ``experiments/results/compile_buckets.json``.
+compiled programs. Writes ``experiments/results/compile_buckets.json`` and the table into
+``docs/performance.md``.
 
-Usage: ``python experiments/compile_buckets.py``
+Usage: ``python experiments/compile_buckets.py``; ``--report`` only rewrites the docs table from
+``results/compile_buckets.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import time
@@ -20,6 +23,7 @@ import numpy as np
 
 import hnlq_jax as hq
 from hnlq_jax import ops
+from report import DOCS, add_report_flag, load_results, markdown_table, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -28,7 +32,18 @@ def _call(x, cfg):
     return jax.block_until_ready(hq.decode(hq.encode(x, cfg)))
 
 
-def main():
+def table(res: dict) -> str:
+    """The docs table of a result dict: one row per batch size, then the program count."""
+    rows = [[f"{r['n']:,}", f"{r['bucket']:,}", f"{r['first_s']:.2f} s",
+             f"{1e3 * r['steady_s']:.2f} ms"] for r in res["rows"]]
+    return markdown_table(["batch size", "bucket", "first call", "steady (best of 3)"], rows) + (
+        f"\n\n{res['batch_sizes']} batch sizes, {res['buckets']} buckets: "
+        f"{res['encode_programs']} encode and {res['decode_programs']} decode programs compiled "
+        f"({res['backend']}, jax {res['jax']}).")
+
+
+def run() -> dict:
+    """Times every batch size; writes and returns the result dict."""
     cfg = hq.HNLQConfig("D4", 4, 2)
     cfg = cfg.replace(beta=hq.gaussian_beta(cfg))
     sizes = sorted({int(n) for n in np.geomspace(100, 100_000, 20).round()})
@@ -52,8 +67,16 @@ def main():
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "compile_buckets.json").write_text(json.dumps(out, indent=2))
-    print(f"{out['batch_sizes']} batch sizes -> {out['buckets']} buckets, "
-          f"{out['encode_programs']} encode / {out['decode_programs']} decode programs")
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_report_flag(p)
+    args = p.parse_args()
+    text = table(load_results("compile_buckets") if args.report else run())
+    print(text)
+    write_between_markers(DOCS / "performance.md", "compile_buckets", text)
 
 
 def _timed(fn, *args):

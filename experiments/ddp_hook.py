@@ -17,9 +17,10 @@ Bytes are counted, not modelled: the collectives the hooks call (``all_reduce`` 
 Reported per method: training loss curves, final test accuracy (mean over seeds), bytes per
 step after the warm-up and the ratio to float32, and the median step time (both ranks share 2
 cores and gloo runs over loopback: the compute cost of each hook, not a network measurement).
-Writes ``results/ddp_hook.{json,png}``.
+Writes ``results/ddp_hook.{json,png}`` and the table into ``docs/performance.md``.
 
-Usage: ``python experiments/ddp_hook.py [--steps 400] [--seeds 0 1 2]`` (about 3 minutes).
+Usage: ``python experiments/ddp_hook.py [--steps 400] [--seeds 0 1 2]`` (about 3 minutes);
+``--report`` only rewrites the docs table from ``results/ddp_hook.json``.
 """
 
 from __future__ import annotations
@@ -46,10 +47,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import hnlq_jax as hq  # noqa: E402
 import torch_bridge as tb  # noqa: E402
 from qat_digits import data  # noqa: E402  (the same split and normalization)
+from report import (DOCS, add_report_flag, load_results, markdown_table,  # noqa: E402
+                    write_between_markers)
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 WORLD, BATCH, WARMUP = 2, 32, 10
 METHODS = ("allreduce", "fp16", "powersgd_r2", "hnlq_q4_m2", "hnlq_q4_m1")
+LABELS = {"allreduce": "`allreduce_hook` (float32)", "fp16": "`fp16_compress_hook`",
+          "powersgd_r2": "`powerSGD_hook`, rank 2", "hnlq_q4_m2": "`hnlq_hook`, D4 q=4 M=2",
+          "hnlq_q4_m1": "`hnlq_hook`, D4 q=4 M=1"}
 
 
 def hook_for(method: str):
@@ -176,11 +182,22 @@ def plot(res: dict, path: pathlib.Path):
     fig.savefig(path, dpi=120)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    args = ap.parse_args()
+def table(res: dict) -> str:
+    """The docs table of a result dict: one row per hook."""
+    rows = [[LABELS.get(m, m), f"{100 * r['test_accuracy_mean']:.2f} %",
+             f"{r['bytes_per_step'] / 1e3:.1f} k", f"{r['ratio_to_float32']:.2f}×",
+             f"{r['step_ms']:.1f}", f"{r['step_time_ratio']:.1f}"]
+            for m, r in res["methods"].items()]
+    caption = (f"{res['parameters']:,} parameters, {res['world']} ranks × "
+               f"{res['batch_per_rank']} examples, {res['steps']} steps, seeds {res['seeds']}, "
+               f"test accuracy the mean over seeds:")
+    return caption + "\n\n" + markdown_table(
+        ["hook", "test accuracy", "bytes/step/rank", "fewer than float32", "step time (ms)",
+         "× allreduce"], rows)
+
+
+def run(steps, seeds) -> dict:
+    """Trains every hook on ``WORLD`` spawned ranks; writes and returns the result dict."""
     # One XLA thread per rank (set before the ranks import JAX): 2 ranks share 2 cores.
     os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
                                        "intra_op_parallelism_threads=1")
@@ -189,10 +206,10 @@ def main():
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runs.json")
-        mp.spawn(worker, args=(port, args.steps, args.seeds, out), nprocs=WORLD)
+        mp.spawn(worker, args=(port, steps, seeds, out), nprocs=WORLD)
         runs = json.loads(pathlib.Path(out).read_text())
     n_params = sum(p.numel() for p in model(0).parameters())
-    res = {"world": WORLD, "batch_per_rank": BATCH, "steps": args.steps, "seeds": args.seeds,
+    res = {"world": WORLD, "batch_per_rank": BATCH, "steps": steps, "seeds": seeds,
            "warmup_steps": WARMUP, "parameters": n_params,
            "methods": summarize(runs, n_params),
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
@@ -200,12 +217,19 @@ def main():
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ddp_hook.json").write_text(json.dumps(res, indent=1))
     plot(res, RESULTS / "ddp_hook.png")
-    print(f"{'method':12} {'test acc':>8} {'loss':>7} {'kB/step':>8} {'x fewer':>7} "
-          f"{'ms/step':>8} {'time x':>6}")
-    for m, r in res["methods"].items():
-        print(f"{m:12} {r['test_accuracy_mean']:8.4f} {r['final_loss']:7.4f} "
-              f"{r['bytes_per_step'] / 1e3:8.1f} {r['ratio_to_float32']:7.2f} "
-              f"{r['step_ms']:8.2f} {r['step_time_ratio']:6.1f}")
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    add_report_flag(ap)
+    args = ap.parse_args()
+    res = load_results("ddp_hook") if args.report else run(args.steps, args.seeds)
+    text = table(res)
+    print(text)
+    write_between_markers(DOCS / "performance.md", "ddp_hook", text)
 
 
 if __name__ == "__main__":

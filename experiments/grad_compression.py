@@ -15,9 +15,11 @@ Reports final test accuracy (mean, min, max over seeds), bytes each device sends
 the ratio to float32, the overload rate, the fraction of chunks the wire's rate control coded at
 a larger scale (their T stream did not fit its capacity), and the step time (median over the run, same process,
 2 cores simulating 8 devices: the collectives are memory copies, so this is the compute cost of
-compression, not a network measurement). Writes ``results/grad_compression.{json,png}``.
+compression, not a network measurement). Writes ``results/grad_compression.{json,png}`` and the
+table into ``docs/performance.md``.
 
-Usage: ``python experiments/grad_compression.py [--seeds 0 1 2] [--epochs 30]``
+Usage: ``python experiments/grad_compression.py [--seeds 0 1 2] [--epochs 30]``; ``--report``
+only rewrites the docs table from ``results/grad_compression.json``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import hnlq_jax as hq  # noqa: E402
 from hnlq_jax import dist, wire  # noqa: E402
 from qat_digits import data  # noqa: E402  (the same split and normalization)
+from report import (DOCS, add_report_flag, load_results, markdown_table,  # noqa: E402
+                    write_between_markers)
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 N_DEV, PER_DEV = 8, 16
@@ -184,17 +188,29 @@ def train(spec, built, seed, epochs, xtr, ytr, xte, yte):
             "bytes_sent": sent, "overload_rate": over, "rescaled_chunk_rate": rescaled}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--epochs", type=int, default=30)
-    args = p.parse_args(argv)
+def table(res: dict) -> str:
+    """The docs table of a result dict: one row per method of ``res["summary"]``."""
+    rows = [[s["method"],
+             f"{100 * s['acc_mean']:.2f} % ({100 * s['acc_min']:.2f}-{100 * s['acc_max']:.2f})",
+             f"{s['bytes_per_step']:,.0f}", f"{s['fewer_bytes_than_float32']:.2f}x fewer",
+             f"{s['overload_rate']:.3f}", f"{s['rescaled_chunk_rate']:.3f}",
+             f"{s['step_time_ms']:.1f} ms", f"{s['step_time_vs_float32']:.2f}x"]
+            for s in res["summary"]]
+    caption = (f"{res['params']:,} parameters, {res['devices']} devices × "
+               f"{res['per_device_batch']} examples, {res['epochs']} epochs, seeds {res['seeds']}:")
+    return caption + "\n\n" + markdown_table(
+        ["method", "test accuracy (mean, min-max)", "bytes/step/device", "vs float32",
+         "overload rate", "rescaled chunks", "step time", "vs float32"], rows)
+
+
+def run(seeds, epochs) -> dict:
+    """Trains every method over ``seeds``; writes and returns the result dict."""
     xtr, xte, ytr, yte = data()
     cfg = hq.HNLQConfig("D4", 4, 2)
     runs = {}
     for name, spec in methods(cfg).items():
         built = build(spec)
-        runs[name] = [train(spec, built, s, args.epochs, xtr, ytr, xte, yte) for s in args.seeds]
+        runs[name] = [train(spec, built, s, epochs, xtr, ytr, xte, yte) for s in seeds]
         print(name, "done", flush=True)
     params = MLP().init(jax.random.key(0), xtr[:1])["params"]
     f32 = float32_bytes(params, N_DEV)
@@ -210,22 +226,26 @@ def main(argv=None):
                         "rescaled_chunk_rate": rs[0]["rescaled_chunk_rate"],
                         "step_time_ms": 1e3 * t,
                         "step_time_vs_float32": t / base_t})
-    out = {"devices": N_DEV, "per_device_batch": PER_DEV, "epochs": args.epochs,
-           "seeds": args.seeds, "params": int(sum(a.size for a in jax.tree.leaves(params))),
+    out = {"devices": N_DEV, "per_device_batch": PER_DEV, "epochs": epochs,
+           "seeds": seeds, "params": int(sum(a.size for a in jax.tree.leaves(params))),
            "jax": jax.__version__, "summary": summary,
            "curves": {k: [r["curve"] for r in v] for k, v in runs.items()}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "grad_compression.json").write_text(json.dumps(out, indent=1))
     plot(runs)
-    print("| method | test accuracy (mean, min-max) | bytes/step/device | vs float32 | "
-          "overload rate | rescaled chunks | step time | vs float32 |")
-    print("|---|---|---|---|---|---|---|---|")
-    for s in summary:
-        print(f"| {s['method']} | {100 * s['acc_mean']:.2f} % ({100 * s['acc_min']:.2f}-"
-              f"{100 * s['acc_max']:.2f}) | {s['bytes_per_step']:,.0f} | "
-              f"{s['fewer_bytes_than_float32']:.2f}x fewer | {s['overload_rate']:.3f} | "
-              f"{s['rescaled_chunk_rate']:.3f} | "
-              f"{s['step_time_ms']:.1f} ms | {s['step_time_vs_float32']:.2f}x |")
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--epochs", type=int, default=30)
+    add_report_flag(p)
+    args = p.parse_args(argv)
+    out = load_results("grad_compression") if args.report else run(args.seeds, args.epochs)
+    text = table(out)
+    print(text)
+    write_between_markers(DOCS / "performance.md", "grad_compression", text)
     return out
 
 

@@ -8,9 +8,12 @@ tables (two-sided for D4; E8 q=4 has no practical two-sided table, so one-sided 
 decoded y, on the first 16 pairs: its tables hold 65,536 entries per block) and compared with
 decode-then-dot. The paper's D4 numbers are in docs/math.md ("Reference numbers").
 
-Writes results/inner_product.{json,png}. Run: python experiments/inner_product.py
+Writes results/inner_product.{json,png} and the table into docs/performance.md. Run:
+python experiments/inner_product.py (--report: only rewrite the docs table from
+results/inner_product.json).
 """
 
+import argparse
 import functools
 import json
 import math
@@ -34,6 +37,8 @@ import hnlq_jax as hq  # noqa: E402
 from hnlq_jax import lut  # noqa: E402
 from hnlq_jax.codec import decode_blocks, encode_blocks  # noqa: E402
 from hnlq_jax.codes import pack_t  # noqa: E402
+from report import (DOCS, add_report_flag, load_results, markdown_table,  # noqa: E402
+                    write_between_markers)
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 N, PAIRS, Q, GRID = 512, 1000, 4, 40
@@ -61,7 +66,7 @@ def grid(x, y, cfg, betas):
     return jax.lax.map(one, betas, batch_size=4)
 
 
-def run(name, M, x, y):
+def run_config(name, M, x, y):
     cfg = hq.HNLQConfig(name, Q, M)
     betas = np.array([cfg.beta_min() * (1 + 0.05 * k) for k in range(GRID)])
     D, R = (np.asarray(v) for v in grid(x, y, cfg, jnp.asarray(betas)))
@@ -106,23 +111,40 @@ def plot(rows, path):
     plt.close(fig)
 
 
-def main() -> int:
+def table(res: dict) -> str:
+    """The docs table of a result dict: one row per config at its chosen beta."""
+    rows = [[f"{r['lattice']} q={r['q']} M={r['M']}", f"{r['beta']:.4f}", f"{r['R']:.3f}",
+             f"{r['D_ip']:.3e}", f"{r['Gamma_R']:.3e}", f"{r['dB_above_Gamma']:.2f}",
+             f"{r['lut_path']}: {r['lut_vs_decode_max_rel']:.1e}"] for r in res["rows"]]
+    caption = f"{res['pairs']} pairs, n = {res['n']}, seed {res['seed']}:"
+    return caption + "\n\n" + markdown_table(
+        ["config", "β", "R (bits/dim)", "D_ip", "Γ(R)", "dB above Γ(R)",
+         "LUT products: max rel. difference to decode-then-dot"], rows)
+
+
+def run() -> dict:
+    """Runs every config; writes and returns the result dict."""
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((PAIRS, N)), rng.standard_normal((PAIRS, N))
     t0 = time.perf_counter()
     jobs = [(name, M) for name in ("D4", "E8") for M in (1, 2, 3, 4)]
-    rows = [run(name, M, x, y) for name, M in tqdm(jobs, desc="configs")]
-    print(f"{'config':12s} {'beta':>7s} {'R':>6s} {'D_ip':>10s} {'Gamma(R)':>10s} {'dB':>6s}  LUT check")
-    for r in rows:
-        print(f"{r['lattice']} q={r['q']} M={r['M']}  {r['beta']:7.4f} {r['R']:6.3f} "
-              f"{r['D_ip']:10.3e} {r['Gamma_R']:10.3e} {r['dB_above_Gamma']:6.2f}  "
-              f"{r['lut_path']}: max rel diff {r['lut_vs_decode_max_rel']:.1e}")
+    rows = [run_config(name, M, x, y) for name, M in tqdm(jobs, desc="configs")]
     RESULTS.mkdir(exist_ok=True)
     out = {"n": N, "pairs": PAIRS, "seed": 0, "q": Q, "seconds": time.perf_counter() - t0,
            "criterion": "min D_ip / Gamma(R) on the beta grid", "rows": rows}
     (RESULTS / "inner_product.json").write_text(json.dumps(out, indent=1))
     plot(rows, RESULTS / "inner_product.png")
     print(f"wrote {RESULTS / 'inner_product.json'} and .png")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_report_flag(p)
+    args = p.parse_args()
+    text = table(load_results("inner_product") if args.report else run())
+    print(text)
+    write_between_markers(DOCS / "performance.md", "inner_product", text)
     return 0
 
 

@@ -47,11 +47,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax import ops
+from hnlq_jax import ops, ptq
 from hnlq_jax._numerics import straight_through
 from hnlq_jax.codec import is_concrete
 from hnlq_jax.codes import Codes, check_codes, check_saved_header, saved_header
 from hnlq_jax.config import HNLQConfig, check_config
+from hnlq_jax.incoherence import Rotation
 from hnlq_jax.rows import bucket_rows, calibrate_rows, rows_codes, unit
 from hnlq_jax.stats import gaussian_beta
 
@@ -62,6 +63,7 @@ __all__ = [
     "export_params",
     "gaussian_beta",
     "import_params",
+    "quantize_params",
     "refresh_codes",
 ]
 
@@ -299,12 +301,20 @@ class QDense(nn.Module):
         return y if bias is None else y + bias
 
     def _inference(self, x):
-        """The inference form: ``matmul(x, codes) + bias`` (no kernel exists)."""
+        """The inference form: ``matmul(x, codes) + bias`` (no kernel exists), or
+        ``matmul(rotation.apply(x), codes) + bias`` when it holds a rotation
+        (:func:`quantize_params` with ``rotate=True``)."""
         if not self.has_variable(COLLECTION, "codes"):
             raise ValueError(f"QDense {self.name}: neither params/kernel nor {COLLECTION}/codes "
                              "found; apply the variables of QDense.init or export_params")
         codes = self.get_variable(COLLECTION, "codes")
         _check_layer_codes(codes, self.config, x.shape[-1], self.features, f"QDense {self.name}")
+        if self.has_variable(COLLECTION, "rotation"):  # codes of W R: compute with x R
+            rotation = self.get_variable(COLLECTION, "rotation")
+            if not isinstance(rotation, Rotation) or rotation.n != x.shape[-1]:
+                raise ValueError(f"QDense {self.name}: {COLLECTION}/rotation must be an "
+                                 f"incoherence.Rotation of size {x.shape[-1]}, got {rotation!r}")
+            x = rotation.apply(x)
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
                 if self.use_bias else None)
         x, bias = nn.dtypes.promote_dtype(x, bias, dtype=self.dtype)
@@ -413,12 +423,7 @@ def export_params(variables, config: HNLQConfig):
     inference = {"params": traverse_util.unflatten_dict(params),
                  COLLECTION: traverse_util.unflatten_dict(
                      {path + ("codes",): codes for path, codes in layers.items()})}
-    code_bytes = sum(codes.nbytes for codes in layers.values())
-    deployed = code_bytes + sum(int(np.asarray(v).nbytes) for v in params.values())
-    report = {"float32_bytes": float_bytes, "deployed_bytes": int(deployed),
-              "ratio": float_bytes / max(int(deployed), 1),
-              "bits_per_weight": 8 * code_bytes / max(weights, 1)}
-    return inference, report
+    return inference, _bytes_report(float_bytes, list(layers.values()), params.values(), weights)
 
 
 def import_params(saved, config: HNLQConfig):
@@ -446,8 +451,189 @@ def import_params(saved, config: HNLQConfig):
         if isinstance(record, Codes):
             record = _codes_state(record)
         hnlq[path + ("codes",)] = _codes_from_state(record, unit(config), where)
+        rotation = _rotation_record(saved[COLLECTION], path)
+        if rotation is not None:
+            hnlq[path + ("rotation",)] = (rotation if isinstance(rotation, Rotation)
+                                          else Rotation.from_dict(rotation))
     return {"params": jax.tree.map(jnp.asarray, params),
             COLLECTION: traverse_util.unflatten_dict(hnlq)}
+
+
+def _rotation_record(collection, path: tuple):
+    """The rotation saved beside a layer's codes (a Rotation or its ``to_dict()``), or None."""
+    node = collection
+    for key in path:
+        node = node[key]
+    return node.get("rotation")
+
+
+# ------------------------------------------------------------- post-training quantization
+
+
+def _dense_layers(params) -> dict:
+    """``{path: kernel}`` of every params subtree with a 2-D ``kernel`` (the nn.Dense layout)."""
+    flat = traverse_util.flatten_dict(params)
+    return {path[:-1]: v for path, v in flat.items()
+            if path[-1] == "kernel" and np.ndim(v) == 2}
+
+
+def _collect_hessians(run, variables, targets, order: list | None = None) -> dict:
+    """``{path: (H, rows)}`` of the inputs of the Dense / QDense layers at ``targets`` over one
+    eager call ``run(variables)``; appends every Dense path reached to ``order`` (call order)."""
+    acc = {}
+
+    def interceptor(next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name == "__call__" and isinstance(module, (nn.Dense, QDense)):
+            path = tuple(module.path)
+            if order is not None and path not in order:
+                order.append(path)
+            if path in targets:
+                x = args[0]
+                if isinstance(x, jax.core.Tracer):
+                    raise ValueError("quantize_params: calibration ran the model under a jax "
+                                     "transformation (jit, vmap, ...); run(variables) must "
+                                     "apply it eagerly so the inputs can be accumulated")
+                H, rows = acc.get(path, (None, 0))
+                acc[path] = ptq.hessian_update(H, x, rows)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(interceptor):
+        run(variables)
+    return acc
+
+
+def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_fn=None,
+                    calibrate: bool = True, rotate: bool = False, act_order: bool = False,
+                    damp: float = ptq.DAMP, criterion: str = "loss", grid=ptq.DEFAULT_GRID,
+                    sequential: bool = False, seed: int = 0, progress: bool = False):
+    """Post-training quantization of a Flax model's Dense layers into the QDense inference form.
+
+    Every params subtree with a 2-D ``kernel [in, out]`` (``nn.Dense`` / ``QDense``, selected
+    by ``filter_fn``) is coded as the row codes of ``kernel^T``: by round-to-nearest
+    (:func:`hnlq_jax.rows.rows_codes` at the calibrated beta) without ``calibration``, or by
+    compensated rounding (:func:`hnlq_jax.ptq.gptq_rows`) against the Hessian of its inputs
+    with it. The result is what :func:`export_params` returns, so the same architecture built
+    with :class:`QDense` layers applies it (``model.apply(inference, x)``) and it saves and
+    loads the same way (:func:`import_params`).
+
+    **Calibration** (``calibration=run``): ``run(variables)`` applies the float model to
+    calibration data, eagerly (not under ``jit``), e.g.
+    ``lambda v: [model.apply(v, x) for x in batches]``. Method interception
+    (``flax.linen.intercept_methods``) collects ``H = sum x^T x`` of every Dense layer's inputs
+    in one call; with ``sequential=True`` one layer at a time in the order the forward pass
+    reaches them, each from a model whose earlier layers compute with their quantized weights
+    (decoded into the float model's params), so only one H is held, for one call per layer.
+
+    Args:
+      variables: the float model's variables ``{"params": ...}``.
+      config: the quantizer.
+      calibration: ``None`` (round-to-nearest) or ``run(variables)`` (above).
+      filter_fn: ``filter_fn(path, kernel) -> bool`` (``path`` a tuple of names); only layers
+        where it is true are quantized (default: all).
+      calibrate: beta from :func:`hnlq_jax.rows.calibrate_rows` (with ``calibration``, the
+        search of :func:`~hnlq_jax.ptq.gptq_rows` around it); ``False``: ``config.beta``.
+      rotate: incoherence processing: layer ``k`` (in sorted path order) gets
+        ``Rotation(in, seed + k)``, stored as ``hnlq/<path>/rotation`` and applied by
+        ``QDense`` to its input.
+      act_order, damp, criterion, grid: as :func:`~hnlq_jax.ptq.gptq_rows` (with
+        ``calibration``).
+      sequential: collect one layer's H at a time (above).
+      seed: base seed of the rotations.
+      progress: a tqdm progress bar over the layers (needs ``tqdm``).
+
+    Returns:
+      ``(inference, report)``: ``inference = {"params": params without the quantized kernels,
+      "hnlq": {path: {"codes": Codes[, "rotation": Rotation]}}}`` and ``report`` with the
+      byte counts of :func:`export_params` plus ``layers`` (the paths quantized) and, with
+      ``calibration``, ``proxy_loss`` and ``clipped`` per layer.
+
+    Raises:
+      ValueError: no Dense layer selected; ``calibration`` not callable, run under ``jit``, or
+        never reaching a selected layer (the message names them); the errors of
+        :func:`~hnlq_jax.ptq.gptq_rows`.
+    """
+    fn = "quantize_params"
+    check_config(config, fn)
+    if not isinstance(variables, dict) or "params" not in variables:
+        raise ValueError(f"{fn}: expected the float model's variables {{'params': ...}}, got "
+                         f"{type(variables).__name__}")
+    if calibration is not None and not callable(calibration):
+        raise TypeError(f"{fn}: calibration must be None or a callable run(variables), got "
+                        f"{type(calibration).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"{fn}: seed must be a non-negative int, got {seed!r}")
+    params = traverse_util.flatten_dict(variables["params"])
+    layers = {path: k for path, k in sorted(_dense_layers(variables["params"]).items())
+              if filter_fn is None or filter_fn(path, k)}
+    if not layers:
+        raise ValueError(f"{fn}: no Dense layer (a params subtree with a 2-D kernel) selected")
+    rotations = {path: Rotation(k.shape[0], seed + i) if rotate else None
+                 for i, (path, k) in enumerate(layers.items())}
+    order, hessians = list(layers), {}
+    if calibration is not None:
+        seen = []
+        first = [] if sequential else list(layers)
+        hessians = _collect_hessians(calibration, variables, set(first), seen)
+        missing = [p for p in layers if p not in seen]
+        if missing:
+            raise ValueError(f"{fn}: calibration never ran {len(missing)} of the layers to "
+                             f"quantize: {', '.join('/'.join(p) for p in missing)}; run the "
+                             "model on inputs that reach them, or leave them out with filter_fn")
+        order = [p for p in seen if p in layers]
+    hnlq, report = {}, {"layers": [], "proxy_loss": {}, "clipped": {}}
+    for path in _progress(order, progress):
+        kernel, rotation = layers[path], rotations[path]
+        if sequential and calibration is not None:
+            hessians = _collect_hessians(calibration, {**variables, "params": (
+                traverse_util.unflatten_dict(params))}, {path})
+        H = hessians.pop(path, (None, 0))[0]
+        name = "/".join(path)
+        if H is None:
+            w = kernel.T if rotation is None else rotation.rotate_weight(kernel.T)
+            codes = _kernel_codes(w.T, config, _weight_beta(w.T, config, calibrate))
+        else:
+            result = ptq.gptq_rows(kernel.T, H, config, damp=damp, act_order=act_order,
+                                   beta=None if calibrate else config.beta, grid=grid,
+                                   criterion=criterion, rotation=rotation)
+            codes = result.codes
+            report["proxy_loss"][name], report["clipped"][name] = result.loss, result.clipped
+        hnlq[path + ("codes",)] = codes
+        if rotation is not None:
+            hnlq[path + ("rotation",)] = rotation
+        if sequential:  # later layers calibrate through this one's quantized weight
+            w_hat = ops.decode(codes, dtype=kernel.dtype)
+            params[path + ("kernel",)] = (w_hat if rotation is None
+                                          else rotation.inverse(w_hat)).T
+        report["layers"].append(name)
+    float_bytes = sum(4 * int(np.size(v)) for v in traverse_util.flatten_dict(
+        variables["params"]).values())
+    kept = {k: v for k, v in traverse_util.flatten_dict(variables["params"]).items()
+            if k[:-1] not in layers or k[-1] != "kernel"}
+    inference = {"params": traverse_util.unflatten_dict(kept),
+                 COLLECTION: traverse_util.unflatten_dict(hnlq)}
+    report.update(_bytes_report(float_bytes, [v for k, v in hnlq.items() if k[-1] == "codes"],
+                                kept.values(), sum(int(np.size(k)) for k in layers.values())))
+    return inference, report
+
+
+def _bytes_report(float_bytes: int, codes: list, kept, weights: int) -> dict:
+    """Byte counts of an inference form: float32 model vs codes plus the other params."""
+    code_bytes = sum(c.nbytes for c in codes)
+    deployed = code_bytes + sum(int(np.asarray(v).nbytes) for v in kept)
+    return {"float32_bytes": float_bytes, "deployed_bytes": int(deployed),
+            "ratio": float_bytes / max(int(deployed), 1),
+            "bits_per_weight": 8 * code_bytes / max(weights, 1)}
+
+
+def _progress(items, enabled: bool):
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError as e:
+        raise ImportError("quantize_params(progress=True) needs tqdm (pip install tqdm)") from e
+    return tqdm(items, desc="quantize_params", unit="layer")
 
 
 # ------------------------------------------------------------- Codes in flax.serialization
@@ -483,3 +669,15 @@ def _restore_codes(target: Codes, state) -> Codes:
 
 
 serialization.register_serialization_state(Codes, _codes_state, _restore_codes, override=True)
+
+
+def _restore_rotation(target: Rotation, state) -> Rotation:
+    rotation = Rotation.from_dict(state)
+    if rotation != target:
+        raise ValueError(f"restoring {serialization.current_path()}: saved {rotation!r}, the "
+                         f"target has {target!r}")
+    return rotation
+
+
+serialization.register_serialization_state(Rotation, Rotation.to_dict, _restore_rotation,
+                                           override=True)

@@ -155,8 +155,9 @@ def _transform(x, rot: Rotation, ct, inverse: bool):
 class Rotation:
     """The randomized orthogonal transform ``R = diag(s) K`` of size ``n`` (module docstring).
 
-    Frozen and hashable (a static argument of ``jax.jit``); the arrays it needs are derived
-    from ``(n, seed)`` on the host and cached.
+    Frozen and hashable (a static argument of ``jax.jit``), and a pytree without leaves (it
+    passes through ``jit`` inside a variables tree); the arrays it needs are derived from
+    ``(n, seed)`` on the host and cached.
 
     Attributes:
       n: the transformed axis' length (a layer's in-features), >= 1.
@@ -250,3 +251,9 @@ class Rotation:
                              f"shape {tuple(H.shape)}")
         Hr = self.apply(jnp.swapaxes(self.apply(H), 0, 1))  # (H R)^T R = R^T H R, H symmetric
         return (Hr + Hr.T) / 2
+
+
+# A Rotation is a pytree with no leaves (n and seed are static), so it can live in a variables
+# tree (e.g. a QDense layer's inference form) and pass through jit as part of its structure.
+jax.tree_util.register_pytree_node(
+    Rotation, lambda r: ((), (r.n, r.seed)), lambda aux, _: Rotation(*aux))

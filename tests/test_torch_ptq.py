@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import hnlq_jax as hq
-import torch_bridge as tb
 from hnlq_jax.incoherence import Rotation
 from torch_bridge import QuantizedLinear, quantize_model
 
@@ -80,21 +79,51 @@ def test_codes_equal_gptq_rows_in_jax(rotate):
     for h in hooks:
         h.remove()
     for k, i in enumerate(seen):
-        H, rows = None, 0
-        for x in seen[i]:
-            H, rows = hq.ptq.hessian_update(H, x.numpy(), rows)
         rotation = Rotation(ref[i].in_features, 7 + k) if rotate else None
-        want = hq.ptq.gptq_rows(ref[i].weight.detach().numpy(), H, CFG, damp=0.02,
-                                rotation=rotation)
-        got = model[i].codes()
-        np.testing.assert_array_equal(got.index.numpy(), np.asarray(want.codes.index))
-        np.testing.assert_array_equal(got.tfield.numpy(), np.asarray(want.codes.tfield))
-        np.testing.assert_array_equal(got.scale.numpy(), np.asarray(want.codes.scale))
+        want = hq.ptq.gptq_rows(ref[i].weight.detach().numpy(), _hessian(seen[i]), CFG,
+                                damp=0.02, rotation=rotation)
+        _assert_codes(model[i].codes(), want.codes)
         # the layer's forward is PTQResult.matmul plus the bias, bit for bit
         with torch.no_grad():
             y = model[i](seen[i][0]).numpy()
         np.testing.assert_array_equal(
             y, np.asarray(want.matmul(seen[i][0].numpy())) + ref[i].bias.detach().numpy())
+
+
+def _hessian(xs):
+    H, rows = None, 0
+    for x in xs:
+        H, rows = hq.ptq.hessian_update(H, x.numpy(), rows)
+    return H
+
+
+def _assert_codes(got, want):
+    for field in ("index", "tfield", "scale"):
+        np.testing.assert_array_equal(getattr(got, field).numpy(),
+                                      np.asarray(getattr(want, field)))
+
+
+def test_sequential_calibrates_through_the_quantized_layers():
+    ref = _mlp(4)
+    model = _copy(ref)
+    r = quantize_model(model, CFG, calibration=_run, sequential=True, criterion="f")
+    assert r.tokens == {"0": 256, "2": 256}
+    w0 = ref[0].weight.detach().numpy()
+    _assert_codes(model[0].codes(),
+                  hq.ptq.gptq_rows(w0, _hessian(CAL.split(64)), CFG, criterion="f").codes)
+    # layer 2's H comes from the GELU of the *quantized* layer 0's outputs
+    with torch.no_grad():
+        hidden = [ref[1](model[0](c)) for c in CAL.split(64)]
+    w2 = ref[2].weight.detach().numpy()
+    _assert_codes(model[2].codes(),
+                  hq.ptq.gptq_rows(w2, _hessian(hidden), CFG, criterion="f").codes)
+    assert _err(model, ref) < 0.8 * _err(_rtn(ref), ref)
+
+
+def _rtn(ref):
+    model = _copy(ref)
+    quantize_model(model, CFG)
+    return model
 
 
 def test_rotated_state_dict_round_trip_and_mismatch():
@@ -165,6 +194,10 @@ def test_clear_errors():
     assert list(r.proxy_loss) == ["0"] and isinstance(model[2], torch.nn.Linear)
     with pytest.raises(ValueError, match="damp"):
         quantize_model(_mlp(), CFG, calibration=_run, damp=-1.0)
+    with pytest.raises(ValueError, match="criterion must be 'loss' or 'f'"):
+        quantize_model(_mlp(), CFG, calibration=_run, criterion="mse")
+    with pytest.raises(TypeError, match="sequential must be a bool"):
+        quantize_model(_mlp(), CFG, calibration=_run, sequential="yes")
 
 
 def test_progress_bar(capsys):

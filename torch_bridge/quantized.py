@@ -185,13 +185,15 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, config: HNLQConfig, *, calibrate: bool = True,
                     implementation=None, hessian=None, rotation: Rotation | None = None,
-                    damp: float = hptq.DAMP, act_order: bool = False) -> QuantizedLinear:
+                    damp: float = hptq.DAMP, act_order: bool = False,
+                    criterion: str = "loss", grid=hptq.DEFAULT_GRID) -> QuantizedLinear:
         """The quantized form of ``linear``.
 
         A plain ``nn.Linear`` (or a subclass) is coded by :func:`torch_bridge.encode_rows` with
         its calibrated beta (``calibrate=False``: ``config.beta``), or, given the ``hessian``
         of its inputs, by :func:`hnlq_jax.ptq.gptq_rows` (compensated rounding; ``damp``,
-        ``act_order`` as there; its beta search when ``calibrate``, else ``config.beta``).
+        ``act_order``, ``criterion``, ``grid`` as there; its beta search when ``calibrate``,
+        else ``config.beta``).
         With a ``rotation`` the rotated weight is coded (see the class). A layer that already
         holds codes (a :class:`~torch_bridge.QLinear`) keeps them, so the result computes
         exactly as that layer in eval mode.
@@ -204,11 +206,13 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
         """
         return cls._from_linear(linear, config, calibrate=calibrate,
                                 implementation=implementation, hessian=hessian,
-                                rotation=rotation, damp=damp, act_order=act_order)[0]
+                                rotation=rotation, damp=damp, act_order=act_order,
+                                criterion=criterion, grid=grid)[0]
 
     @classmethod
     def _from_linear(cls, linear, config, *, calibrate, implementation, hessian=None,
-                     rotation=None, damp=hptq.DAMP, act_order=False):
+                     rotation=None, damp=hptq.DAMP, act_order=False, criterion="loss",
+                     grid=hptq.DEFAULT_GRID):
         """``(layer, PTQResult or None)``: :meth:`from_linear` and the compensation's result."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"QuantizedLinear.from_linear: expected an nn.Linear, got "
@@ -232,6 +236,7 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
             H = hessian if not isinstance(hessian, torch.Tensor) else to_jax(hessian.detach())
             with x64_for(wd, getattr(hessian, "dtype", None)):
                 result = hptq.gptq_rows(to_jax(wd), H, config, damp=damp, act_order=act_order,
+                                        criterion=criterion, grid=grid,
                                         beta=None if calibrate else config.beta,
                                         rotation=rotation, implementation=implementation)
                 codes = Codes.from_jax(result.codes, copy=True)
@@ -395,6 +400,7 @@ def _progress(items, enabled: bool, total: int):
 def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *,
                    calibrate: bool = True, implementation=None, calibration=None,
                    rotate: bool = False, act_order: bool = False, damp: float = hptq.DAMP,
+                   criterion: str = "loss", grid=hptq.DEFAULT_GRID, sequential: bool = False,
                    seed: int = 0, progress: bool = False) -> QuantizeReport:
     """Replaces the ``nn.Linear`` layers of ``model``, in place, by :class:`QuantizedLinear`.
 
@@ -410,9 +416,12 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
     float64 for float64 inputs) during one call ``run(model)`` of the still-float model
     (under ``torch.no_grad()``); each layer is then coded by
     :func:`hnlq_jax.ptq.gptq_rows` (compensated rounding) instead of round-to-nearest. All
-    layers' Hessians are held at once: ``4 * in^2`` bytes per layer (the sequential variant,
-    each layer's inputs taken from the partly quantized model, is not implemented). ``QLinear``
-    layers keep their codes and are not hooked.
+    layers' Hessians are held at once: ``4 * in^2`` bytes per layer. With ``sequential=True``
+    the layers are taken one at a time in ``named_modules`` order (which should be the order
+    the forward pass reaches them): ``run(model)`` is called once per layer, with only that
+    layer hooked and every earlier one already replaced, so each layer's H is that of the
+    inputs it will see in the quantized model and only one H is held; it costs one calibration
+    pass per layer. ``QLinear`` layers keep their codes and are not hooked.
 
     Args:
       model: any module (not itself an ``nn.Linear``).
@@ -429,7 +438,11 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
         order, counting each shared layer once) gets
         ``Rotation(in_features, seed + k)`` (:mod:`hnlq_jax.incoherence`), codes of the
         rotated weight and applies the rotation to its inputs; with or without calibration.
-      act_order, damp: as :func:`hnlq_jax.ptq.gptq_rows` (with ``calibration`` only).
+      act_order, damp, criterion, grid: as :func:`hnlq_jax.ptq.gptq_rows` (with
+        ``calibration`` only). ``criterion="f"`` trades the proxy loss against the entropy of
+        T (fewer overloads, fewer packed bits) with one beta per layer; a ``grid`` reaching
+        above 1 lets it choose larger betas.
+      sequential: collect one layer's H at a time from the partly quantized model (above).
       seed: the base seed of the rotations.
       progress: a tqdm progress bar over the layers being coded (needs ``tqdm``).
 
@@ -456,6 +469,10 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
                         f"{type(calibration).__name__}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"quantize_model: seed must be a non-negative int, got {seed!r}")
+    if criterion not in ("loss", "f"):
+        raise ValueError(f"quantize_model: criterion must be 'loss' or 'f', got {criterion!r}")
+    if not isinstance(sequential, bool):
+        raise TypeError(f"quantize_model: sequential must be a bool, got {sequential!r}")
     report = QuantizeReport()
     sites, seen = [], set()
     for parent_name, parent in model.named_modules(remove_duplicate=False):
@@ -477,27 +494,37 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
         firsts.setdefault(id(child), (name, child))
     fresh = {k: v for k, v in firsts.items() if not isinstance(v[1], CodesLayer)}
     hessians = {}
-    if calibration is not None and fresh:
+    if calibration is not None and fresh and not sequential:
         hessians = _collect_hessians(model, {k: n for k, (n, _) in fresh.items()},
                                      calibration)
     done: dict[int, QuantizedLinear] = {}
+
+    def install(key):
+        for _, parent, child_name, child in chosen:
+            if id(child) == key:
+                setattr(parent, child_name, done[key])
+
     for k, (key, (name, child)) in enumerate(_progress(firsts.items(), progress, len(firsts))):
         plain = key in fresh
-        H, rows = hessians.get(key, (None, 0))
+        if sequential and calibration is not None and plain:
+            hessians = _collect_hessians(model, {key: name}, calibration)
+        H, rows = hessians.pop(key, (None, 0))  # pop: free it once coded
         rotation = Rotation(child.in_features, seed + k) if rotate and plain else None
         q, result = QuantizedLinear._from_linear(
             child, config, calibrate=calibrate, implementation=implementation, hessian=H,
-            rotation=rotation, damp=damp, act_order=act_order)
-        hessians.pop(key, None)  # free it
+            rotation=rotation, damp=damp, act_order=act_order, criterion=criterion, grid=grid)
         done[key] = q
+        if sequential:  # later layers' calibration runs through this one's codes
+            install(key)
         if result is not None:
             report.proxy_loss[name], report.clipped[name] = result.loss, result.clipped
             report.tokens[name] = rows
         report.float32_bytes += 4 * (child.weight.numel() + q.out_features * (
             child.bias is not None))
         report.quantized_bytes += _state_bytes(q)
+    for key in done:
+        install(key)
     for name, parent, child_name, child in chosen:
-        setattr(parent, child_name, done[id(child)])
         report.converted.append((name, type(child).__name__,
                                  (child.out_features, child.in_features)))
     unexpected = [s for s in report.skipped if s[2] not in ("filter_fn", "already quantized")]

@@ -1,0 +1,155 @@
+"""hnlq_jax.flax.quantize_params: post-training quantization of a Flax model's Dense layers into
+the QDense inference form. The codes equal ptq.gptq_rows on the same H bit for bit (one pass
+and sequential), calibration beats round-to-nearest, rotated forms save and load exactly and
+refuse another rotation, and bad calls get clear errors."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import serialization
+
+import hnlq_jax as hq
+from hnlq_jax import ptq
+from hnlq_jax.flax import QDense, import_params, quantize_params
+from hnlq_jax.incoherence import Rotation
+from hnlq_jax.rows import calibrate_rows, rows_codes
+
+CFG = hq.HNLQConfig("D4", 4, 2)
+
+
+class MLP(nn.Module):
+    """Two dense layers; ``quantized`` builds them as QDense (same params layout)."""
+
+    quantized: bool = False
+
+    def dense(self, features, name):
+        if self.quantized:
+            return QDense(features, config=CFG, name=name)
+        return nn.Dense(features, name=name)
+
+    @nn.compact
+    def __call__(self, x):
+        return self.dense(8, "b")(nn.relu(self.dense(40, "a")(x)))
+
+
+class First(nn.Module):
+    """MLP's layer a alone: a calibration that never reaches b."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(40, name="a")(x)
+
+
+def _inputs(seed, n=256):
+    # correlated, anisotropic inputs: where compensation beats plain rounding
+    mix = jax.random.normal(jax.random.key(99), (24, 24)) * jnp.linspace(0.1, 2.0, 24)
+    return jax.random.normal(jax.random.key(seed), (n, 24)) @ mix
+
+
+CAL, TEST = _inputs(1), _inputs(2)
+FLOAT, QUANT = MLP(), MLP(quantized=True)
+VARS = FLOAT.init(jax.random.key(0), CAL[:1])
+
+
+def _run(variables):
+    for chunk in jnp.split(CAL, 4):
+        FLOAT.apply(variables, chunk)
+
+
+def _err(inference):
+    return float(jnp.mean((QUANT.apply(inference, TEST) - FLOAT.apply(VARS, TEST)) ** 2))
+
+
+def _same_codes(a, b):
+    np.testing.assert_array_equal(np.asarray(a.index), np.asarray(b.index))
+    np.testing.assert_array_equal(np.asarray(a.tfield), np.asarray(b.tfield))
+    np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
+
+
+def _hessian(xs):
+    H, rows = None, 0
+    for x in xs:
+        H, rows = ptq.hessian_update(H, x, rows)
+    return H
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_codes_equal_gptq_rows(rotate):
+    inference, report = quantize_params(VARS, CFG, _run, rotate=rotate, seed=5, damp=0.02)
+    p = VARS["params"]
+    hidden = [nn.relu(c @ p["a"]["kernel"] + p["a"]["bias"]) for c in jnp.split(CAL, 4)]
+    for name, xs, k in (("a", jnp.split(CAL, 4), 0), ("b", hidden, 1)):
+        rotation = Rotation(p[name]["kernel"].shape[0], 5 + k) if rotate else None
+        want = ptq.gptq_rows(p[name]["kernel"].T, _hessian(xs), CFG, damp=0.02,
+                             rotation=rotation)
+        _same_codes(inference["hnlq"][name]["codes"], want.codes)
+        assert inference["hnlq"][name].get("rotation") == rotation
+        assert report["proxy_loss"][name] == pytest.approx(want.loss, rel=1e-6)
+    assert "kernel" not in inference["params"]["a"] and "bias" in inference["params"]["a"]
+    assert report["layers"] == ["a", "b"] and report["clipped"] == {"a": 0, "b": 0}
+
+
+def test_sequential_calibrates_through_the_quantized_layers():
+    inference, _ = quantize_params(VARS, CFG, _run, sequential=True)
+    p = VARS["params"]
+    codes_a = inference["hnlq"]["a"]["codes"]
+    _same_codes(codes_a, ptq.gptq_rows(p["a"]["kernel"].T, _hessian(jnp.split(CAL, 4)),
+                                       CFG).codes)
+    # layer b's H comes from the outputs of the *quantized* layer a
+    w_a = hq.decode(codes_a).T
+    hidden = [nn.relu(c @ w_a + p["a"]["bias"]) for c in jnp.split(CAL, 4)]
+    _same_codes(inference["hnlq"]["b"]["codes"],
+                ptq.gptq_rows(p["b"]["kernel"].T, _hessian(hidden), CFG).codes)
+
+
+def test_calibration_beats_round_to_nearest():
+    rtn, report = quantize_params(VARS, CFG)
+    assert report["proxy_loss"] == {}
+    # without calibration: rows_codes of kernel^T at the calibrated beta, as QDense exports
+    _same_codes(rtn["hnlq"]["b"]["codes"],
+                rows_codes(VARS["params"]["b"]["kernel"].T, CFG,
+                           calibrate_rows(VARS["params"]["b"]["kernel"].T, CFG)))
+    e_rtn = _err(rtn)
+    for kwargs in ({}, {"rotate": True, "act_order": True}, {"sequential": True}):
+        e = _err(quantize_params(VARS, CFG, _run, **kwargs)[0])
+        assert e < 0.8 * e_rtn, (kwargs, e, e_rtn)
+
+
+def test_rotated_form_saves_and_loads_bit_exact(tmp_path):
+    inference, _ = quantize_params(VARS, CFG, _run, rotate=True)
+    y = jax.jit(QUANT.apply)(inference, TEST)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(QUANT.apply(inference, TEST)))
+    path = tmp_path / "model.msgpack"
+    path.write_bytes(serialization.to_bytes(inference))
+    loaded = import_params(serialization.msgpack_restore(path.read_bytes()), CFG)
+    assert loaded["hnlq"]["a"]["rotation"] == Rotation(24, 0)
+    np.testing.assert_array_equal(np.asarray(QUANT.apply(loaded, TEST)), np.asarray(y))
+    restored = serialization.from_bytes(inference, path.read_bytes())
+    np.testing.assert_array_equal(np.asarray(QUANT.apply(restored, TEST)), np.asarray(y))
+    other, _ = quantize_params(VARS, CFG, _run, rotate=True, seed=1)
+    with pytest.raises(ValueError, match="Rotation"):
+        serialization.from_bytes(other, path.read_bytes())
+
+
+def test_filter_fn_keeps_layers_in_float():
+    inference, report = quantize_params(VARS, CFG, _run, filter_fn=lambda path, k: path != ("b",))
+    assert report["layers"] == ["a"] and "b" not in inference["hnlq"]
+    assert "kernel" in inference["params"]["b"]
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="under a jax transformation"):
+        quantize_params(VARS, CFG, jax.jit(lambda v: FLOAT.apply(v, CAL)))
+    with pytest.raises(ValueError, match="never ran 1 of the layers to quantize: b;"):
+        quantize_params(VARS, CFG, lambda v: First().apply({"params": {"a": v["params"]["a"]}},
+                                                            CAL))
+    with pytest.raises(ValueError, match="no Dense layer"):
+        quantize_params(VARS, CFG, filter_fn=lambda path, k: False)
+    with pytest.raises(TypeError, match="calibration must be None or a callable"):
+        quantize_params(VARS, CFG, calibration=CAL)
+    with pytest.raises(ValueError, match="variables"):
+        quantize_params(VARS["params"], CFG)
+    with pytest.raises(TypeError):
+        quantize_params(VARS, "D4")

@@ -186,7 +186,8 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
     """
     check_codes(codes, "decode")
     config = codes.config
-    if levels is not None and not (isinstance(levels, int) and 1 <= levels <= config.M):
+    if levels is not None and not (isinstance(levels, int) and not isinstance(levels, bool)
+                                   and 1 <= levels <= config.M):
         raise ValueError(f"decode: levels must be an int in 1..M={config.M}, got {levels!r}")
     dtype = _out_dtype(dtype, "decode")
     compute = jnp.promote_types(dtype, jnp.float32)  # half precision: float32, then round

@@ -172,7 +172,6 @@ def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step
     return jnp.where(jnp.isfinite(jnp.min(key)), betas[jnp.argmin(key)], betas[-1])
 
 
-@functools.lru_cache(maxsize=None)
 def gaussian_beta(config: HNLQConfig) -> float:
     """beta of the paper's grid search on 4000 iid N(0,1) d-vectors (``default_rng(0)``).
 
@@ -181,7 +180,11 @@ def gaussian_beta(config: HNLQConfig) -> float:
     Raises:
       TypeError: ``config`` is not an :class:`~hnlq_jax.HNLQConfig` (e.g. a lattice name).
     """
-    check_config(config, "gaussian_beta")
+    return _gaussian_beta(check_config(config, "gaussian_beta"))
+
+
+@functools.lru_cache(maxsize=None)  # after the check: the cache needs a hashable config
+def _gaussian_beta(config: HNLQConfig) -> float:
     x = np.random.default_rng(0).standard_normal((4000, config.d)).astype(np.float32)
     with jax.ensure_compile_time_eval():  # a constant, also when first asked for under jit
         return calibrate_beta(x, config)[0]

@@ -272,6 +272,9 @@ CASES = [
                  id="calibrate-criterion"),
     pytest.param(lambda: hq.gaussian_beta("D4"), TypeError,
                  r"gaussian_beta: config must be an HNLQConfig, got str", id="gaussian_beta-str"),
+    pytest.param(lambda: hq.gaussian_beta({"lattice": "D4"}), TypeError,
+                 r"gaussian_beta: config must be an HNLQConfig, got dict",
+                 id="gaussian_beta-dict"),
 
     # -- codes: ranges, dtypes, another config
     pytest.param(lambda: Codes.from_labels(np.zeros((3, 2, 4), np.int32),
@@ -301,6 +304,8 @@ CASES = [
                  id="decode-codes-of-another-config"),
     pytest.param(lambda: hq.decode(_codes(), levels=3), ValueError,
                  r"decode: levels must be an int in 1\.\.M=2, got 3", id="decode-levels"),
+    pytest.param(lambda: hq.decode(_codes(), levels=True), ValueError,
+                 r"decode: levels must be an int in 1\.\.M=2, got True", id="decode-levels-bool"),
     pytest.param(lambda: hq.matmul(np.zeros((2, 9), np.float32), WEIGHT_CODES),
                  ValueError, r"matmul: x must be \[\.\.\., k\] with k = 16 \(the codes' row "
                  r"length\), got shape \(2, 9\)", id="matmul-x-width"),

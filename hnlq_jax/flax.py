@@ -1,5 +1,6 @@
 """Quantization-aware training and quantized inference in Flax: :class:`QDense`,
-:class:`QuantDotGeneral` and the inference form (:func:`export_params`).
+:class:`QuantDotGeneral` and the inference form (:func:`export_params`), which post-training
+quantization of a float model's Dense layers also produces (:func:`quantize_params`).
 
 **Weight format.** A kernel ``W[in, out]`` is held as the row :class:`~hnlq_jax.Codes` of
 ``W^T`` (:func:`hnlq_jax.rows.rows_codes`): output unit ``j`` is divided by

@@ -421,7 +421,8 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
     the forward pass reaches them): ``run(model)`` is called once per layer, with only that
     layer hooked and every earlier one already replaced, so each layer's H is that of the
     inputs it will see in the quantized model and only one H is held; it costs one calibration
-    pass per layer. ``QLinear`` layers keep their codes and are not hooked.
+    pass per layer (and an error part way leaves the layers coded so far replaced).
+    ``QLinear`` layers keep their codes and are not hooked.
 
     Args:
       model: any module (not itself an ``nn.Linear``).

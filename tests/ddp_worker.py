@@ -34,7 +34,13 @@ D4_Q4_M2 = hq.HNLQConfig("D4", 4, 2, beta=0.2016)  # hq.gaussian_beta, rounded
 D4_Q16_M4 = hq.HNLQConfig("D4", 16, 4, beta=4.353e-5)
 
 
-def bucket_data(n=3001):
+# The model's one gradient bucket holds N values (not a multiple of d = 4): every call of the
+# hook below, direct or through DDP, codes one layout per config and method, so each rank
+# compiles the coder once for it.
+N = 63 * (32 + 1) + 8 * (63 + 1)  # 2591
+
+
+def bucket_data(n=N):
     return np.random.default_rng(7).standard_normal((2, n)).astype(np.float32)
 
 
@@ -66,7 +72,7 @@ def buckets(rank):
     x = bucket_data()[rank]
     res = {"bucket": {m: hook(HNLQHookState(D4_Q4_M2, min_size=0, method=m), x,
                               [torch.zeros(x.size)]) for m in ("all_gather", "reduce_scatter")}}
-    a, b = torch.zeros(1000), torch.zeros(2001)
+    a, b = torch.zeros(1000), torch.zeros(N - 1000)
     state = HNLQHookState(D4_Q4_M2, min_size=0)
     hook(state, x, [a, b])  # leaves a residual for bucket 0
     same = hook(state, x, [a, b])
@@ -79,7 +85,7 @@ def buckets(rank):
 
 def model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    return torch.nn.Sequential(torch.nn.Linear(32, 63), torch.nn.Tanh(), torch.nn.Linear(63, 8))
 
 
 def batch(rank, step, dtype=torch.float32):
@@ -90,7 +96,7 @@ def batch(rank, step, dtype=torch.float32):
 
 
 def ddp(state=None):
-    m = DDP(model())  # one bucket of 2632 values
+    m = DDP(model())  # one bucket of N values
     if state is not None:
         m.register_comm_hook(state, hnlq_hook)
     return m

@@ -32,6 +32,14 @@ def sharded(f, n=N_DEV):
                                  out_specs=P("i")))
 
 
+@functools.cache
+def mean_fn(cfg=CFG, method="all_gather"):
+    """The compressed mean on N_DEV devices, one jitted function per config and method: a shape
+    it has seen (in any test of this process) does not compile again."""
+    return sharded(functools.partial(dist.compressed_mean, axis_name="i", config=cfg,
+                                     method=method))
+
+
 def rows(shape, seed=0, n=N_DEV):
     return jnp.asarray(np.random.default_rng(seed).standard_normal((n,) + shape), jnp.float32)
 
@@ -69,7 +77,7 @@ def reference_mean(x, cfg, method, chunk=dist.CHUNK):
 def test_mean_matches_reference_and_pmap(method):
     x = rows((37, 29))  # 1073 values: ragged, not a multiple of d or of a chunk
     f = functools.partial(dist.compressed_mean, axis_name="i", config=CFG, method=method)
-    got = sharded(f)(x)
+    got = mean_fn(CFG, method)(x)
     assert got.shape == x.shape and got.dtype == jnp.float32
     # Identical on every device, equal to the pmap path bit for bit.
     assert bool(jnp.all(got == got[0]))
@@ -88,7 +96,7 @@ def test_high_rate_approaches_exact_mean():
     errs = []
     for q, M, beta in ((4, 1, 0.7752), (4, 3, 0.05039), (16, 4, 4.353e-5)):  # gaussian_beta
         cfg = hq.HNLQConfig("D4", q, M, beta=beta)
-        got = sharded(functools.partial(dist.compressed_mean, axis_name="i", config=cfg))(x)[0]
+        got = mean_fn(cfg)(x)[0]
         errs.append(np.linalg.norm(got - exact) / np.linalg.norm(exact))
     assert errs[0] > errs[1] > errs[2] and errs[2] < 1e-4
 
@@ -96,12 +104,11 @@ def test_high_rate_approaches_exact_mean():
 def test_shapes_dtypes_and_scalars():
     for shape, dtype in (((), jnp.float32), ((3,), jnp.bfloat16), ((4, 4, 3), jnp.float32)):
         x = rows(shape, seed=2).astype(dtype)
-        got = sharded(functools.partial(dist.compressed_mean, axis_name="i", config=CFG))(x)
+        got = mean_fn()(x)
         assert got.shape == x.shape and got.dtype == dtype
         exact = jnp.mean(x.astype(jnp.float32), axis=0)
         assert float(jnp.max(jnp.abs(got[0].astype(jnp.float32) - exact))) < 0.5
-    zeros = sharded(functools.partial(dist.compressed_mean, axis_name="i", config=CFG))(
-        jnp.zeros((N_DEV, 4, 4, 3)))  # the last case's shape: no new compile
+    zeros = mean_fn()(jnp.zeros((N_DEV, 4, 4, 3)))  # the last case's shape: no new compile
     np.testing.assert_array_equal(zeros, 0)
 
 
@@ -229,10 +236,8 @@ def test_ratio_target_and_accuracy():
     all-reduce (the T field entropy coded), at the accuracy of two quantizations."""
     w = dist.wire_bytes(np.zeros(2**20), CFG, N_DEV, "reduce_scatter")
     assert w["ratio"] >= 6.5
-    x = rows((8192,), seed=5)
-    f = functools.partial(dist.compressed_mean, axis_name="i", config=CFG,
-                          method="reduce_scatter")
-    got = np.asarray(sharded(f)(x)[0], np.float64)
+    x = rows((4096,), seed=5)  # test_spike_is_coded_not_nan's shape: compiled once
+    got = np.asarray(mean_fn(CFG, "reduce_scatter")(x)[0], np.float64)
     exact = np.mean(np.asarray(x, np.float64), axis=0)
     assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.15
     assert dist.wire_bytes(x[0], CFG, N_DEV, "reduce_scatter")["ratio"] >= 6.5
@@ -244,8 +249,7 @@ def test_uncalibrated_config_gets_gaussian_beta():
     x = rows((2000,), seed=6)
     plain = hq.HNLQConfig("D4", 4, 2)
     assert wire.chunk_config(plain).beta == hq.gaussian_beta(plain)
-    got, calibrated = (sharded(functools.partial(dist.compressed_mean, axis_name="i", config=c))(x)
-                       for c in (plain, wire.chunk_config(plain)))
+    got, calibrated = (mean_fn(c)(x) for c in (plain, wire.chunk_config(plain)))
     np.testing.assert_array_equal(got, calibrated)
     exact = np.mean(np.asarray(x, np.float64), axis=0)
     assert np.linalg.norm(got[0] - exact) / np.linalg.norm(exact) < 0.12
@@ -257,8 +261,8 @@ def test_spike_is_coded_not_nan(method):
     costs the resolution of its own chunk only."""
     x = np.array(rows((4096,), seed=7))
     x[3, 100] = 1e20
-    f = functools.partial(dist.compressed_mean, axis_name="i", config=CFG, method=method)
-    got = np.asarray(sharded(f)(jnp.asarray(x))[0], np.float64)
+    f = mean_fn(CFG, method)
+    got = np.asarray(f(jnp.asarray(x))[0], np.float64)
     assert np.all(np.isfinite(got))
     exact = np.mean(x.astype(np.float64), axis=0)
     assert abs(got[100] / exact[100] - 1) < 0.2
@@ -266,7 +270,7 @@ def test_spike_is_coded_not_nan(method):
     far = slice(2048, None)
     clean = x.copy()
     clean[3, 100] = 0
-    ref = np.asarray(sharded(f)(jnp.asarray(clean))[0], np.float64)
+    ref = np.asarray(f(jnp.asarray(clean))[0], np.float64)
     np.testing.assert_array_equal(got[far], ref[far])
 
 
@@ -306,8 +310,7 @@ def test_bad_input():
     with pytest.raises(TypeError, match="HNLQConfig"):
         dist.compressed_mean(jnp.zeros(3), "i", "D4")
     with pytest.raises(TypeError, match="must be floating"):
-        sharded(functools.partial(dist.compressed_mean, axis_name="i", config=CFG))(
-            jnp.zeros((N_DEV, 3), jnp.int32))
+        mean_fn()(jnp.zeros((N_DEV, 3), jnp.int32))
     one = dist.wire_bytes(np.zeros(1000), CFG, 1)  # one device: nothing sent either way
     assert one["sent"] == 0 and one["float32_allreduce"] == 0 and one["ratio"] == 1.0
 

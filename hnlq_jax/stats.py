@@ -188,3 +188,7 @@ def _gaussian_beta(config: HNLQConfig) -> float:
     x = np.random.default_rng(0).standard_normal((4000, config.d)).astype(np.float32)
     with jax.ensure_compile_time_eval():  # a constant, also when first asked for under jit
         return calibrate_beta(x, config)[0]
+
+
+# The cache stays reachable from the public name (e.g. to empty it in a test).
+gaussian_beta.cache_clear = _gaussian_beta.cache_clear

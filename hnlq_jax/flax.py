@@ -507,7 +507,8 @@ def _collect_hessians(run, variables, targets, order: list | None = None) -> dic
 def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_fn=None,
                     calibrate: bool = True, rotate: bool = False, act_order: bool = False,
                     damp: float = ptq.DAMP, criterion: str = "loss", grid=ptq.DEFAULT_GRID,
-                    sequential: bool = False, seed: int = 0, progress: bool = False):
+                    t_budget=None, sequential: bool = False, seed: int = 0,
+                    progress: bool = False):
     """Post-training quantization of a Flax model's Dense layers into the QDense inference form.
 
     Every params subtree with a 2-D ``kernel [in, out]`` (``nn.Dense`` / ``QDense``, selected
@@ -537,7 +538,7 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
       rotate: incoherence processing: layer ``k`` (in sorted path order) gets
         ``Rotation(in, seed + k)``, stored as ``hnlq/<path>/rotation`` and applied by
         ``QDense`` to its input.
-      act_order, damp, criterion, grid: as :func:`~hnlq_jax.ptq.gptq_rows` (with
+      act_order, damp, criterion, grid, t_budget: as :func:`~hnlq_jax.ptq.gptq_rows` (with
         ``calibration``).
       sequential: collect one layer's H at a time (above).
       seed: base seed of the rotations.
@@ -596,7 +597,7 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
         else:
             result = ptq.gptq_rows(kernel.T, H, config, damp=damp, act_order=act_order,
                                    beta=None if calibrate else config.beta, grid=grid,
-                                   criterion=criterion, rotation=rotation)
+                                   criterion=criterion, t_budget=t_budget, rotation=rotation)
             codes = result.codes
             report["proxy_loss"][name], report["clipped"][name] = result.loss, result.clipped
         hnlq[path + ("codes",)] = codes

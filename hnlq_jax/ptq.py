@@ -145,6 +145,8 @@ class PTQResult:
         normally; ``docs/ptq.md``).
       rotation: the :class:`~hnlq_jax.incoherence.Rotation` applied to the input side, or
         ``None``. With one, the layer computes ``matmul(rotation.apply(x), codes)``.
+      t_bits: the entropy of the codes' T per weight (``H(T) / d``, about what the packed T
+        stream costs), the quantity ``t_budget`` bounds.
     """
 
     codes: Codes
@@ -152,6 +154,7 @@ class PTQResult:
     loss: float
     clipped: int
     rotation: Rotation | None = None
+    t_bits: float = 0.0
 
     def weight(self, dtype=None):
         """The quantized weight ``[out, in]`` in the original basis (rotated back)."""
@@ -226,6 +229,16 @@ def _check_options(damp, grid, fn: str):
 
 
 # ----------------------------------------------------------------------------- the core
+
+
+def _check_budget(t_budget, fn: str) -> float:
+    if t_budget is None:
+        return math.inf
+    if isinstance(t_budget, bool) or not isinstance(t_budget, (int, float)) or not (
+            math.isfinite(t_budget) and t_budget >= 0):
+        raise ValueError(f"{fn}: t_budget must be None or a finite number >= 0 (bits per "
+                         f"weight), got {t_budget!r}")
+    return float(t_budget)
 
 
 def _group_blocks(config: HNLQConfig, nb: int) -> int:
@@ -348,13 +361,15 @@ def _compensate(Wp, c, A, ucfg: HNLQConfig, G: int, impl: str):
 
 
 @functools.partial(jax.jit, static_argnames=("ucfg", "G", "impl"))
-def _search(w, H, Wp, A, perm, betas, rms, mode, *, ucfg: HNLQConfig, G: int, impl: str):
+def _search(w, H, Wp, A, perm, betas, rms, mode, budget, *, ucfg: HNLQConfig, G: int,
+            impl: str):
     """Runs the compensation at every candidate ``betas[K, R]`` (scales ``betas * rms``) and
-    keeps the best: per row (``mode`` 0), or for the layer by the loss (1) or by ``"f"`` (2).
-    ``mode`` is traced, so the options share one compiled program.
+    keeps the best: per row (``mode`` 0), or for the layer by the loss (1) or by ``"f"`` (2),
+    among the candidates whose T entropy per weight is at most ``budget`` (layer modes; ``inf``:
+    all). ``mode`` and ``budget`` are traced, so the options share one compiled program.
 
-    Returns ``(index [R, nb, M], T [R, nb], beta [R], c [R], row_losses [R], shrunk [R])``,
-    blocks in natural order.
+    Returns ``(index [R, nb, M], T [R, nb], beta [R], c [R], row_losses [R], shrunk [R],
+    t_bits [K])``, blocks in natural order; ``t_bits`` is each candidate's T entropy per weight.
     """
     n = w.shape[1]
     nb = perm.shape[0]
@@ -372,20 +387,22 @@ def _search(w, H, Wp, A, perm, betas, rms, mode, *, ucfg: HNLQConfig, G: int, im
     losses = jnp.where(jnp.isnan(losses), jnp.inf, losses)
     total = jnp.sum(losses, axis=1)
     # "f": loss 2^(2 H(T) / d), H(T) the entropy of the layer's overload steps
-    ent = entropy_bits(jax.vmap(lambda t: t_counts(t, ucfg))(T))
-    layer = jnp.where(mode == 2, jnp.argmin(total * 2 ** (2 * ent / ucfg.d)), jnp.argmin(total))
+    t_bits = entropy_bits(jax.vmap(lambda t: t_counts(t, ucfg))(T)) / ucfg.d
+    score = jnp.where(mode == 2, total * 2 ** (2 * t_bits), total)
+    layer = jnp.argmin(jnp.where(t_bits <= budget, score, jnp.inf))
     k = jnp.where(mode == 0, jnp.argmin(losses, axis=0), layer)
     rows = jnp.arange(losses.shape[1])
     return (index[k, rows], T[k, rows], betas[k, rows], c[k, rows], losses[k, rows],
-            shrunk[k, rows])
+            shrunk[k, rows], t_bits)
 
 
 # ----------------------------------------------------------------------------- front door
 
 
 def gptq_rows(w, H, config: HNLQConfig, *, damp: float = DAMP, act_order: bool = False,
-              beta=None, grid=DEFAULT_GRID, criterion: str = "loss", per_row: bool | None = None,
-              rotation: Rotation | None = None, implementation=None) -> PTQResult:
+              beta=None, grid=DEFAULT_GRID, criterion: str = "loss", t_budget=None,
+              per_row: bool | None = None, rotation: Rotation | None = None,
+              implementation=None) -> PTQResult:
     """Row codes of ``w`` by compensated rounding against the input Hessian ``H``.
 
     Block column ``b`` (columns ``b d .. b d + d - 1``, the row format's blocks) of every row is
@@ -410,9 +427,15 @@ def gptq_rows(w, H, config: HNLQConfig, *, damp: float = DAMP, act_order: bool =
         times ``2^(2 H(T) / d)`` with ``H(T)`` the entropy of the layer's overload steps (the
         figure of merit of ``docs/math.md``, "Choosing beta", for entropy-coded T: smaller
         betas lower the loss but raise ``H(T)``).
+      t_budget: a rate constraint: the most bits per weight the entropy of the layer's T may
+        take (``H(T) / d``, what the packed T stream costs, within about 0.03 bits per block);
+        the search keeps the best candidate (by ``criterion``) within it. Larger betas overload
+        less, so a tight budget needs a ``grid`` reaching above 1 (``docs/ptq.md``, "Fitting a
+        bit budget"). ``None``: no limit.
       per_row: pick the best candidate per row (the proxy loss is a sum over rows, and each row
         keeps its own scale in the format); ``False``: one beta for the layer. Default: True
-        for ``"loss"``; ``"f"`` (a layer-wide rate) needs False.
+        for ``"loss"`` without ``t_budget``; ``"f"`` and ``t_budget`` (layer-wide rates) need
+        False.
       rotation: an :class:`~hnlq_jax.incoherence.Rotation` of size ``in``: quantize
         ``w R`` against ``R^T H R`` (the layer then computes ``matmul(rotation.apply(x),
         codes)``; :meth:`PTQResult.matmul` does it).
@@ -420,24 +443,25 @@ def gptq_rows(w, H, config: HNLQConfig, *, damp: float = DAMP, act_order: bool =
 
     Returns:
       :class:`PTQResult`: ``codes`` (row codes, natural order), ``beta [out]``, ``loss``,
-      ``clipped``, ``rotation``.
+      ``clipped``, ``rotation``, ``t_bits``.
 
     Raises:
       TypeError: a config that is not an ``HNLQConfig``; a non-floating ``w`` or ``H``.
       ValueError: ``w`` not 2-D; ``H`` not square or not ``[in, in]``; NaN/Inf in ``w`` or
         ``H``; ``H`` not symmetric or not positive semi-definite (a negative diagonal entry, or
         the Cholesky factorization of the damped ``H`` fails); bad ``damp``, ``grid``,
-        ``beta`` or ``rotation``.
+        ``beta``, ``t_budget`` or ``rotation``; no candidate within ``t_budget``.
     """
     fn = "gptq_rows"
     w, H = _check_inputs(w, H, config, fn)
     damp, grid = _check_options(damp, grid, fn)
     if criterion not in ("loss", "f"):
         raise ValueError(f"{fn}: criterion must be 'loss' or 'f', got {criterion!r}")
-    per_row = criterion == "loss" if per_row is None else bool(per_row)
-    if per_row and criterion == "f":
-        raise ValueError(f"{fn}: criterion='f' scores a whole layer (its T entropy); use "
-                         "per_row=False")
+    budget = _check_budget(t_budget, fn)
+    per_row = criterion == "loss" and t_budget is None if per_row is None else bool(per_row)
+    if per_row and (criterion == "f" or t_budget is not None):
+        raise ValueError(f"{fn}: criterion='f' and t_budget score a whole layer (its T "
+                         "entropy); use per_row=False")
     out, n = w.shape
     if beta is not None:
         b = np.asarray(beta, dtype=np.float64)
@@ -468,10 +492,18 @@ def gptq_rows(w, H, config: HNLQConfig, *, damp: float = DAMP, act_order: bool =
     ucfg = unit(config)
     impl = ops.resolve(implementation, config, "encode")
     mode = jnp.asarray(0 if per_row else (2 if criterion == "f" else 1), jnp.int32)
-    index, T, beta, c, losses, shrunk = _search(w, H, Wp, A, perm, betas, rms, mode, ucfg=ucfg,
-                                                G=G, impl=impl)
+    budget_arr = jnp.asarray(budget, w.dtype)  # compared as _search compares it
+    index, T, beta, c, losses, shrunk, t_bits = _search(w, H, Wp, A, perm, betas, rms, mode,
+                                                        budget_arr, ucfg=ucfg, G=G, impl=impl)
+    if not bool(jnp.any(t_bits <= budget_arr)):
+        t_bits = np.asarray(t_bits, np.float64)
+        raise ValueError(f"{fn}: no beta of the grid keeps T within t_budget = {budget:g} bits "
+                         f"per weight (the candidates take {t_bits.min():.4f} .. "
+                         f"{t_bits.max():.4f}); add larger multiples to grid (larger betas "
+                         "overload less) or raise t_budget")
     if not bool(jnp.all(T >= 0)):
         raise ValueError(f"{fn}: the compensation produced non-finite values (H is badly "
                          "conditioned?); raise damp")
     codes = Codes(index, pack_t(T, ucfg), ucfg).with_rows(scale=c, n=n)
-    return PTQResult(codes, beta, float(jnp.sum(losses)), int(jnp.sum(shrunk)), rotation)
+    return PTQResult(codes, beta, float(jnp.sum(losses)), int(jnp.sum(shrunk)), rotation,
+                     abs(float(entropy_bits(t_counts(T, ucfg)))) / d)  # abs: no -0.0

@@ -75,15 +75,22 @@ def _hessian(xs):
     return H
 
 
-@pytest.mark.parametrize("rotate", [False, True])
-def test_codes_equal_gptq_rows(rotate):
-    inference, report = quantize_params(VARS, CFG, _run, rotate=rotate, seed=5, damp=0.02)
+@pytest.mark.parametrize("rotate, kwargs", [
+    (False, {}), (True, {}), (False, {"criterion": "f", "grid": (1.0, 1.5, 2.0), "t_budget": 0.1})],
+    ids=["plain", "rotated", "budget"])
+def test_codes_equal_gptq_rows(rotate, kwargs):
+    inference, report = quantize_params(VARS, CFG, _run, rotate=rotate, seed=5, damp=0.02,
+                                        **kwargs)
     p = VARS["params"]
     hidden = [nn.relu(c @ p["a"]["kernel"] + p["a"]["bias"]) for c in jnp.split(CAL, 4)]
     for name, xs, k in (("a", jnp.split(CAL, 4), 0), ("b", hidden, 1)):
         rotation = Rotation(p[name]["kernel"].shape[0], 5 + k) if rotate else None
         want = ptq.gptq_rows(p[name]["kernel"].T, _hessian(xs), CFG, damp=0.02,
-                             rotation=rotation)
+                             rotation=rotation, **kwargs)
+        if "t_budget" in kwargs:  # the budget changed the choice
+            free = ptq.gptq_rows(p[name]["kernel"].T, _hessian(xs), CFG, damp=0.02,
+                                 criterion="f", grid=kwargs["grid"])
+            assert want.t_bits <= kwargs["t_budget"] < free.t_bits
         _same_codes(inference["hnlq"][name]["codes"], want.codes)
         assert inference["hnlq"][name].get("rotation") == rotation
         assert report["proxy_loss"][name] == pytest.approx(want.loss, rel=1e-6)

@@ -160,6 +160,30 @@ def test_beta_search():
     assert float(f.beta[0]) > float(loss.beta[0])
 
 
+def test_t_budget():
+    """The budget keeps the lowest-loss candidate whose T entropy fits, and reports it."""
+    w, H = layer()
+    grid = (0.6, 0.8, 1.0, 1.3, 1.7)
+    free = ptq.gptq_rows(w, H, D4, per_row=False, grid=grid)
+    # every candidate alone: its T entropy per weight and its loss
+    each = [ptq.gptq_rows(w, H, D4, per_row=False, grid=(g,)) for g in grid]
+    bits = np.array([r.t_bits for r in each])
+    assert np.all(np.diff(bits) < 0)  # larger betas overload less
+    assert free.t_bits == pytest.approx(bits[0], rel=1e-6) and free.loss == each[0].loss
+    for k in (1, 3):
+        # a budget just above candidate k's entropy: k is the best that fits
+        got = ptq.gptq_rows(w, H, D4, grid=grid, t_budget=bits[k] * (1 + 1e-5))
+        assert got.t_bits == pytest.approx(bits[k], rel=1e-6)
+        np.testing.assert_array_equal(np.asarray(got.codes.index),
+                                      np.asarray(each[k].codes.index))
+        # unpacked T entropy of the result, computed independently
+        T = np.asarray(got.codes.T).ravel()
+        p = np.bincount(T) / T.size
+        assert got.t_bits == pytest.approx(-(p[p > 0] * np.log2(p[p > 0])).sum() / 4, rel=1e-5)
+    with pytest.raises(ValueError, match=r"no beta of the grid keeps T within t_budget"):
+        ptq.gptq_rows(w, H, D4, grid=grid, t_budget=bits[-1] * 0.99)
+
+
 def test_rotation_round_trip(x64):
     w, H = layer(seed=1, dtype=np.float64)
     rot = Rotation(IN, seed=7)
@@ -239,10 +263,13 @@ _W, _H = layer(out=4, n=8, tokens=50)
     ((_W, _H), {"beta": np.ones(3)}, ValueError, "beta must be"),
     ((_W, _H), {"criterion": "f", "per_row": True}, ValueError, "per_row=False"),
     ((_W, _H), {"criterion": "mse"}, ValueError, "criterion"),
+    ((_W, _H), {"t_budget": 0.1, "per_row": True}, ValueError, "per_row=False"),
+    ((_W, _H), {"t_budget": -0.1}, ValueError, "t_budget must be"),
+    ((_W, _H), {"t_budget": float("nan")}, ValueError, "t_budget must be"),
     ((_W, _H), {"rotation": Rotation(16)}, ValueError, "rotation"),
 ], ids=["H-not-square", "H-size", "w-1d", "H-nan", "w-inf", "H-neg-diag", "H-indefinite",
         "H-asym", "w-int", "H-int", "damp", "grid", "beta-neg", "beta-shape", "f-per-row",
-        "criterion", "rotation-size"])
+        "criterion", "budget-per-row", "budget-neg", "budget-nan", "rotation-size"])
 def test_errors(args, kwargs, err, match):
     with pytest.raises(err, match=match):
         ptq.gptq_rows(*args, D4, **kwargs)

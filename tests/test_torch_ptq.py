@@ -65,11 +65,16 @@ def test_calibrated_beats_round_to_nearest_and_reports_losses():
     assert gptq[0].rotation is None
 
 
-@pytest.mark.parametrize("rotate", [False, True])
-def test_codes_equal_gptq_rows_in_jax(rotate):
+# t_budget = 0.1 binds in both layers (the free "f" choice takes > 0.2 bits per weight of T)
+BUDGET = {"criterion": "f", "grid": (1.0, 1.5, 2.0), "t_budget": 0.1}
+
+
+@pytest.mark.parametrize("rotate, kwargs", [(False, {}), (True, {}), (True, BUDGET)],
+                         ids=["plain", "rotated", "rotated-budget"])
+def test_codes_equal_gptq_rows_in_jax(rotate, kwargs):
     ref = _mlp(3)
     model = _copy(ref)
-    quantize_model(model, CFG, calibration=_run, rotate=rotate, seed=7, damp=0.02)
+    quantize_model(model, CFG, calibration=_run, rotate=rotate, seed=7, damp=0.02, **kwargs)
     # The same H, accumulated the same way (hessian_update per call), and gptq_rows in JAX.
     seen = {0: [], 2: []}
     hooks = [ref[i].register_forward_pre_hook(lambda m, a, i=i: seen[i].append(a[0].detach()))
@@ -80,9 +85,13 @@ def test_codes_equal_gptq_rows_in_jax(rotate):
         h.remove()
     for k, i in enumerate(seen):
         rotation = Rotation(ref[i].in_features, 7 + k) if rotate else None
-        want = hq.ptq.gptq_rows(ref[i].weight.detach().numpy(), _hessian(seen[i]), CFG,
-                                damp=0.02, rotation=rotation)
+        w, H = ref[i].weight.detach().numpy(), _hessian(seen[i])
+        want = hq.ptq.gptq_rows(w, H, CFG, damp=0.02, rotation=rotation, **kwargs)
         _assert_codes(model[i].codes(), want.codes)
+        if "t_budget" in kwargs:  # the budget changed the choice
+            free = hq.ptq.gptq_rows(w, H, CFG, damp=0.02, rotation=rotation,
+                                    criterion="f", grid=kwargs["grid"])
+            assert want.t_bits <= 0.1 < free.t_bits
         # the layer's forward is PTQResult.matmul plus the bias, bit for bit
         with torch.no_grad():
             y = model[i](seen[i][0]).numpy()

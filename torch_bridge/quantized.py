@@ -186,13 +186,15 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, config: HNLQConfig, *, calibrate: bool = True,
                     implementation=None, hessian=None, rotation: Rotation | None = None,
                     damp: float = hptq.DAMP, act_order: bool = False,
-                    criterion: str = "loss", grid=hptq.DEFAULT_GRID) -> QuantizedLinear:
+                    criterion: str = "loss", grid=hptq.DEFAULT_GRID,
+                    t_budget=None) -> QuantizedLinear:
         """The quantized form of ``linear``.
 
         A plain ``nn.Linear`` (or a subclass) is coded by :func:`torch_bridge.encode_rows` with
         its calibrated beta (``calibrate=False``: ``config.beta``), or, given the ``hessian``
         of its inputs, by :func:`hnlq_jax.ptq.gptq_rows` (compensated rounding; ``damp``,
-        ``act_order``, ``criterion``, ``grid`` as there; its beta search when ``calibrate``,
+        ``act_order``, ``criterion``, ``grid``, ``t_budget`` as there; its beta search when
+        ``calibrate``,
         else ``config.beta``).
         With a ``rotation`` the rotated weight is coded (see the class). A layer that already
         holds codes (a :class:`~torch_bridge.QLinear`) keeps them, so the result computes
@@ -207,12 +209,12 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
         return cls._from_linear(linear, config, calibrate=calibrate,
                                 implementation=implementation, hessian=hessian,
                                 rotation=rotation, damp=damp, act_order=act_order,
-                                criterion=criterion, grid=grid)[0]
+                                criterion=criterion, grid=grid, t_budget=t_budget)[0]
 
     @classmethod
     def _from_linear(cls, linear, config, *, calibrate, implementation, hessian=None,
                      rotation=None, damp=hptq.DAMP, act_order=False, criterion="loss",
-                     grid=hptq.DEFAULT_GRID):
+                     grid=hptq.DEFAULT_GRID, t_budget=None):
         """``(layer, PTQResult or None)``: :meth:`from_linear` and the compensation's result."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"QuantizedLinear.from_linear: expected an nn.Linear, got "
@@ -236,7 +238,7 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
             H = hessian if not isinstance(hessian, torch.Tensor) else to_jax(hessian.detach())
             with x64_for(wd, getattr(hessian, "dtype", None)):
                 result = hptq.gptq_rows(to_jax(wd), H, config, damp=damp, act_order=act_order,
-                                        criterion=criterion, grid=grid,
+                                        criterion=criterion, grid=grid, t_budget=t_budget,
                                         beta=None if calibrate else config.beta,
                                         rotation=rotation, implementation=implementation)
                 codes = Codes.from_jax(result.codes, copy=True)
@@ -400,8 +402,9 @@ def _progress(items, enabled: bool, total: int):
 def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *,
                    calibrate: bool = True, implementation=None, calibration=None,
                    rotate: bool = False, act_order: bool = False, damp: float = hptq.DAMP,
-                   criterion: str = "loss", grid=hptq.DEFAULT_GRID, sequential: bool = False,
-                   seed: int = 0, progress: bool = False) -> QuantizeReport:
+                   criterion: str = "loss", grid=hptq.DEFAULT_GRID, t_budget=None,
+                   sequential: bool = False, seed: int = 0,
+                   progress: bool = False) -> QuantizeReport:
     """Replaces the ``nn.Linear`` layers of ``model``, in place, by :class:`QuantizedLinear`.
 
     Converted: every ``nn.Linear`` and every subclass that does not override ``forward`` (e.g.
@@ -439,10 +442,11 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
         order, counting each shared layer once) gets
         ``Rotation(in_features, seed + k)`` (:mod:`hnlq_jax.incoherence`), codes of the
         rotated weight and applies the rotation to its inputs; with or without calibration.
-      act_order, damp, criterion, grid: as :func:`hnlq_jax.ptq.gptq_rows` (with
+      act_order, damp, criterion, grid, t_budget: as :func:`hnlq_jax.ptq.gptq_rows` (with
         ``calibration`` only). ``criterion="f"`` trades the proxy loss against the entropy of
-        T (fewer overloads, fewer packed bits) with one beta per layer; a ``grid`` reaching
-        above 1 lets it choose larger betas.
+        T (fewer overloads, fewer packed bits) with one beta per layer; ``t_budget`` caps that
+        entropy (bits per weight) in every layer; a ``grid`` reaching above 1 lets either
+        choose larger betas.
       sequential: collect one layer's H at a time from the partly quantized model (above).
       seed: the base seed of the rotations.
       progress: a tqdm progress bar over the layers being coded (needs ``tqdm``).
@@ -513,7 +517,8 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
         rotation = Rotation(child.in_features, seed + k) if rotate and plain else None
         q, result = QuantizedLinear._from_linear(
             child, config, calibrate=calibrate, implementation=implementation, hessian=H,
-            rotation=rotation, damp=damp, act_order=act_order, criterion=criterion, grid=grid)
+            rotation=rotation, damp=damp, act_order=act_order, criterion=criterion, grid=grid,
+            t_budget=t_budget)
         done[key] = q
         if sequential:  # later layers' calibration runs through this one's codes
             install(key)

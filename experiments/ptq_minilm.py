@@ -534,8 +534,11 @@ def plot(res: dict, path: pathlib.Path):
         families.setdefault(r["family"], []).append((r["bits"]["packed"], 1 - r["cosine_mean"]))
     for family, pts in families.items():
         x, y = zip(*sorted(pts))
-        ax.plot(x, y, marker="o" if "gptq" in family else "s",
-                linestyle="--" if family.startswith(("int", "gptq")) else "-", label=family)
+        style = {"marker": "o" if "gptq" in family else "s",
+                 "linestyle": "--" if family.startswith(("int", "gptq")) else "-"}
+        if family.endswith("fit"):  # past the colour cycle: set apart
+            style.update(color="k", marker="D")
+        ax.plot(x, y, label=family, **style)
     ax.axhline(0.005, color="gray", lw=0.8)
     ax.axvline(4.6, color="gray", lw=0.8)
     ax.set_yscale("log")

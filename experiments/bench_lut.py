@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 
@@ -141,7 +142,8 @@ def main():
         out = {"config": "D4 q=4 M=2", "weights": "row codes (hq.encode_rows)",
                "beta_relative_to_row_rms": cfg.beta, "n": args.size, "k": args.size,
                "repeat": args.repeat, "backend": jax.default_backend(), "jax": jax.__version__,
-               "machine": platform.machine(), "cpus": jax.device_count(), "rows": rows,
+               "machine": platform.machine(), "cpus": os.cpu_count(),
+               "devices": jax.device_count(), "rows": rows,
                "memory_bytes": mem}
         (RESULTS / "bench_lut.json").write_text(json.dumps(out, indent=1))
         print(f"wrote {RESULTS / 'bench_lut.json'}\n")

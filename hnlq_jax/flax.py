@@ -548,7 +548,8 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
       ``(inference, report)``: ``inference = {"params": params without the quantized kernels,
       "hnlq": {path: {"codes": Codes[, "rotation": Rotation]}}}`` and ``report`` with the
       byte counts of :func:`export_params` plus ``layers`` (the paths quantized) and, with
-      ``calibration``, ``proxy_loss`` and ``clipped`` per layer.
+      ``calibration``, ``proxy_loss``, ``clipped`` and ``t_bits`` (the entropy of T per weight)
+      per layer.
 
     Raises:
       ValueError: no Dense layer selected; ``calibration`` not callable, run under ``jit``, or
@@ -583,7 +584,7 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
                              f"quantize: {', '.join('/'.join(p) for p in missing)}; run the "
                              "model on inputs that reach them, or leave them out with filter_fn")
         order = [p for p in seen if p in layers]
-    hnlq, report = {}, {"layers": [], "proxy_loss": {}, "clipped": {}}
+    hnlq, report = {}, {"layers": [], "proxy_loss": {}, "clipped": {}, "t_bits": {}}
     for path in _progress(order, progress):
         kernel, rotation = layers[path], rotations[path]
         if sequential and calibration is not None:
@@ -600,6 +601,7 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
                                    criterion=criterion, t_budget=t_budget, rotation=rotation)
             codes = result.codes
             report["proxy_loss"][name], report["clipped"][name] = result.loss, result.clipped
+            report["t_bits"][name] = result.t_bits
         hnlq[path + ("codes",)] = codes
         if rotation is not None:
             hnlq[path + ("rotation",)] = rotation

@@ -94,6 +94,7 @@ def test_codes_equal_gptq_rows(rotate, kwargs):
         _same_codes(inference["hnlq"][name]["codes"], want.codes)
         assert inference["hnlq"][name].get("rotation") == rotation
         assert report["proxy_loss"][name] == pytest.approx(want.loss, rel=1e-6)
+        assert report["t_bits"][name] == want.t_bits
     assert "kernel" not in inference["params"]["a"] and "bias" in inference["params"]["a"]
     assert report["layers"] == ["a", "b"] and report["clipped"] == {"a": 0, "b": 0}
 

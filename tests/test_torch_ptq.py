@@ -60,7 +60,8 @@ def test_calibrated_beats_round_to_nearest_and_reports_losses():
     for r in (r1, r2):
         assert set(r.proxy_loss) == {"0", "2"} and all(v > 0 for v in r.proxy_loss.values())
         assert r.tokens == {"0": 256, "2": 256} and r.clipped == {"0": 0, "2": 0}
-        assert "0: proxy loss" in str(r)
+        assert set(r.t_bits) == {"0", "2"} and all(0 < v < 1 for v in r.t_bits.values())
+        assert "0: proxy loss" in str(r) and "bits/weight" in str(r)
     assert rot[0].rotation == Rotation(24, 0) and rot[2].rotation == Rotation(40, 1)
     assert gptq[0].rotation is None
 
@@ -74,7 +75,8 @@ BUDGET = {"criterion": "f", "grid": (1.0, 1.5, 2.0), "t_budget": 0.1}
 def test_codes_equal_gptq_rows_in_jax(rotate, kwargs):
     ref = _mlp(3)
     model = _copy(ref)
-    quantize_model(model, CFG, calibration=_run, rotate=rotate, seed=7, damp=0.02, **kwargs)
+    report = quantize_model(model, CFG, calibration=_run, rotate=rotate, seed=7, damp=0.02,
+                            **kwargs)
     # The same H, accumulated the same way (hessian_update per call), and gptq_rows in JAX.
     seen = {0: [], 2: []}
     hooks = [ref[i].register_forward_pre_hook(lambda m, a, i=i: seen[i].append(a[0].detach()))
@@ -92,6 +94,7 @@ def test_codes_equal_gptq_rows_in_jax(rotate, kwargs):
             free = hq.ptq.gptq_rows(w, H, CFG, damp=0.02, rotation=rotation,
                                     criterion="f", grid=kwargs["grid"])
             assert want.t_bits <= 0.1 < free.t_bits
+        assert report.t_bits[str(i)] == want.t_bits
         # the layer's forward is PTQResult.matmul plus the bias, bit for bit
         with torch.no_grad():
             y = model[i](seen[i][0]).numpy()

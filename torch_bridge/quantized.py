@@ -315,6 +315,8 @@ class QuantizeReport:
       clipped: with ``calibration``, ``{name: blocks shrunk to encode}``
         (:attr:`~hnlq_jax.ptq.PTQResult.clipped`, normally 0).
       tokens: with ``calibration``, ``{name: input rows seen}`` of each layer.
+      t_bits: with ``calibration``, ``{name: entropy of T per weight}``
+        (:attr:`~hnlq_jax.ptq.PTQResult.t_bits`, what ``t_budget`` bounds).
     """
 
     converted: list = dataclasses.field(default_factory=list)
@@ -324,6 +326,7 @@ class QuantizeReport:
     proxy_loss: dict = dataclasses.field(default_factory=dict)
     clipped: dict = dataclasses.field(default_factory=dict)
     tokens: dict = dataclasses.field(default_factory=dict)
+    t_bits: dict = dataclasses.field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -335,7 +338,8 @@ class QuantizeReport:
                  f"{self.float32_bytes:,} bytes as float32 -> {self.quantized_bytes:,} bytes "
                  f"({self.ratio:.3f}x)"]
         lines += [f"  {name}: proxy loss {loss:.6g} over {self.tokens.get(name, 0):,} "
-                  f"input rows, {self.clipped.get(name, 0)} clipped block(s)"
+                  f"input rows, {self.clipped.get(name, 0)} clipped block(s), T "
+                  f"{self.t_bits.get(name, 0.0):.3f} bits/weight"
                   for name, loss in self.proxy_loss.items()]
         lines += [f"  kept {name} ({kind}): {reason}" for name, kind, reason in self.skipped]
         return "\n".join(lines)
@@ -522,7 +526,7 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
             install(key)
         if result is not None:
             report.proxy_loss[name], report.clipped[name] = result.loss, result.clipped
-            report.tokens[name] = rows
+            report.tokens[name], report.t_bits[name] = rows, result.t_bits
         report.float32_bytes += 4 * (child.weight.numel() + q.out_features * (
             child.bias is not None))
         report.quantized_bytes += _state_bytes(q)

@@ -21,7 +21,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -88,10 +87,8 @@ def buckets(rank):
 
 def hook_programs():
     """``(jitted function, args, kwargs)`` for each program the hook runs below, called as the
-    hook calls it: the same static layouts, shapes, dtypes and placements (the bucket and the
-    received bytes are committed to the device; a fresh residual is an uncommitted zeros array,
-    a carried one committed). Only D4 q=4 M=2 carries a residual into a bucket of the same
-    layout (D4 q=16 M=4's second step follows DDP's bucket rebuild)."""
+    hook calls it: the same static layouts, shapes, dtypes and placements (the bucket, the
+    residual, fresh or carried, and the received bytes are committed to the device)."""
     dev = jax.devices()[0]
 
     def committed(shape, dtype):
@@ -103,9 +100,7 @@ def hook_programs():
             lay = HNLQHookState(cfg, method=m).layout(N, 2)
             kw = {"lay": lay, "implementation": None}
             v = committed(N, np.float32)
-            progs.append((_compress, (v, jnp.zeros((N,), jnp.float32)), kw))
-            if cfg == D4_Q4_M2:
-                progs.append((_compress, (v, committed(N, np.float32)), kw))
+            progs.append((_compress, (v, committed(N, np.float32)), kw))
             progs.append((_mean, (committed((2, lay.part_bytes), np.uint8),), kw))
             if lay.parts > 1:
                 progs.append((_encode, (committed(lay.part_values, np.float32), lay.slice(),

@@ -61,6 +61,31 @@ def test_residual_is_what_was_not_sent():
     assert int(info.overloaded) > 0 and int(info.failed) == 0
 
 
+def test_fresh_residual_is_placed_like_a_carried_one():
+    """A new bucket's zero residual is committed to the bucket's device like the residual a
+    later step carries, so the hook's compress step compiles once per layout, not twice."""
+
+    class Bucket:  # what the state reads of DDP's GradBucket
+        def index(self):
+            return 0
+
+        def parameters(self):
+            return []
+
+    state = HNLQHookState(CFG)
+    v = jax.device_put(jnp.ones(N, jnp.float32), jax.devices()[0])
+    fresh = state._residual(Bucket(), v)
+    assert fresh.committed and fresh.sharding == v.sharding
+    np.testing.assert_array_equal(fresh, np.zeros(N, np.float32))
+    kw = {"lay": wire.layout(N, CFG), "implementation": None}
+    _compress.clear_cache()
+    carried = _compress(v, fresh, **kw)[1]
+    state.residuals[0] = ((), carried)
+    assert state._residual(Bucket(), v) is carried
+    _compress(v, carried, **kw)
+    assert _compress._cache_size() == 1
+
+
 def test_state_validation_and_pickling():
     with pytest.raises(TypeError, match="HNLQConfig"):
         HNLQHookState("D4")

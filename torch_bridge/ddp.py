@@ -143,11 +143,14 @@ class HNLQHookState:
                              f"config, method, chunk and t_capacity:\n{lines}")
         self._agreed = True
 
-    def _residual(self, bucket, n: int):
-        """The bucket's residual, or zeros when it is new or its layout changed."""
+    def _residual(self, bucket, like):
+        """The bucket's residual, or zeros when it is new or its layout changed, on the device
+        of ``like`` (the bucket as a JAX array): a fresh residual placed like a carried one
+        keeps the compiled step the same for both (an uncommitted one compiled it again)."""
+        n = like.shape[0]
         entry = self.residuals.get(bucket.index())
         if entry is None or entry[0] != _signature(bucket) or entry[1].shape[0] != n:
-            return jnp.zeros((n,), jnp.float32)
+            return jax.device_put(jnp.zeros((n,), jnp.float32), next(iter(like.devices())))
         return entry[1]
 
     def _account(self, bucket, sent: float, f32: float, over: int = 0, blocks: int = 0,
@@ -211,7 +214,8 @@ def hnlq_hook(state: HNLQHookState,
 
     lay = state.layout(n, world)
     kw = {"lay": lay, "implementation": state.implementation}
-    payload, r, info = _compress(to_jax(buffer.float()), state._residual(bucket, n), **kw)
+    v = to_jax(buffer.float())
+    payload, r, info = _compress(v, state._residual(bucket, v), **kw)
     if state.error_feedback:
         state.residuals[bucket.index()] = (_signature(bucket), r)
     mine = to_torch(payload)  # [parts, part_bytes]

@@ -369,7 +369,8 @@ def _search(w, H, Wp, A, perm, betas, rms, mode, budget, *, ucfg: HNLQConfig, G:
     all). ``mode`` and ``budget`` are traced, so the options share one compiled program.
 
     Returns ``(index [R, nb, M], T [R, nb], beta [R], c [R], row_losses [R], shrunk [R],
-    t_bits [K])``, blocks in natural order; ``t_bits`` is each candidate's T entropy per weight.
+    t_bits [K], chosen_t_bits [])``, blocks in natural order; ``t_bits`` is each candidate's T
+    entropy per weight, ``chosen_t_bits`` that of the codes returned.
     """
     n = w.shape[1]
     nb = perm.shape[0]
@@ -392,8 +393,11 @@ def _search(w, H, Wp, A, perm, betas, rms, mode, budget, *, ucfg: HNLQConfig, G:
     layer = jnp.argmin(jnp.where(t_bits <= budget, score, jnp.inf))
     k = jnp.where(mode == 0, jnp.argmin(losses, axis=0), layer)
     rows = jnp.arange(losses.shape[1])
-    return (index[k, rows], T[k, rows], betas[k, rows], c[k, rows], losses[k, rows],
-            shrunk[k, rows], t_bits)
+    T = T[k, rows]
+    # per row, the rows mix candidates; layer-wide, the compared value itself
+    chosen = jnp.where(mode == 0, entropy_bits(t_counts(T, ucfg)) / ucfg.d, t_bits[layer])
+    return (index[k, rows], T, betas[k, rows], c[k, rows], losses[k, rows], shrunk[k, rows],
+            t_bits, chosen)
 
 
 # ----------------------------------------------------------------------------- front door
@@ -493,8 +497,8 @@ def gptq_rows(w, H, config: HNLQConfig, *, damp: float = DAMP, act_order: bool =
     impl = ops.resolve(implementation, config, "encode")
     mode = jnp.asarray(0 if per_row else (2 if criterion == "f" else 1), jnp.int32)
     budget_arr = jnp.asarray(budget, w.dtype)  # compared as _search compares it
-    index, T, beta, c, losses, shrunk, t_bits = _search(w, H, Wp, A, perm, betas, rms, mode,
-                                                        budget_arr, ucfg=ucfg, G=G, impl=impl)
+    index, T, beta, c, losses, shrunk, t_bits, chosen = _search(
+        w, H, Wp, A, perm, betas, rms, mode, budget_arr, ucfg=ucfg, G=G, impl=impl)
     if not bool(jnp.any(t_bits <= budget_arr)):
         t_bits = np.asarray(t_bits, np.float64)
         raise ValueError(f"{fn}: no beta of the grid keeps T within t_budget = {budget:g} bits "
@@ -506,4 +510,4 @@ def gptq_rows(w, H, config: HNLQConfig, *, damp: float = DAMP, act_order: bool =
                          "conditioned?); raise damp")
     codes = Codes(index, pack_t(T, ucfg), ucfg).with_rows(scale=c, n=n)
     return PTQResult(codes, beta, float(jnp.sum(losses)), int(jnp.sum(shrunk)), rotation,
-                     abs(float(entropy_bits(t_counts(T, ucfg)))) / d)  # abs: no -0.0
+                     abs(float(chosen)))  # abs: no -0.0

@@ -194,9 +194,9 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
         its calibrated beta (``calibrate=False``: ``config.beta``), or, given the ``hessian``
         of its inputs, by :func:`hnlq_jax.ptq.gptq_rows` (compensated rounding; ``damp``,
         ``act_order``, ``criterion``, ``grid``, ``t_budget`` as there; its beta search when
-        ``calibrate``, else ``config.beta``). With a ``rotation`` the rotated weight is coded (see the class). A layer that already
-        holds codes (a :class:`~torch_bridge.QLinear`) keeps them, so the result computes
-        exactly as that layer in eval mode.
+        ``calibrate``, else ``config.beta``). With a ``rotation`` the rotated weight is coded
+        (see the class). A layer that already holds codes (a :class:`~torch_bridge.QLinear`)
+        keeps them, so the result computes exactly as that layer in eval mode.
 
         Raises:
           TypeError: not an ``nn.Linear``.

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import _numerics
-from hnlq_jax.codes import Codes, digits_of_index, index_dtype, unpack_t, valid_blocks
+from hnlq_jax.codes import (Codes, concrete_all, digits_of_index, index_dtype, unpack_t,
+                            valid_blocks)
 from hnlq_jax.config import NORM_SLACK, HNLQConfig, check_config
 from hnlq_jax.lattices import columns, floor_div, matvec, mod, nearest_float, nearest_int, sumsq
 
@@ -33,19 +34,6 @@ MAX_CODEBOOK = 2**22
 def default_float():
     """float64 when x64 is enabled, float32 otherwise."""
     return jnp.zeros(()).dtype if jax.config.jax_enable_x64 else jnp.float32
-
-
-def is_concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
-def concrete_all(x, predicate) -> bool:
-    """``all(predicate(x))`` for a concrete array, evaluated now even while tracing (as for a
-    constant closed over by a jitted function); True for a tracer (checked at run time)."""
-    if not is_concrete(x):
-        return True
-    with jax.ensure_compile_time_eval():
-        return bool(jnp.all(predicate(x)))
 
 
 def check_x(x, config: HNLQConfig, fn: str):

@@ -103,13 +103,37 @@ def logical_shape(blocks_shape: tuple, config: HNLQConfig, n: int | None) -> tup
     return blocks_shape + (config.d,) if n is None else blocks_shape[:-1] + (n,)
 
 
-def _is_concrete(x) -> bool:
+def is_concrete(x) -> bool:
+    """True for a value known now (an array), False for a tracer."""
     return not isinstance(x, jax.core.Tracer)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _all(x, predicate, args):
+    return jnp.all(predicate(x, *args))
+
+
+def concrete_all(x, predicate, *args) -> bool:
+    """``all(predicate(x, *args))`` for a concrete array (or pytree of arrays), evaluated now
+    even while tracing (as for a constant closed over by a jitted function); True for a tracer
+    (such values are checked or marked at run time instead).
+
+    One compiled program per shape: ``predicate`` and ``args`` are static, so ``predicate`` must
+    be a module-level function (a new lambda per call would compile on every call).
+    """
+    if not all(is_concrete(a) for a in jax.tree.leaves(x)):
+        return True
+    with jax.ensure_compile_time_eval():
+        return bool(_all(x, predicate, args))
+
+
 # ------------------------------------------------------------------ field conversions (jnp)
+# Jitted with their static arguments, so that an eager call (a new shape of Codes.from_labels,
+# .labels or .T) compiles one small program instead of one per jnp operation; under an outer
+# trace they inline.
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def index_from_labels(labels, q: int, dtype):
     """``[..., M]`` codebook indices of ``labels[..., M, d]`` (any integer dtype, in 0..q-1)."""
     b = labels.astype(jnp.uint32)
@@ -131,11 +155,13 @@ def digits_of_index(k, q: int, d: int) -> list:
     return [c.astype(jnp.int32) for c in out]
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def labels_of_index(index, config: HNLQConfig):
     """``[..., M, d]`` uint8 labels of ``index[..., M]``."""
     return jnp.stack(digits_of_index(index, config.q, config.d), axis=-1).astype(jnp.uint8)
 
 
+@functools.partial(jax.jit, static_argnums=1)
 def pack_t(T, config: HNLQConfig):
     """The T field of ``T[...]`` (int, -1 = failed); see the module docstring."""
     u = (T.astype(jnp.int32) + 1).astype(jnp.uint8)
@@ -148,6 +174,7 @@ def pack_t(T, config: HNLQConfig):
     return u[..., 0] | (u[..., 1] << jnp.uint8(4))
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def unpack_t(tfield, config: HNLQConfig, L: int | None):
     """``u = T + 1`` (int32) of ``L`` blocks along the last leading axis from a T field."""
     if t_bits(config) == 8 or L is None:
@@ -155,6 +182,18 @@ def unpack_t(tfield, config: HNLQConfig, L: int | None):
     f = tfield.astype(jnp.int32)
     u = jnp.stack([f & 15, f >> 4], axis=-1).reshape(f.shape[:-1] + (2 * f.shape[-1],))
     return u[..., :L]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _fields_of_digit_view(labels, T, config: HNLQConfig):
+    """``(index, T field)`` of a digit view ``(labels[..., M, d], T[...])``."""
+    return index_from_labels(labels, config.q, index_dtype(config)), pack_t(T, config)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _t_of_field(tfield, config: HNLQConfig, L: int | None):
+    """``T`` (int8, -1 = failed) of ``L`` blocks along the last leading axis from a T field."""
+    return (unpack_t(tfield, config, L) - 1).astype(jnp.int8)
 
 
 def tfield_shape(lead: tuple, config: HNLQConfig) -> tuple:
@@ -223,8 +262,7 @@ class Codes:
     def T(self) -> jax.Array:
         """``[...]`` int8 overload steps, ``-1`` for a block that could not be encoded."""
         lead = self.blocks_shape
-        u = unpack_t(self.tfield, self.config, lead[-1] if lead else None)
-        return (u - 1).astype(jnp.int8)
+        return _t_of_field(self.tfield, self.config, lead[-1] if lead else None)
 
     @property
     def nbytes(self) -> int:
@@ -252,8 +290,7 @@ class Codes:
           TypeError, ValueError: shapes, dtypes or values that do not fit ``config``.
         """
         labels, T = check_labels(labels, T, config, "Codes.from_labels")
-        index = index_from_labels(labels, config.q, index_dtype(config))
-        codes = cls(index, pack_t(T, config), config)
+        codes = cls(*_fields_of_digit_view(labels, T, config), config)
         return codes.with_rows(scale=scale, n=n) if (n is not None or scale is not None) \
             else codes
 
@@ -293,15 +330,6 @@ class Codes:
 # ------------------------------------------------------------------------------ validation
 
 
-def _concrete_all(x, predicate) -> bool:
-    """``all(predicate(x))`` for a concrete array (evaluated now even while tracing); True for a
-    tracer (such values are marked invalid at run time instead)."""
-    if not _is_concrete(x):
-        return True
-    with jax.ensure_compile_time_eval():
-        return bool(jnp.all(predicate(x)))
-
-
 def check_labels(labels, T, config: HNLQConfig, fn: str):
     """Validates a digit view ``(labels[..., M, d], T[...])`` against ``config``."""
     check_config(config, fn)
@@ -313,17 +341,21 @@ def check_labels(labels, T, config: HNLQConfig, fn: str):
             f"got labels {labels.shape} and T {T.shape}")
     if not (jnp.issubdtype(labels.dtype, jnp.integer) and jnp.issubdtype(T.dtype, jnp.integer)):
         raise TypeError(f"{fn}: labels and T must be integer arrays, got {labels.dtype}, {T.dtype}")
-    if not _concrete_all(labels, lambda b: (b.astype(jnp.int32) >= 0)
-                         & (b.astype(jnp.int32) < config.q)):
-        b = np.asarray(labels)
+    if concrete_all((labels, T), _digit_view_ok, config):
+        return labels, T
+    b, t = np.asarray(labels), np.asarray(T)
+    if b.size and not (0 <= b.min() and b.max() < config.q):
         raise ValueError(f"{fn}: labels must be in 0..q-1 = 0..{config.q - 1}, got values in "
                          f"{b.min()}..{b.max()}")
-    if not _concrete_all(T, lambda t: (t.astype(jnp.int32) >= -1)
-                         & (t.astype(jnp.int32) <= config.max_T)):
-        t = np.asarray(T)
-        raise ValueError(f"{fn}: T must be in -1..max_T = -1..{config.max_T}, got values in "
-                         f"{t.min()}..{t.max()}")
-    return labels, T
+    raise ValueError(f"{fn}: T must be in -1..max_T = -1..{config.max_T}, got values in "
+                     f"{t.min()}..{t.max()}")
+
+
+def _digit_view_ok(view, config: HNLQConfig):
+    """Labels in ``0..q-1`` and T in ``-1..max_T`` (compared in int32)."""
+    labels, T = (a.astype(jnp.int32) for a in view)
+    return (jnp.all((labels >= 0) & (labels < config.q))
+            & jnp.all((T >= -1) & (T <= config.max_T)))
 
 
 def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
@@ -354,12 +386,11 @@ def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
         raise ValueError(f"{fn}: expected a uint8 T field of shape "
                          f"{list(tfield_shape(lead, cfg))} for blocks {list(lead)}, got "
                          f"{tfield.dtype}{list(tfield.shape)}")
-    size = cfg.q**cfg.d
-    if size - 1 < np.iinfo(idt).max and not _concrete_all(index, lambda k: k < size):
-        raise ValueError(f"{fn}: codebook index out of range: values up to "
-                         f"{int(np.max(np.asarray(index)))} >= q^d = {size} (corrupted codes?)")
-    top = cfg.max_T + 1
-    if not _concrete_all(tfield, lambda f: _t_ok(f, cfg, top)):
+    if not concrete_all((index, tfield), _codes_ok, cfg):
+        size = cfg.q**cfg.d
+        if np.max(np.asarray(index), initial=0) >= size:
+            raise ValueError(f"{fn}: codebook index out of range: values up to "
+                             f"{int(np.max(np.asarray(index)))} >= q^d = {size} (corrupted codes?)")
         raise ValueError(f"{fn}: T field holds values above max_T = {cfg.max_T} (corrupted "
                          "codes, or codes of a config with a larger max_T?)")
     if codes.n is not None:
@@ -367,11 +398,14 @@ def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
     return codes
 
 
-def _t_ok(f, cfg, top):
-    f = f.astype(jnp.int32)
+def _codes_ok(arrays, cfg: HNLQConfig):
+    """Every index below ``q^d`` and every T field entry at most ``max_T + 1``."""
+    index, tfield = arrays
+    ok = jnp.all(index < cfg.q**cfg.d) if cfg.q**cfg.d - 1 < np.iinfo(index.dtype).max else True
+    f, top = tfield.astype(jnp.int32), cfg.max_T + 1
     if t_bits(cfg) == 8:
-        return f <= top
-    return ((f & 15) <= top) & ((f >> 4) <= top)
+        return ok & jnp.all(f <= top)
+    return ok & jnp.all((f & 15) <= top) & jnp.all((f >> 4) <= top)
 
 
 def valid_blocks(index, u, config: HNLQConfig):

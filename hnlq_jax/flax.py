@@ -50,8 +50,7 @@ import numpy as np
 
 from hnlq_jax import ops, ptq
 from hnlq_jax._numerics import straight_through
-from hnlq_jax.codec import is_concrete
-from hnlq_jax.codes import Codes, check_codes, check_saved_header, saved_header
+from hnlq_jax.codes import Codes, check_codes, check_saved_header, is_concrete, saved_header
 from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.rows import bucket_rows, calibrate_rows, rows_codes, unit

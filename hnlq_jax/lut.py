@@ -29,9 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import _numerics
-from hnlq_jax.codec import (codebook, codebook_table, concrete_all, decode_blocks,
-                            default_float, to_blocks)
-from hnlq_jax.codes import Codes, check_codes, unpack_t, valid_blocks
+from hnlq_jax.codec import codebook, codebook_table, decode_blocks, default_float, to_blocks
+from hnlq_jax.codes import Codes, check_codes, concrete_all, unpack_t, valid_blocks
 from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = [

@@ -22,8 +22,8 @@ import numpy as np
 
 from hnlq_jax import codec, kernels, lut
 from hnlq_jax._numerics import straight_through
-from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes, pack_t,
-                            row_length, unpack_t)
+from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes, is_concrete,
+                            pack_t, row_length, unpack_t)
 from hnlq_jax.config import HNLQConfig
 
 __all__ = ["IMPLEMENTATIONS", "FAILURES", "encode", "decode", "quantize", "matmul",
@@ -111,25 +111,41 @@ def encode(x, config: HNLQConfig, *, implementation=None, interpret=None,
     impl = resolve(implementation, config, "encode")
     if x.size == 0:
         impl = "xla"
-    if not codec.is_concrete(x):
+    if not is_concrete(x):
         return _encode(x, config, impl, interpret)
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, config.d)
-    N = flat.shape[0]
-    index, T = _encode_bucket(jnp.pad(flat, ((0, bucket(N) - N), (0, 0))), config, impl,
-                              interpret)
-    T = T[:N]
-    if failures == "raise":
-        _raise_on_failures(flat, T, config, "encode")
-    return Codes(index[:N].reshape(lead + (config.M,)), pack_t(T.reshape(lead), config), config)
+    index, T = _encode_bucket(_to_bucket(x), config, impl, interpret)
+    codes, T, any_failed = _codes_from_bucket(index, T, x.shape[:-1], config)
+    if failures == "raise" and any_failed:
+        _raise_on_failures(x, np.asarray(T) < 0, config, "encode")
+    return codes
 
 
-def _raise_on_failures(flat, T, config: HNLQConfig, fn: str):
-    """A clear error for finite blocks the overload loop could not fit (concrete only)."""
-    failed = np.asarray(T) < 0
-    if not failed.any():
-        return
-    top = float(np.max(np.linalg.norm(np.asarray(flat, np.float64)[failed], axis=-1)))
+# The eager glue around a bucketed program (padding in, slicing out) is one small jitted
+# program per shape each way: as separate jnp operations it compiled one program per
+# operation and per new batch size (about half a second for each new size).
+
+
+@jax.jit
+def _to_bucket(x):
+    """``x[..., w]`` as a flat ``[bucket(N), w]`` batch, zero-padded."""
+    flat = x.reshape(-1, x.shape[-1])
+    return jnp.pad(flat, ((0, bucket(flat.shape[0]) - flat.shape[0]), (0, 0)))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _codes_from_bucket(index, T, lead: tuple, config: HNLQConfig):
+    """``(Codes, T, any failed)`` of the first ``prod(lead)`` blocks of a bucket's encoding."""
+    N = int(np.prod(lead, dtype=np.int64))
+    T = T[:N].reshape(lead)
+    codes = Codes(index[:N].reshape(lead + (config.M,)), pack_t(T, config), config)
+    return codes, T, jnp.any(T < 0)
+
+
+def _raise_on_failures(x, failed, config: HNLQConfig, fn: str):
+    """A clear error for the finite blocks of ``x[..., d]`` the overload loop could not fit
+    (``failed[...]`` bool, concrete)."""
+    flat = np.asarray(x, np.float64).reshape(-1, config.d)
+    top = float(np.max(np.linalg.norm(flat[failed.reshape(-1)], axis=-1)))
     reach = config.beta * 2 ** (config.alpha * config.max_T) * config.overload_radius
     raise ValueError(
         f"{fn}: {int(failed.sum())} block(s) still overload at max_T = {config.max_T}: the "
@@ -195,15 +211,29 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
     N = int(np.prod(codes.blocks_shape, dtype=np.int64))
     if N == 0:
         impl = "xla"
-    if not codec.is_concrete(codes.index):
+    if not is_concrete(codes.index):
         return _decode(codes, levels, compute, impl, interpret).astype(dtype)
     # Eager: one flat, bucket-padded batch, so a new batch size reuses the compiled decoder.
+    out = _decode(_codes_to_bucket(codes), levels, compute, impl, interpret)
+    return _decoded_from_bucket(out, codes, compute, dtype)
+
+
+@jax.jit
+def _codes_to_bucket(codes: Codes) -> Codes:
+    """Block codes as a flat batch of ``bucket(N)`` blocks; padding blocks decode to zero."""
+    config = codes.config
     lead = codes.blocks_shape
-    index = codes.index.reshape(N, config.M)
-    T = codes.T.reshape(N)
-    pad = bucket(N) - N
-    flat = Codes(jnp.pad(index, ((0, pad), (0, 0))), pack_t(jnp.pad(T, (0, pad)), config), config)
-    out = _decode(flat, levels, compute, impl, interpret)[:N].reshape(lead + (config.d,))
+    T = unpack_t(codes.tfield, config, lead[-1] if lead else None).reshape(-1) - 1
+    pad = bucket(T.shape[0]) - T.shape[0]
+    index = jnp.pad(codes.index.reshape(-1, config.M), ((0, pad), (0, 0)))
+    return Codes(index, pack_t(jnp.pad(T, (0, pad)), config), config)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _decoded_from_bucket(out, codes: Codes, compute, dtype):
+    """The first blocks of a bucket's decoded values, in the shape and dtype of ``codes``."""
+    lead = codes.blocks_shape
+    out = out[:int(np.prod(lead, dtype=np.int64))].reshape(lead + (codes.config.d,))
     return _finish_rows(out, codes, compute).astype(dtype)
 
 
@@ -264,15 +294,23 @@ def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None,
     impl = resolve(implementation, config, "quantize")
     if x.size == 0:
         return x.astype(dtype)
-    if not codec.is_concrete(x):
+    if not is_concrete(x):
         return _quantize_jit(x, config, impl, interpret).astype(dtype)
-    flat = x.reshape(-1, config.d)  # eager: a bucket-padded flat batch (see bucket)
-    N = flat.shape[0]
-    out = _quantize_jit(jnp.pad(flat, ((0, bucket(N) - N), (0, 0))), config, impl, interpret)[:N]
-    if failures == "raise":  # the input is finite (checked), so NaN marks a failed block
-        _raise_on_failures(flat, -jnp.any(jnp.isnan(out), axis=-1).astype(jnp.int32), config,
-                           "quantize")
-    return out.reshape(x.shape).astype(dtype)
+    # Eager: a bucket-padded flat batch (see bucket).
+    out = _quantize_jit(_to_bucket(x), config, impl, interpret)
+    out, failed, any_failed = _values_from_bucket(out, x.shape, dtype)
+    if failures == "raise" and any_failed:
+        _raise_on_failures(x, np.asarray(failed), config, "quantize")
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _values_from_bucket(out, shape: tuple, dtype):
+    """``(values, failed blocks, any failed)`` of the first blocks of a bucket's ``quantize``;
+    the input is finite (checked), so a NaN marks a block that could not be encoded."""
+    out = out[:int(np.prod(shape[:-1], dtype=np.int64))].reshape(shape)
+    failed = jnp.any(jnp.isnan(out), axis=-1)
+    return out.astype(dtype), failed, jnp.any(failed)
 
 
 _quantize_jit = jax.jit(_quantize, static_argnums=(1, 2, 3))

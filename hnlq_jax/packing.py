@@ -49,9 +49,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax.codec import is_concrete
 from hnlq_jax.codes import (FORMAT_VERSION, Codes, check_codes, index_dtype, index_from_labels,
-                            labels_of_index, pack_t)
+                            is_concrete, labels_of_index, pack_t)
 from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.ops import bucket
 

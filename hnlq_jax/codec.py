@@ -193,8 +193,8 @@ def _attempt(st: _Search, config: HNLQConfig, scales, z) -> _Search:
 
 # Below this many blocks the search just iterates over all of them.
 _COMPACT_MIN = 4096
-# Larger inputs are encoded in chunks of this many blocks: XLA:CPU runs the search as many
-# separate loops over per-coordinate arrays, so they should stay in cache (2^15 measured best
+# Larger inputs are encoded in chunks of at most this many blocks: XLA:CPU runs the search as
+# many separate loops over per-coordinate arrays, so they should stay in cache (2^15 measured best
 # on a 2-core x86 machine, 1.5x faster than 2^16; docs/performance.md, "Where encode spends").
 _CHUNK = 2**15
 
@@ -267,13 +267,18 @@ def encode_blocks(x, config: HNLQConfig, beta):
       and the overload steps (-1 for failed blocks).
     """
     N = x.shape[0]
-    if N > 2 * _CHUNK:
+    if N > _CHUNK:
         # Chunks small enough for the cache, one after another: the search makes several
-        # passes over its arrays, which at 10^6 blocks would each go to memory.
+        # passes over its arrays, which at 10^6 blocks would each go to memory. The chunks
+        # split N evenly, rounded up to a multiple of 1024 blocks (odd sizes vectorize badly:
+        # E8 several times slower at 10^6 blocks). A chunk's program is also what XLA
+        # compiles: a search over more than _CHUNK blocks at once would compile about twice
+        # as many copies of the attempt (its compaction nests once more).
         nc = -(-N // _CHUNK)
-        xc = jnp.pad(x, ((0, nc * _CHUNK - N), (0, 0))).reshape(nc, _CHUNK, x.shape[1])
+        size = -(-N // (1024 * nc)) * 1024
+        xc = jnp.pad(x, ((0, nc * size - N), (0, 0))).reshape(nc, size, x.shape[1])
         index, T = jax.lax.map(lambda xi: encode_blocks(xi, config, beta), xc)
-        return index.reshape(nc * _CHUNK, config.M)[:N], T.reshape(-1)[:N]
+        return index.reshape(nc * size, config.M)[:N], T.reshape(-1)[:N]
     dtype = x.dtype
     scales, thresholds = scale_tables(config, beta, dtype)
     z = [dtype.type(v) for v in config.dither_array]

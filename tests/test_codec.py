@@ -273,16 +273,16 @@ def test_batch_shape_independence():
 
 
 def test_chunked_encode_matches(monkeypatch):
-    """Inputs above 2 chunks are encoded chunk by chunk (padded): same codes."""
+    """Inputs above one chunk are encoded in even chunks (padded to a multiple): same codes."""
     from hnlq_jax import codec
 
     monkeypatch.setattr(codec, "_CHUNK", 4096)
     cfg = hq.HNLQConfig("E8", 4, 2, beta=0.23)  # a config of its own: traced anew
-    x = np.random.default_rng(5).normal(size=(9000, 8)).astype(np.float32)
+    x = np.random.default_rng(5).normal(size=(9001, 8)).astype(np.float32)  # 3 x 3001 - 2
     x[17] = np.nan
     enc = jax.jit(codec.encode_blocks, static_argnums=1)
     big_index, big_T = enc(jnp.asarray(x), cfg, cfg.beta)
-    parts = [enc(jnp.asarray(x[i : i + 1000]), cfg, cfg.beta) for i in range(0, 9000, 1000)]
+    parts = [enc(jnp.asarray(x[i : i + 1000]), cfg, cfg.beta) for i in range(0, 9001, 1000)]
     np.testing.assert_array_equal(big_index, np.concatenate([p[0] for p in parts]))
     np.testing.assert_array_equal(big_T, np.concatenate([p[1] for p in parts]))
     assert int(big_T[17]) == -1 and np.mean(np.asarray(big_T) > 0) > 0.3

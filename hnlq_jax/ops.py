@@ -122,7 +122,7 @@ def encode(x, config: HNLQConfig, *, implementation=None, interpret=None,
 
 # The eager glue around a bucketed program (padding in, slicing out) is one small jitted
 # program per shape each way: as separate jnp operations it compiled one program per
-# operation and per new batch size (about half a second for each new size).
+# operation and per new batch size, most of a new size's first call.
 
 
 @jax.jit
@@ -220,7 +220,7 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
 
 @jax.jit
 def _codes_to_bucket(codes: Codes) -> Codes:
-    """Block codes as a flat batch of ``bucket(N)`` blocks; padding blocks decode to zero."""
+    """Block codes as a flat batch of ``bucket(N)`` blocks (padding: index 0, T = 0)."""
     config = codes.config
     lead = codes.blocks_shape
     T = unpack_t(codes.tfield, config, lead[-1] if lead else None).reshape(-1) - 1

@@ -401,7 +401,7 @@ def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
 def _codes_ok(arrays, cfg: HNLQConfig):
     """Every index below ``q^d`` and every T field entry at most ``max_T + 1``."""
     index, tfield = arrays
-    ok = jnp.all(index < cfg.q**cfg.d) if cfg.q**cfg.d - 1 < np.iinfo(index.dtype).max else True
+    ok = jnp.all(_index_ok(index, cfg))
     f, top = tfield.astype(jnp.int32), cfg.max_T + 1
     if t_bits(cfg) == 8:
         return ok & jnp.all(f <= top)
@@ -414,11 +414,17 @@ def valid_blocks(index, u, config: HNLQConfig):
     ``index`` is ``[..., M]``, or a list of the M per-level columns (as the kernels hold them).
     """
     ok = (u >= 1) & (u <= config.max_T + 1)
-    size = config.q**config.d
-    if size - 1 < np.iinfo(index_dtype(config)).max:
-        for k in (index if isinstance(index, list) else [index[..., m] for m in range(config.M)]):
-            ok = ok & (k.astype(jnp.uint32) < jnp.uint32(size))
+    for k in (index if isinstance(index, list) else [index[..., m] for m in range(config.M)]):
+        ok = ok & _index_ok(k, config)
     return ok
+
+
+def _index_ok(k, config: HNLQConfig):
+    """``k < q^d`` elementwise; ``True`` when the index dtype holds no larger value."""
+    size = config.q**config.d
+    if size - 1 >= np.iinfo(index_dtype(config)).max:
+        return True
+    return k.astype(jnp.uint32) < jnp.uint32(size)
 
 
 def row_length(codes: Codes) -> int:

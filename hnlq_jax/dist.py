@@ -3,8 +3,8 @@
 Inside ``jax.shard_map`` or ``jax.pmap`` over a named axis, :func:`compressed_mean` replaces
 ``lax.pmean(x, axis)``: every device encodes its array into the payload of
 :mod:`hnlq_jax.wire` (flattened, cut into d-blocks, in chunks of up to ``chunk`` blocks with one
-power-of-two scale each; labels at ``M log2 q`` bits per block, T entropy coded in a fixed
-per-chunk capacity), the collective moves only those bytes, and every device decodes and
+power-of-two scale each; labels at ``M log2 q`` bits per block, T as flag bits and unary
+codes in a fixed per-chunk capacity), the collective moves only those bytes, and every device decodes and
 averages. Each chunk's scale puts its RMS in ``[0.71, 1.41)``, so the config's beta is for
 unit-RMS data (an uncalibrated config, beta = 1.0, gets :func:`hnlq_jax.gaussian_beta`; see
 :func:`hnlq_jax.wire.chunk_config`). Scaling by a power of two is exact, so what a device sent

@@ -30,7 +30,8 @@ vectorized: the unary terminators are the set bits of the forward part (one ``no
 plane's runs are ``(quotient << k) + remainder`` and its flags a scatter at the cumulative sum
 of ``run + 1``; only a loop over the (at most ``max_T + 1``) planes remains. The plane's Rice
 parameter is chosen by the encoder from the histogram of v (``rice_parameters``) and stored.
-:mod:`hnlq_jax.wire` uses the same coder per chunk with a fixed ``C``.
+(:mod:`hnlq_jax.wire` codes T more simply, in one pass without this loop over planes: its
+payloads are coded every training step and have a fixed size anyway.)
 
 ``pack`` sizes its output from the data, so it runs eagerly (outside ``jit``); ``unpack`` is
 traceable. ``Packed.to_bytes`` / ``Packed.from_bytes`` give a self-describing byte string
@@ -186,22 +187,19 @@ def t_from_symbols(v, config: HNLQConfig):
     return jnp.where(v == config.max_T + 1, 0, v + 1).astype(jnp.int32)
 
 
-def rice_parameters(counts, planes: int, stream_tops=None, kmax: int = MAX_RICE):
+def rice_parameters(counts, planes: int):
     """Rice parameter of each plane ``0 .. planes-1`` from the histogram of the symbols.
 
-    Plane j holds ``n_j = #(v >= j)`` flags with ``m_j = n_{j+1}`` ones, coded as ``m_j + s_j``
-    runs (``s_j``: the streams in which plane j is not empty, each ending with a final run) of
+    Plane j holds ``n_j = #(v >= j)`` flags with ``m_j = n_{j+1}`` ones, coded as ``m_j + 1``
+    runs (the last one ended by the plane's end; none for an empty plane) of
     ``z_j = n_j - m_j`` zeros in all. Modelling the runs as geometric with
-    ``theta = z_j / (z_j + m_j + s_j)``, a run's expected unary length is
+    ``theta = z_j / (z_j + m_j + 1)``, a run's expected unary length is
     ``theta^(2^k) / (1 - theta^(2^k))``; the parameter minimizes the expected bits
-    ``(m_j + s_j) (1 + k + that)`` over ``k = 0 .. kmax``.
+    ``(m_j + 1) (1 + k + that)`` over ``k = 0 .. MAX_RICE``.
 
     Args:
       counts: ``[S]`` counts of the symbols ``v = 0 .. S-1`` (traceable).
       planes: number of parameters wanted (static).
-      stream_tops: ``[S]`` counts of the streams' largest symbols, when the symbols are coded
-        as several streams (e.g. one per chunk); default: one stream.
-      kmax: the largest parameter allowed (static, at most ``MAX_RICE``).
 
     Returns:
       ``[planes]`` int32.
@@ -211,10 +209,9 @@ def rice_parameters(counts, planes: int, stream_tops=None, kmax: int = MAX_RICE)
         return jnp.cumsum(c[::-1])[::-1][:planes + 1]
 
     n = tail(counts)
-    streams = (n[:-1] > 0).astype(jnp.float32) if stream_tops is None else tail(stream_tops)[:-1]
-    zeros, runs = n[:-1] - n[1:], n[1:] + streams
+    zeros, runs = n[:-1] - n[1:], n[1:] + (n[:-1] > 0).astype(jnp.float32)
     theta = zeros / jnp.maximum(zeros + runs, 1)
-    k = jnp.arange(kmax + 1, dtype=jnp.float32)
+    k = jnp.arange(MAX_RICE + 1, dtype=jnp.float32)
     log_theta = jnp.log2(jnp.where(theta > 0, theta, 1.0))[:, None]
     tk = jnp.where(theta[:, None] > 0, jnp.exp2(log_theta * jnp.exp2(k)), 0.0)  # theta^(2^k)
     cost = runs[:, None] * (1 + k + tk / jnp.maximum(1 - tk, 1e-30))

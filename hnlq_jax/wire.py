@@ -5,28 +5,34 @@ chunks of ``chunk`` blocks with one power-of-two scale each, and the chunks into
 equal parts (``parts = n`` for a reduce-scatter, where part i goes to device i; 1 otherwise).
 A payload is ``uint8 [parts, part_bytes]``; each part decodes on its own (:func:`decode_part`)::
 
-    part   = record[0] ... record[chunks - 1]  rice[ceil((max_T + 1) / 2)]
+    part   = record[0] ... record[chunks - 1]
     record = labels[label_bytes]  tstream[t_bytes]  exponent[1]
 
 * ``labels``: the chunk's label bitstream, as in :func:`hnlq_jax.packing.pack_labels`.
-* ``tstream``: the chunk's T, entropy coded as in :mod:`hnlq_jax.packing` (unary planes,
-  Rice-coded runs; unary parts from the front, remainders from the back) in a buffer of fixed
-  capacity ``C = 8 t_bytes`` bits, by default ``1.25 + d/4`` bits per block (D4: 2.25, E8:
-  3.25). A Gaussian chunk at a calibrated beta needs about 1.1 (D4 q=4 M=2) to 1.7 (E8 q=3 M=2)
-  bits per block when its RMS is a power of two, 0.3 to 0.6 when it is 0.71 times one and 1.6
-  (Z2, A2), 2.1 (D4) to 2.9 (E8 q=3) when it is 1.41 times one.
+* ``tstream``: the chunk's T in a buffer of ``t_bytes`` bytes, ``C = 8 t_bytes`` bits, by
+  default ``1.25 + d/4`` bits per block (D4: 2.25, E8: 3.25). With symbols ``v = T`` (``v =
+  max_T + 1`` for a failed block), little-endian bit order:
+
+  - ``flags``: ``chunk`` bits, bit i set when block i has ``v >= 1``;
+  - ``tail``: the rest of the buffer. For every flagged block in block order, ``v - 1`` one
+    bits then a zero bit (unary). The bits after the last code are zeros.
+
+  A chunk needs ``chunk + sum(v)`` bits. For Gaussian chunks at a calibrated beta that is
+  about 2.1 bits per block (D4 q=4 M=2) at the top of the RMS window (a chunk's RMS 1.41 times
+  a power of two), within 0.1 bit of the entropy-coded T of :mod:`hnlq_jax.packing`, and
+  about 1.05 at its bottom (0.71 times), where there is room to spare. Unlike ``pack``'s
+  stream it is written and read with a few whole-array passes, no loop over T values, which
+  is what the collectives need: they code every step.
 * ``exponent``: int8 ``e``; the chunk's values are ``2^e`` times its decoded codes.
   ``e = -128`` (``FAILED``) marks a chunk that could not be sent (non-finite input, or in
   principle a chunk that does not fit even at ``e = 127``): it decodes to NaN.
-* ``rice``: the part's Rice parameter (0..15) of each T plane, two per byte (plane 2i in the
-  low nibble), chosen by the encoder from the part's histogram of T.
 
 **Choosing e (rate control).** ``e`` starts at the power of two nearest the chunk's RMS (RMS in
 ``[0.71, 1.41)`` after scaling, so ``config.beta`` is the beta for unit-RMS data), raised if
 the chunk's largest block is beyond what T <= max_T can reach. A chunk that still does not fit
 -- a block that cannot be encoded, or a T stream longer than ``C`` -- is encoded again with
-``e + 1`` until it fits: a larger scale lowers every T, and at all T = 0 a chunk's stream is at
-most ``max(chunk + 1, 31)`` bits, which ``C`` is never below. So the fixed size never drops
+``e + 1`` until it fits: a larger scale lowers every T, and at all T = 0 a chunk's stream is its
+``chunk`` flag bits, which ``C`` is never below. So the fixed size never drops
 data: an unusual chunk is quantized more coarsely instead (error feedback carries what it
 lost), and how many were is reported (:class:`Info`). Powers of two are exact, so what a
 device sends is the same value wherever it is decoded.
@@ -35,7 +41,7 @@ device sends is the same value wherever it is decoded.
 (not calibrated; several times the error of a calibrated beta) is replaced by
 :func:`chunk_config` with :func:`hnlq_jax.gaussian_beta`'s beta. Every party derives the
 layout and config from the same arguments (the DDP hook checks that all ranks agree, and
-:data:`~hnlq_jax.FORMAT_VERSION` with them); nothing in a payload describes its own config.
+:data:`WIRE_VERSION` with them); nothing in a payload describes its own config.
 """
 
 from __future__ import annotations
@@ -54,11 +60,14 @@ from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.rows import row_rms
 from hnlq_jax.stats import gaussian_beta
 
-__all__ = ["CHUNK", "FAILED", "RICE_MAX", "default_t_capacity", "Layout", "Info", "layout", "chunk_config",
+__all__ = ["CHUNK", "FAILED", "WIRE_VERSION", "default_t_capacity", "Layout", "Info", "layout", "chunk_config",
            "encode", "decode", "decode_part"]
 
 CHUNK = 256  # blocks per scale
-RICE_MAX = 15  # Rice parameters travel as nibbles
+# The payload layout's version. Payloads are not stored, so it is not FORMAT_VERSION (the codes'
+# stored form): parties exchanging payloads compare it (the DDP hook does). 1: T streams as in
+# ``pack`` (Rice-coded planes) and the Rice parameters at the end of each part; 2: flags + unary.
+WIRE_VERSION = 2
 FAILED = -128  # the exponent of a chunk that decodes to NaN
 _E_MIN, _E_MAX = -126, 127
 
@@ -98,11 +107,6 @@ class Layout(NamedTuple):
     t_bytes: int
 
     @property
-    def planes(self) -> int:
-        """T planes coded: symbols run 0..max_T + 1 (``max_T + 1``: a failed block)."""
-        return self.config.max_T + 1
-
-    @property
     def label_bytes(self) -> int:
         return -(-packing.label_bits(self.config, self.chunk) // 8)
 
@@ -111,12 +115,8 @@ class Layout(NamedTuple):
         return self.label_bytes + self.t_bytes + 1
 
     @property
-    def rice_bytes(self) -> int:
-        return -(-self.planes // 2)
-
-    @property
     def part_bytes(self) -> int:
-        return self.chunks * self.record_bytes + self.rice_bytes
+        return self.chunks * self.record_bytes
 
     @property
     def payload_bytes(self) -> int:
@@ -144,8 +144,8 @@ def layout(size: int, config: HNLQConfig, parts: int = 1, *, chunk: int = CHUNK,
       config: the quantizer (passed through :func:`chunk_config`).
       parts: parts (devices of a reduce-scatter), >= 1.
       chunk: largest blocks per chunk, a positive multiple of 8.
-      t_capacity: T stream bits per block (default :func:`default_t_capacity`); raised where
-        needed to hold a chunk with all T = 0.
+      t_capacity: T stream bits per block (default :func:`default_t_capacity`); raised to 1
+        where lower (a chunk with all T = 0 needs its flag bits).
 
     Raises:
       TypeError, ValueError: a bad config, size, chunk, parts or capacity.
@@ -166,8 +166,8 @@ def layout(size: int, config: HNLQConfig, parts: int = 1, *, chunk: int = CHUNK,
     blocks = max(1, -(-int(size) // config.d))
     chunk = min(chunk, 8 * -(-blocks // (8 * parts)))
     chunks = -(-blocks // (chunk * parts))
-    # At all T = 0 a chunk's stream is one Rice codeword: at most max(chunk + 1, 31) bits.
-    t_bytes = max(-(-int(chunk * t_capacity) // 8), -(-max(chunk + 1, 31) // 8))
+    # At all T = 0 a chunk's stream is its flags: chunk bits.
+    t_bytes = max(-(-int(chunk * t_capacity) // 8), chunk // 8)
     return Layout(config, int(size), chunk, chunks, parts, t_bytes)
 
 
@@ -199,24 +199,53 @@ def _exponents(x, config: HNLQConfig):
     return jnp.clip(e + lift, _E_MIN, _E_MAX), finite
 
 
-def _streams(u, ks, lay: Layout):
-    """T streams ``[C, t_bytes]`` and their bits ``[C]`` of ``u[C, chunk]`` (ks: ``[C, P]``)."""
+def _t_streams(u, lay: Layout):
+    """T streams ``uint8 [C, t_bytes]`` and their bits ``[C]`` of ``u[C, chunk]`` (u = T + 1).
+
+    A stream longer than the buffer is cut (``bits > 8 t_bytes``: the caller re-encodes).
+    """
+    C, n = u.shape
     v = packing.t_symbols(u, lay.config)
-    return jax.vmap(lambda vi, ki: packing.encode_stream(vi, ki, lay.planes, 8 * lay.t_bytes,
-                                                         lay.t_bytes))(v, ks)
+    end = jnp.cumsum(v, axis=1)  # where each block's unary code ends in the tail
+    start = end - v
+    tail = 8 * lay.t_bytes - n
+    # A code's ones are the tail bits [start, start + v - 1) (a code may be longer than a word:
+    # max_T goes up to 127): mark where each run of ones begins (+1) and ends (-1), clipped to
+    # the tail so that nothing spills into the next chunk's row, and sum the marks up.
+    at = jnp.minimum(jnp.concatenate([start, end - 1], axis=1), tail)
+    mark = jnp.where(jnp.concatenate([v, v], axis=1) > 1,
+                     jnp.concatenate([jnp.ones_like(v), -jnp.ones_like(v)], axis=1), 0)
+    marks = jnp.zeros(C * (tail + 1), jnp.int32).at[
+        (at + (tail + 1) * jnp.arange(C)[:, None]).reshape(-1)].add(mark.reshape(-1))
+    ones = jnp.cumsum(marks.reshape(C, tail + 1)[:, :tail], axis=1) > 0
+    streams = jnp.concatenate([jnp.packbits(v > 0, axis=1, bitorder="little"),
+                               jnp.packbits(ones, axis=1, bitorder="little")], axis=1)
+    return streams, n + end[:, -1]
 
 
-def _rice(u, lay: Layout):
-    """``[parts, P]`` Rice parameters from each part's histogram of T symbols."""
-    v = packing.t_symbols(u, lay.config).reshape(lay.parts, lay.chunks, lay.chunk)
-    top = lay.planes + 1
-
-    def one(vp):
-        counts = jnp.bincount(vp.reshape(-1), length=top)
-        tops = jnp.bincount(jnp.max(vp, axis=1), length=top)
-        return packing.rice_parameters(counts, lay.planes, tops, RICE_MAX)
-
-    return jax.vmap(one)(v)
+def _t_from_streams(t, lay: Layout):
+    """``(u [C, chunk], ok [C])`` of T streams ``uint8 [C, t_bytes]`` (inverse of
+    :func:`_t_streams`). ``ok`` is false for a stream that cannot have been written: more
+    flagged blocks than codes, a symbol above ``max_T + 1``, or one bits after the last code.
+    """
+    C, n = t.shape[0], lay.chunk
+    flags = jnp.unpackbits(t[:, :n // 8], axis=1, bitorder="little").astype(bool)
+    bits = jnp.unpackbits(t[:, n // 8:], axis=1, bitorder="little").astype(jnp.int32)
+    tail = bits.shape[1]
+    # zero_at[k]: where the k-th code ends (its zero bit); tail when there is none.
+    zeros = jnp.cumsum(1 - bits, axis=1)
+    slot = jnp.where((bits == 0) & (zeros <= n), zeros - 1 + n * jnp.arange(C)[:, None], C * n)
+    zero_at = jnp.full(C * n, tail, jnp.int32).at[slot].set(
+        jnp.broadcast_to(jnp.arange(tail, dtype=jnp.int32), (C, tail)), mode="drop").reshape(C, n)
+    length = zero_at - jnp.concatenate([jnp.full((C, 1), -1, jnp.int32), zero_at[:, :-1]], 1)
+    rank = jnp.cumsum(flags, axis=1, dtype=jnp.int32) - 1
+    v = jnp.where(flags, jnp.take_along_axis(length, jnp.maximum(rank, 0), axis=1), 0)
+    F = rank[:, -1] + 1  # flagged blocks
+    last = jnp.take_along_axis(zero_at, jnp.maximum(F - 1, 0)[:, None], axis=1)[:, 0]
+    used = jnp.where(F > 0, last + 1, 0)  # tail bits the codes take
+    top = lay.config.max_T + 1
+    ok = (used <= tail) & (jnp.sum(bits, axis=1) == used - F) & jnp.all(v <= top, axis=1)
+    return packing.t_from_symbols(jnp.minimum(v, top), lay.config), ok
 
 
 def encode(v, lay: Layout, implementation=None, interpret=None):
@@ -250,9 +279,6 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
         index, T = ops.encode_flat(blocks, config, impl, interpret)
         return index.reshape(C, lay.chunk, config.M), (T + 1).reshape(C, lay.chunk)
 
-    index, u = attempt(e0)
-    ks = jnp.repeat(_rice(u, lay), lay.chunks, axis=0)  # fixed from the first attempt
-
     def fits(u, used):
         return jnp.all(u > 0, axis=1) & (used <= 8 * lay.t_bytes)
 
@@ -264,10 +290,11 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
         e, _, _, _, ok = s
         e = jnp.where(ok | ~finite, e, e + 1)
         index, u = attempt(e)
-        tstream, used = _streams(u, ks, lay)
+        tstream, used = _t_streams(u, lay)
         return e, index, u, tstream, fits(u, used)
 
-    tstream, used = _streams(u, ks, lay)
+    index, u = attempt(e0)
+    tstream, used = _t_streams(u, lay)
     e, index, u, tstream, ok = jax.lax.while_loop(
         cond, body, (e0, index, u, tstream, fits(u, used)))
     sent = ok & finite
@@ -275,9 +302,7 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
     exponent = jnp.where(sent, e, FAILED).astype(jnp.int8)
     records = jnp.concatenate([labels, tstream, jax.lax.bitcast_convert_type(
         exponent, jnp.uint8)[:, None]], axis=1)
-    rice = jnp.pad(ks[::lay.chunks], ((0, 0), (0, 2 * lay.rice_bytes - lay.planes)))
-    rice = (rice[:, 0::2] | (rice[:, 1::2] << 4)).astype(jnp.uint8)
-    payload = jnp.concatenate([records.reshape(lay.parts, -1), rice], axis=1)
+    payload = records.reshape(lay.parts, -1)
     info = Info(jnp.sum((u > 1) & sent[:, None], dtype=jnp.int32),
                 jnp.sum(sent & (e > e0), dtype=jnp.int32), jnp.sum(~sent, dtype=jnp.int32))
     return payload, info
@@ -306,15 +331,12 @@ def decode_part(part, lay: Layout, implementation=None, interpret=None):
     part = _check_payload(part, (lay.part_bytes,), lay, "decode_part")
     config = lay.config
     impl = ops.resolve(implementation, config, "decode")
-    records = part[:lay.chunks * lay.record_bytes].reshape(lay.chunks, lay.record_bytes)
-    nibbles = part[lay.chunks * lay.record_bytes:].astype(jnp.int32)
-    ks = jnp.stack([nibbles & 15, nibbles >> 4], axis=1).reshape(-1)[:lay.planes]
+    records = part.reshape(lay.chunks, lay.record_bytes)
     lb, tb = lay.label_bytes, lay.t_bytes
     index, bad = jax.vmap(lambda r: packing.unpack_labels(r, config, lay.chunk))(records[:, :lb])
-    v, ok = jax.vmap(lambda r: packing.decode_stream(
-        r, ks, lay.planes, 8 * tb, lay.chunk, lay.chunk))(records[:, lb:lb + tb])
+    u, ok = _t_from_streams(records[:, lb:lb + tb], lay)
     e = jax.lax.bitcast_convert_type(records[:, -1], jnp.int8).astype(jnp.int32)
-    u = packing.t_from_symbols(v, config).reshape(-1)
+    u = u.reshape(-1)
     codes = Codes(index.reshape(-1, config.M), pack_t(u - 1, config), config)
     x = ops.decode(codes, dtype=jnp.float32, implementation=impl, interpret=interpret)
     x = jnp.ldexp(x.reshape(lay.chunks, -1), e[:, None])

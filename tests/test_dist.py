@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -283,6 +285,11 @@ def test_spike_is_coded_not_nan(method):
     np.testing.assert_array_equal(got[far], ref[far])
 
 
+# Jitted once per layout (op by op, each layout would compile ~90 small programs).
+_wire_encode = jax.jit(wire.encode, static_argnums=1)
+_wire_decode = jax.jit(wire.decode, static_argnums=1)
+
+
 def test_rate_control_and_failed_chunks():
     """Chunks whose T stream overflows a small capacity are coded at a larger scale (never
     dropped); a chunk with a NaN is marked and decodes to NaN, its neighbours do not."""
@@ -291,8 +298,7 @@ def test_rate_control_and_failed_chunks():
     v *= np.repeat(np.float32(2.0) ** np.linspace(-0.5, 0.49, 8), 1024)  # RMS ratios across
     tight = wire.layout(v.size, cfg, t_capacity=1.25)  # the [0.71, 1.41) window
     loose = wire.layout(v.size, cfg)
-    enc = jax.jit(wire.encode, static_argnums=1)
-    dec = jax.jit(wire.decode, static_argnums=1)  # op by op, each layout compiles ~90 ops
+    enc, dec = _wire_encode, _wire_decode
     p_tight, info_tight = enc(jnp.asarray(v), tight)
     p_loose, info_loose = enc(jnp.asarray(v), loose)
     assert int(info_loose.rescaled) == 0 and int(info_tight.rescaled) > 0
@@ -306,6 +312,61 @@ def test_rate_control_and_failed_chunks():
     assert int(info.failed) == 1
     chunk = np.s_[4096:5120]  # the NaN's chunk of 256 blocks
     assert np.all(np.isnan(out[chunk])) and np.all(np.isfinite(np.delete(out, chunk)))
+
+
+def test_wire_t_stream_bit_layout():
+    """docs/format.md, wire format: T = (0, 2, 0, 1, 0, 0, 3, 0) in a chunk of 8 blocks is the
+    flag byte 0b01001010 (blocks 1, 3, 6), then the unary codes 1 0 | 0 | 1 1 0 from bit 0:
+    0b011001 = 25; 8 + 2 + 1 + 3 = 14 bits."""
+    lay = wire.layout(32, CFG, t_capacity=3)  # one chunk of 8 blocks, 3 bytes of T stream
+    assert (lay.chunk, lay.t_bytes) == (8, 3)
+    u = jnp.asarray([[1, 3, 1, 2, 1, 1, 4, 1]], jnp.int32)  # u = T + 1
+    data, bits = wire._t_streams(u, lay)
+    np.testing.assert_array_equal(data, [[0b01001010, 25, 0]])
+    assert int(bits[0]) == 14
+    back, ok = wire._t_from_streams(data, lay)
+    np.testing.assert_array_equal(back, u)
+    assert bool(ok[0])
+
+
+@pytest.mark.parametrize("max_T", [3, 15, 127])
+@settings(max_examples=15)
+@given(seed=st.integers(0, 2**31 - 1), p=st.floats(0.0, 0.9))
+def test_wire_t_streams_round_trip(max_T, seed, p):
+    """Any T (failed blocks too) that fits comes back exactly; a chunk that overflows is
+    reported (its bits) and never spills into the next chunk's stream."""
+    cfg = CFG.replace(max_T=max_T)
+    lay = wire.layout(4 * 64 * 4, cfg, chunk=64, t_capacity=4)  # 4 chunks of 64 blocks
+    rng = np.random.default_rng(seed)
+    u = np.minimum(rng.geometric(1 - p, (4, 64)), max_T + 2) % (max_T + 2)  # 0: failed
+    u[0, 5] = max_T + 1  # the longest code, T = max_T (up to 127 bits)
+    u[2] = 0  # failed blocks (v = max_T + 1): a chunk over its capacity, between two others
+    u = jnp.asarray(u, jnp.int32)
+    data, bits = wire._t_streams(u, lay)
+    v = np.where(np.asarray(u) == 0, max_T + 1, np.asarray(u) - 1)
+    np.testing.assert_array_equal(bits, 64 + v.sum(axis=1))
+    back, ok = wire._t_from_streams(data, lay)
+    fits = np.asarray(bits) <= 8 * lay.t_bytes
+    assert not fits[2]
+    np.testing.assert_array_equal(np.asarray(ok)[fits], True)
+    np.testing.assert_array_equal(np.asarray(back)[fits], np.asarray(u)[fits])
+    alone, _ = wire._t_streams(u[3:], lay)  # the chunk after the overflow, coded alone
+    np.testing.assert_array_equal(data[3], alone[0])
+
+
+def test_wire_corrupted_t_stream_decodes_to_nan():
+    """A T stream that cannot have been written (more flagged blocks than codes: the tail all
+    ones) turns its chunk into NaN; the other chunks decode as before."""
+    v = np.random.default_rng(9).standard_normal(8 * 1024).astype(np.float32)
+    lay = wire.layout(v.size, CFG)  # test_rate_control_and_failed_chunks's loose layout
+    payload, _ = _wire_encode(jnp.asarray(v), lay)
+    good = np.asarray(_wire_decode(payload, lay))
+    start = lay.label_bytes + lay.chunk // 8  # chunk 0's tail
+    bad = payload.at[0, start:start + lay.t_bytes - lay.chunk // 8].set(255)
+    out = np.asarray(_wire_decode(bad, lay))
+    per = lay.chunk * CFG.d
+    assert np.all(np.isnan(out[:per]))
+    np.testing.assert_array_equal(out[per:], good[per:])
 
 
 def test_bad_input():

@@ -6,8 +6,8 @@ Usage, in the style of PyTorch's PowerSGD hook::
     ddp_model.register_comm_hook(state, hnlq_hook)
 
 Each gradient bucket is flattened, error feedback is added, and :func:`hnlq_jax.wire.encode`
-turns it into the payload of the wire format (labels at ``M log2 q`` bits per block, T entropy
-coded in a fixed capacity per chunk, one int8 power-of-two exponent per chunk). With
+turns it into the payload of the wire format (labels at ``M log2 q`` bits per block, T as flag
+bits and unary codes in a fixed capacity per chunk, one int8 power-of-two exponent per chunk). With
 ``method="all_gather"`` the payloads are all-gathered (each rank sends ``(world - 1) P`` bytes)
 and every rank decodes all of them; with ``"reduce_scatter"`` an all-to-all sends part i of
 every payload to rank i, which averages and re-encodes it, and an all-gather of those parts
@@ -131,11 +131,12 @@ class HNLQHookState:
 
     def _check_agreement(self, group, world: int):
         """All ranks must decode each other's payloads with the same quantizer and format."""
-        mine = (FORMAT_VERSION, repr(self.config), self.method, self.chunk, self.t_capacity)
+        mine = (f"{FORMAT_VERSION}/{wire.WIRE_VERSION}", repr(self.config), self.method,
+                self.chunk, self.t_capacity)
         everyone = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
         if any(other != mine for other in everyone):
-            lines = "\n".join(f"  rank {i}: format version {v}, config={c}, method={m}, "
+            lines = "\n".join(f"  rank {i}: format/wire version {v}, config={c}, method={m}, "
                               f"chunk={k}, t_capacity={t}"
                               for i, (v, c, m, k, t) in enumerate(everyone))
             raise ValueError("hnlq_hook: ranks disagree on the quantizer; every rank must "

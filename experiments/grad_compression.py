@@ -8,7 +8,7 @@ step, ``--epochs`` epochs, several seeds. The gradient mean across devices is:
   the usual low-bit baseline at 8 bits/value;
 * ``hnlq all_gather M=1|2`` and ``hnlq reduce_scatter M=1|2``: :func:`hnlq_jax.dist.compress_gradients`
   with D4 q=4 (beta from ``gaussian_beta``), error feedback, 10 warm-up steps, ``min_size=1024``
-  (the biases take the exact mean); the payload is :mod:`hnlq_jax.wire`'s (T entropy coded in
+  (the biases take the exact mean); the payload is :mod:`hnlq_jax.wire`'s (T as flags and unary codes in
   a fixed capacity per chunk).
 
 Reports final test accuracy (mean, min, max over seeds), bytes each device sends per step and
@@ -51,6 +51,7 @@ from hnlq_jax import dist, wire  # noqa: E402
 from qat_digits import data  # noqa: E402  (the same split and normalization)
 from report import (DOCS, add_report_flag, load_results, markdown_table,  # noqa: E402
                     write_between_markers)
+from hnlq_jax.timing import best_time  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 N_DEV, PER_DEV = 8, 16
@@ -198,9 +199,48 @@ def table(res: dict) -> str:
             for s in res["summary"]]
     caption = (f"{res['params']:,} parameters, {res['devices']} devices × "
                f"{res['per_device_batch']} examples, {res['epochs']} epochs, seeds {res['seeds']}:")
-    return caption + "\n\n" + markdown_table(
+    text = caption + "\n\n" + markdown_table(
         ["method", "test accuracy (mean, min-max)", "bytes/step/device", "vs float32",
          "overload rate", "rescaled chunks", "step time", "vs float32"], rows)
+    if "breakdown" in res:
+        text += "\n\n" + breakdown_table(res["breakdown"])
+    return text
+
+
+def breakdown(cfg, params, repeat=20) -> list:
+    """Milliseconds of one device's wire encode and decode, beside the lattice codec inside them.
+
+    The weight gradients (the leaves the compressor codes) as one flat array, Gaussian at the
+    gradients' RMS scale, in the all-gather layout; jitted, best of ``repeat``, same process.
+    The rest of the wire time is its T-stream coding, the label bitstream and the rate control.
+    """
+    size = sum(p.size for p in jax.tree.leaves(params) if p.size >= 1024)
+    v = jnp.asarray(1e-3 * np.random.default_rng(0).standard_normal(size), jnp.float32)
+    rows = []
+    for M in (1, 2):
+        c = cfg.replace(M=M)
+        lay = wire.layout(size, c.replace(beta=hq.gaussian_beta(c)))
+        enc = jax.jit(lambda v: wire.encode(v, lay)[0])
+        dec = jax.jit(lambda p: wire.decode(p, lay))
+        blocks = hq.to_blocks(v / jnp.std(v), c.d)
+        lenc = jax.jit(lambda b: hq.encode(b, lay.config))
+        ldec = jax.jit(hq.decode)
+        payload, codes = enc(v), lenc(blocks)
+        rows.append({"config": f"{c.lattice} q={c.q} M={M}", "values": size,
+                     "wire_encode_ms": 1e3 * best_time(enc, v, repeat=repeat),
+                     "wire_decode_ms": 1e3 * best_time(dec, payload, repeat=repeat),
+                     "lattice_encode_ms": 1e3 * best_time(lenc, blocks, repeat=repeat),
+                     "lattice_decode_ms": 1e3 * best_time(ldec, codes, repeat=repeat)})
+    return rows
+
+
+def breakdown_table(rows) -> str:
+    return markdown_table(
+        ["one device's gradient", "wire.encode", "lattice encode inside it", "wire.decode",
+         "lattice decode inside it"],
+        [[f"{r['values']:,} values, {r['config']}", f"{r['wire_encode_ms']:.2f} ms",
+          f"{r['lattice_encode_ms']:.2f} ms", f"{r['wire_decode_ms']:.2f} ms",
+          f"{r['lattice_decode_ms']:.2f} ms"] for r in rows])
 
 
 def run(seeds, epochs) -> dict:
@@ -229,6 +269,7 @@ def run(seeds, epochs) -> dict:
     out = {"devices": N_DEV, "per_device_batch": PER_DEV, "epochs": epochs,
            "seeds": seeds, "params": int(sum(a.size for a in jax.tree.leaves(params))),
            "jax": jax.__version__, "summary": summary,
+           "breakdown": breakdown(cfg, params),
            "curves": {k: [r["curve"] for r in v] for k, v in runs.items()}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "grad_compression.json").write_text(json.dumps(out, indent=1))

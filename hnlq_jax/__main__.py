@@ -137,11 +137,15 @@ def _count(text: str) -> int:
     return int(v)
 
 
-def _output(force: bool):
-    """An argparse type for an output file: its folder must exist; an existing file needs
-    ``--force`` (checked before any work)."""
+def _output(force: bool, suffixes: tuple = ()):
+    """An argparse type for an output file: its folder must exist, its suffix be one of
+    ``suffixes`` (any when empty); an existing file needs ``--force`` (checked before any
+    work)."""
     def check(text: str) -> pathlib.Path:
         path = pathlib.Path(text)
+        if suffixes and path.suffix.lower() not in suffixes:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected a file name ending in {' or '.join(suffixes)}")
         if not path.parent.is_dir():
             raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} does not exist")
         if path.exists() and not force:
@@ -162,7 +166,9 @@ COMMANDS = ("demo", "rd", "info")
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+    unknown = argv[0] if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS \
+        else None
+    if not argv or argv[0] not in COMMANDS + ("-h", "--help"):
         argv = ["demo"] + argv  # demo is the default command, options included
     force = "--force" in argv
     parser = argparse.ArgumentParser(prog="python -m hnlq_jax", description=__doc__.split("\n")[0])
@@ -180,10 +186,14 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=_count, default=4000, help="sample size (default 4000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-voronoi", action="store_true", help="skip the q^2 Voronoi codes")
-    p.add_argument("--plot", type=_output(force), help="save f versus R to this PNG")
+    p.add_argument("--plot", type=_output(force, (".png", ".pdf", ".svg")),
+                   help="save f versus R to this image (.png, .pdf or .svg)")
     p.add_argument("--json", type=_output(force), help="save the table to this JSON file")
     p.add_argument("--force", action="store_true", help="overwrite existing output files")
     sub.add_parser("info", help="versions, backend, devices, lattices")
+    if unknown is not None:
+        parser.error(f"unknown command {unknown!r}: choose from {', '.join(COMMANDS)} "
+                     "(demo, the default, when the first argument is an option)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         try:

@@ -27,8 +27,9 @@ one-sided lookup tables gathered by the codes). The backward pass is straight-th
 
 **Variables.** Training form (``QDense.init``): ``params`` holds ``kernel [in, out]`` and
 ``bias [out]`` exactly as ``nn.Dense`` (a checkpoint moves between the two); the ``hnlq``
-collection holds ``beta`` (float32), ``codes`` (the kernel's row codes) and the training
-``step``. Inference form (:func:`export_params`): ``params`` without the quantized kernels and
+collection holds ``beta`` (float32), ``codes`` (the kernel's row codes), the training
+``step`` and, with ``quantize_every != 1``, ``error`` (``W_hat - kernel^T`` at the last refresh:
+between refreshes training computes with ``kernel^T + error``). Inference form (:func:`export_params`): ``params`` without the quantized kernels and
 ``hnlq`` with only ``codes``; the same model applies it through :func:`hnlq_jax.matmul`.
 
 **Saving.** ``Codes`` are registered with :mod:`flax.serialization`: their state dict records
@@ -109,6 +110,11 @@ def _kernel_codes(kernel, config: HNLQConfig, beta) -> Codes:
     return rows_codes(jax.lax.stop_gradient(kernel).T, config, beta)
 
 
+def _error(codes: Codes, kernel_t):
+    """``W_hat - kernel^T`` (``[out, in]``, the kernel's dtype): the quantization error."""
+    return ops.decode(codes, dtype=kernel_t.dtype) - kernel_t
+
+
 def _ste_mask(codes: Codes, ste: str, dtype):
     """Straight-through mask ``[rows, n]`` of row codes (None: let every gradient through)."""
     if ste == "identity":
@@ -134,7 +140,8 @@ def _quantize_rows(x, config: HNLQConfig, beta, ste: str):
     return straight_through(flat[:rows], x_hat, mask).reshape(x.shape)
 
 
-def _forward(x, kernel, codes: Codes, ste: str, compute: str, act_beta, precision):
+def _forward(x, kernel, codes: Codes, ste: str, compute: str, act_beta, precision,
+             weight=None):
     """``x[..., in] @ W_hat[in, out]`` from the codes, with straight-through gradients.
 
     The value is :func:`hnlq_jax.matmul`'s. The gradients are those of ``x @ W_ste`` where
@@ -142,18 +149,23 @@ def _forward(x, kernel, codes: Codes, ste: str, compute: str, act_beta, precisio
     under ``jit`` that product is dead code when nothing differentiates it, and eager calls on
     concrete arrays (which nothing can differentiate) skip it. ``kernel=None``: the inference
     form, which has no kernel to train.
+
+    ``weight`` (``[out, in]``, training with cached codes): the forward weight to use instead
+    of the codes' ``W_hat``, computed as that one product; the gradients are unchanged.
     """
     if act_beta is not None:
         x = _quantize_rows(x, codes.config, act_beta, ste)
-    y = ops.matmul(x, codes, implementation=COMPUTE_MODES[compute]).astype(x.dtype)
-    if kernel is None or (is_concrete(x) and is_concrete(kernel)):
-        return y
-    w_hat = ops.decode(codes, dtype=kernel.dtype)  # [out, in]
+    if weight is None:
+        y = ops.matmul(x, codes, implementation=COMPUTE_MODES[compute]).astype(x.dtype)
+        if kernel is None or (is_concrete(x) and is_concrete(kernel)):
+            return y
+    w_hat = ops.decode(codes, dtype=kernel.dtype) if weight is None else weight  # [out, in]
     w_ste = straight_through(kernel.T, w_hat, _ste_mask(codes, ste, kernel.dtype))
     # In the compute dtype, as nn.Dense casts its kernel.
     y_ste = jax.lax.dot_general(x, w_ste.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
                                 precision=precision)
-    return straight_through(y_ste, jax.lax.stop_gradient(y), None)
+    return y_ste if weight is not None else straight_through(y_ste, jax.lax.stop_gradient(y),
+                                                             None)
 
 
 def _check_layer_codes(codes, config: HNLQConfig, k: int, features: int, where: str):
@@ -235,7 +247,8 @@ class QDense(nn.Module):
         :data:`QUANTIZE_EVERY`); the codes are cached in the ``hnlq`` collection between
         refreshes, so apply with ``mutable=["hnlq"]`` (without it there is no cache to keep
         and every training call re-quantizes). Between refreshes the forward pass uses the
-        cached codes and the gradient still reaches the kernel. ``0``: training calls use the
+        current kernel plus the quantization error of the last refresh (exactly the codes' weights
+        at a refresh), and the gradient reaches the kernel. ``0``: training calls use the
         cache too, and the loop refreshes it with :func:`refresh_codes`. Calls with
         ``deterministic=True`` always use the cached codes and never re-quantize.
       compute: how :func:`hnlq_jax.matmul` runs: ``"decode"`` (its default implementation for
@@ -308,6 +321,11 @@ class QDense(nn.Module):
             raise ValueError(f"QDense {self.name}: neither params/kernel nor {COLLECTION}/codes "
                              "found; apply the variables of QDense.init or export_params")
         codes = self.get_variable(COLLECTION, "codes")
+        if isinstance(codes, Codes) and codes.n is not None and (x.ndim == 0
+                                                                 or x.shape[-1] != codes.n):
+            raise ValueError(f"QDense {self.name or '(unnamed)'}: expected inputs [..., {codes.n}] "
+                             f"(the layer's codes hold a [{self.features}, {codes.n}] kernel^T), "
+                             f"got shape {tuple(x.shape)}")
         _check_layer_codes(codes, self.config, x.shape[-1], self.features, f"QDense {self.name}")
         if self.has_variable(COLLECTION, "rotation"):  # codes of W R: compute with x R
             rotation = self.get_variable(COLLECTION, "rotation")
@@ -326,27 +344,48 @@ class QDense(nn.Module):
         cfg = self.config
         beta = self.variable(COLLECTION, "beta", _weight_beta, kernel, cfg, self.calibrate)
         cache = self.variable(COLLECTION, "codes", _kernel_codes, kernel, cfg, beta.value)
+        # With cached codes the forward weight is kernel^T plus the quantization error of the
+        # last refresh, W_hat - kernel^T then ([out, in]): the weight follows the optimizer
+        # between refreshes (a layer standing still for N steps made Adam overshoot), needs no
+        # decode, and is exactly W_hat at a refresh. Refreshing every call needs no copy of it.
+        now = jax.lax.stop_gradient(kernel).T
+        error = (self.variable(COLLECTION, "error", lambda: _error(cache.value, now))
+                 if self.quantize_every != 1 and (self.is_initializing() or not deterministic)
+                 else None)
         step = self.variable(COLLECTION, "step", jnp.zeros, (), jnp.int32)
         _check_layer_codes(cache.value, cfg, kernel.shape[0], self.features,
                            f"QDense {self.name}")
 
-        def fresh():
-            return _kernel_codes(kernel, cfg, beta.value)
+        def fresh():  # (codes, their error, the forward weight: exactly W_hat)
+            codes = _kernel_codes(kernel, cfg, beta.value)
+            w_hat = ops.decode(codes, dtype=now.dtype)
+            return codes, w_hat - now, w_hat
 
-        if self.is_initializing() or deterministic or self.quantize_every == 0:
+        def cached():
+            return cache.value, error.value, now + error.value
+
+        weight = None
+        if self.is_initializing() or deterministic:
             codes = cache.value
+        elif self.quantize_every == 0:
+            codes, _, weight = cached()
         elif self.is_mutable_collection(COLLECTION) and self.quantize_every > 1:
             refresh = step.value % self.quantize_every == 0
-            codes = jax.lax.cond(refresh, fresh, lambda: cache.value)
+            codes, err, weight = jax.lax.cond(refresh, fresh, cached)
             step.value = step.value + 1
-            cache.value = codes
+            cache.value, error.value = codes, err
         else:  # every call (no cache to keep without a mutable collection)
-            codes = fresh()
-            if self.is_mutable_collection(COLLECTION):
+            mutable = self.is_mutable_collection(COLLECTION)
+            if mutable and error is not None:
+                codes, error.value, _ = fresh()
+            else:
+                codes = _kernel_codes(kernel, cfg, beta.value)
+            if mutable:
                 step.value = step.value + 1
                 cache.value = codes
         return _forward(x, kernel, codes, self.ste, self.compute,
-                        _act_beta(cfg, self.calibrate, self.quantize_activations), self.precision)
+                        _act_beta(cfg, self.calibrate, self.quantize_activations), self.precision,
+                        weight)
 
 
 # ------------------------------------------------------------------ variables and artifacts
@@ -394,6 +433,8 @@ def refresh_codes(variables, config: HNLQConfig):
         kernel = params[path + ("kernel",)]
         _check_layer_codes(codes, config, kernel.shape[0], kernel.shape[1], where)
         flat[path + ("codes",)] = _kernel_codes(kernel, config, flat[path + ("beta",)])
+        if path + ("error",) in flat:
+            flat[path + ("error",)] = _error(flat[path + ("codes",)], kernel.T)
     return {**variables, COLLECTION: traverse_util.unflatten_dict(flat)}
 
 
@@ -489,13 +530,14 @@ def _collect_hessians(run, variables, targets, order: list | None = None) -> dic
             if order is not None and path not in order:
                 order.append(path)
             if path in targets:
-                x = args[0]
-                if isinstance(x, jax.core.Tracer):
+                H, rows = acc.get(path, (None, 0))
+                H = ptq.hessian_update(H, args[0], rows)
+                # A traced input, or a constant one whose statistics a trace still captures.
+                if isinstance(H[0], jax.core.Tracer):
                     raise ValueError("quantize_params: calibration ran the model under a jax "
                                      "transformation (jit, vmap, ...); run(variables) must "
                                      "apply it eagerly so the inputs can be accumulated")
-                H, rows = acc.get(path, (None, 0))
-                acc[path] = ptq.hessian_update(H, x, rows)
+                acc[path] = H
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(interceptor):

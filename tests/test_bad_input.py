@@ -413,8 +413,8 @@ CASES = [
                  r"configured with HNLQConfig\(lattice='D4', q=8.*re-export the model",
                  id="flax-apply-another-config"),
     pytest.param(lambda: _flax()[0].apply(hf.import_params(_flax()[2], C), jnp.ones((2, 12))),
-                 ValueError, r"expected row codes of a kernel\^T \[4, 12\], got codes of shape "
-                 r"\[4, 8\]", id="flax-inference-input-width"),
+                 ValueError, r"QDense \S+: expected inputs \[\.\.\., 8\] \(the layer's codes hold a "
+                 r"\[4, 8\] kernel\^T\), got shape \(2, 12\)", id="flax-inference-input-width"),
     pytest.param(lambda: hf.QDense(4, config=C, ste="sign").init(jax.random.PRNGKey(0),
                                                                  jnp.ones((1, 8))),
                  ValueError, r"QDense: ste must be one of \('identity', 'clipped'\), got 'sign'",
@@ -485,8 +485,11 @@ CASES = [
                  SystemExit, r"^exit 2: .*error: argument --json: '.*/exists\.json' exists; pass "
                  r"--force to overwrite it", id="cli-json-exists"),
     pytest.param(lambda: _cli("bogus", "--n", "10"), SystemExit,
-                 r"^exit 2: usage: python -m hnlq_jax \[-h\] \{demo,rd,info\}.*unrecognized "
-                 r"arguments: bogus", id="cli-unknown-command"),
+                 r"^exit 2: usage: python -m hnlq_jax \[-h\] \{demo,rd,info\}.*error: unknown "
+                 r"command 'bogus': choose from demo, rd, info", id="cli-unknown-command"),
+    pytest.param(lambda: _cli("rd", "--plot", "{tmp}/f.txt", "--lattices", "X9"), SystemExit,
+                 r"^exit 2: .*error: argument --plot: '.*/f\.txt': expected a file name ending "
+                 r"in \.png or \.pdf or \.svg", id="cli-plot-format"),
 ]
 
 # The table only grows: a row that no longer applies is changed, not dropped.

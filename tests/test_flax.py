@@ -54,7 +54,9 @@ def test_parameter_tree_matches_dense(variables):
     assert float(jnp.linalg.norm(y - yd) / jnp.linalg.norm(yd)) < 0.15  # ~4 bits per weight
     nn.Dense(16).apply({"params": variables["params"]}, X)
     h = variables["hnlq"]
-    assert set(h) == {"beta", "codes", "step"}
+    assert set(h) == {"beta", "codes", "error", "step"}
+    np.testing.assert_allclose(h["error"], hq.decode(h["codes"]) - variables["params"]["kernel"].T,
+                               rtol=0, atol=1e-6)  # the quantization error, [out, in]
     codes = h["codes"]
     assert isinstance(codes, hq.Codes) and codes.config == unit(CFG) and codes.n == 30
     assert codes.index.shape == (16, 8, 2) and codes.index.dtype == jnp.uint8
@@ -70,10 +72,13 @@ def test_parameter_tree_matches_dense(variables):
 
 def test_compact_memory():
     """A [1024, 1024] kernel at D4 q=4 M=2: 4 bits of index + 1 bit of T field per weight, plus
-    one float32 scale per output unit; nothing else of the kernel's size is cached. (The sizes
-    follow from shapes and dtypes: traced, not computed.)"""
+    one float32 scale per output unit; refreshing every step caches nothing else of the
+    kernel's size, a refresh interval one float array of that size (the last refresh's
+    quantization error).
+    (The sizes follow from shapes and dtypes: traced, not computed.)"""
     x = jax.ShapeDtypeStruct((1, 1024), jnp.float32)
-    v = jax.eval_shape(QDense(1024, CFG, use_bias=False).init, jax.random.key(0), x)
+    v = jax.eval_shape(QDense(1024, CFG, use_bias=False, quantize_every=1).init,
+                       jax.random.key(0), x)
     codes = v["hnlq"]["codes"]
     assert isinstance(codes, hq.Codes) and codes.shape == (1024, 1024)
     nbytes = {name: a.size * a.dtype.itemsize for name, a in
@@ -82,6 +87,10 @@ def test_compact_memory():
     assert 8 * sum(nbytes.values()) / 1024**2 == 5.0 + 32 / 1024  # scales: 0.03 bit per weight
     floats = [a for a in jax.tree.leaves(v["hnlq"]) if jnp.issubdtype(a.dtype, jnp.floating)]
     assert sum(a.size for a in floats) == 1024 + 1  # scales and beta: no w_hat
+    cached = jax.eval_shape(QDense(1024, CFG, use_bias=False).init, jax.random.key(0), x)
+    assert cached["hnlq"]["error"].shape == (1024, 1024)  # W_hat - kernel^T
+    floats = [a for a in jax.tree.leaves(cached["hnlq"]) if jnp.issubdtype(a.dtype, jnp.floating)]
+    assert sum(a.size for a in floats) == 1024**2 + 1024 + 1
 
 
 def test_half_precision_dtype_like_dense(variables):
@@ -193,19 +202,27 @@ def test_quantize_every(variables):
     m = QDense(16, CFG, quantize_every=3)
     train = jax.jit(functools.partial(m.apply, mutable=["hnlq"]))
     v = variables
-    kernels, cached = [], []
+    kernels, cached, outputs = [], [], []
     for i in range(7):
         v = _with_kernel(v, variables["params"]["kernel"] * (1 + i / 8))
-        _, upd = train(v, X)
+        y, upd = train(v, X)
         v = {**v, "hnlq": upd["hnlq"]}
         kernels.append(v["params"]["kernel"])
-        cached.append(np.asarray(v["hnlq"]["codes"].scale))
+        cached.append(v["hnlq"]["codes"])
+        outputs.append(y)
     assert int(v["hnlq"]["step"]) == 7
     for i in range(7):
         src = i - i % 3  # refreshed at steps 0, 3, 6
         fresh = hf._kernel_codes(kernels[src], CFG, v["hnlq"]["beta"]).scale
-        np.testing.assert_allclose(cached[i], fresh, rtol=1e-6)
-    assert not np.allclose(cached[2], cached[3])
+        np.testing.assert_allclose(cached[i].scale, fresh, rtol=1e-6)
+        # Between refreshes the forward weight is the cached codes' plus the kernel's drift
+        # since they were made (zero at a refresh): the layer follows its kernel.
+        w = hq.decode(cached[i]).T + (kernels[i] - kernels[src])
+        np.testing.assert_allclose(outputs[i], X @ w + v["params"]["bias"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v["hnlq"]["error"], hq.decode(cached[6]) - kernels[6].T, rtol=0,
+                               atol=1e-6)
+    assert not np.allclose(cached[2].scale, cached[3].scale)
+    assert not np.allclose(outputs[1], outputs[0])  # a cached step still moves
     # Without a mutable collection there is no cache to keep: the call quantizes afresh.
     moved = _with_kernel(v, kernels[-1] * 3)
     fresh_y = QDense(16, CFG, quantize_every=1).apply(moved, X)
@@ -221,17 +238,26 @@ def test_quantize_every_zero_is_manual(variables):
     """quantize_every=0: training calls use the cache (gradients still flow); refresh_codes
     from the loop updates it."""
     m = QDense(16, CFG, quantize_every=0)
-    moved = _with_kernel(variables, variables["params"]["kernel"] * 2.0)
+    kernel = variables["params"]["kernel"]
+    moved = _with_kernel(variables, kernel * 2.0)
     y, upd = m.apply(moved, X, mutable=["hnlq"])
     for a, b in zip(jax.tree.leaves(upd["hnlq"]["codes"]),
                     jax.tree.leaves(variables["hnlq"]["codes"])):
         np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(y, m.apply(variables, X, deterministic=True))
+    # The cached codes' weights plus how far the kernel moved since they were made.
+    w_hat = hq.decode(variables["hnlq"]["codes"]).T
+    np.testing.assert_allclose(y, X @ (w_hat + kernel) + moved["params"]["bias"], rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_array_equal(m.apply(moved, X, deterministic=True),
+                                  m.apply(variables, X, deterministic=True))
     g = jax.grad(_loss(m, moved, X, mutable=["hnlq"]))(moved["params"])
     assert float(jnp.abs(g["kernel"]).sum()) > 0
     fresh = hf.refresh_codes(moved, CFG)["hnlq"]["codes"]
     np.testing.assert_allclose(fresh.scale, 2.0 * np.asarray(variables["hnlq"]["codes"].scale),
                                rtol=1e-6)
+    refreshed = hf.refresh_codes(moved, CFG)["hnlq"]
+    np.testing.assert_allclose(refreshed["error"], hq.decode(refreshed["codes"]) - 2.0 * kernel.T,
+                               rtol=0, atol=1e-6)
 
 
 def test_jit_vmap_and_batch_sizes(variables, exported):
@@ -301,6 +327,28 @@ def _train(net, x, y, steps=60):
     return v, losses
 
 
+def test_refresh_interval_trains_like_every_step():
+    """Adam 1e-2 on a small regression MLP: with the default refresh interval the loss falls
+    as with re-quantizing every step (a layer that stood still between refreshes made Adam
+    overshoot: the loss rose above its start)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((256, 16)), jnp.float32)
+    y = jnp.sin(jnp.sum(x, axis=1, keepdims=True))
+
+    class Net(nn.Module):
+        every: int
+
+        @nn.compact
+        def __call__(self, x):
+            dense = functools.partial(QDense, config=CFG, quantize_every=self.every)
+            return dense(1)(nn.relu(dense(64)(x)))
+
+    _, cached = _train(Net(hf.QUANTIZE_EVERY), x, y)
+    _, every = _train(Net(1), x, y)
+    assert max(cached[1:]) < cached[0]
+    assert cached[-1] < 0.3 * cached[0] and cached[-1] < 1.5 * every[-1]
+
+
 def test_training_reduces_loss_like_float():
     """QAT (two QDense layers) against the same network in float32 (nn.Dense)."""
     rng = np.random.default_rng(1)
@@ -334,14 +382,14 @@ def test_dot_general_hook_same_beta_as_qdense(calibrate):
     hook = functools.partial(QuantDotGeneral, config=cfg, calibrate=calibrate)
     dense = nn.Dense(16, dot_general_cls=hook)
     p = dense.init(jax.random.key(2), X)
-    qd = QDense(16, cfg, calibrate=calibrate)
+    qd = QDense(16, cfg, calibrate=calibrate, quantize_every=1)  # as the hook: no cache
     v = _init_on(qd, p["params"], X)
     kernel_t = p["params"]["kernel"].T
     assert v["hnlq"]["beta"] == (calibrate_rows(kernel_t, cfg) if calibrate else np.float32(0.3))
     y_ref = qd.apply(v, X, mutable=["hnlq"])[0]
     np.testing.assert_array_equal(dense.apply(p, X), y_ref)
     # Another beta gives other outputs: the equality above is not vacuous.
-    qd_other = QDense(16, cfg, calibrate=not calibrate)
+    qd_other = QDense(16, cfg, calibrate=not calibrate, quantize_every=1)
     other = qd_other.apply(_init_on(qd_other, p["params"], X), X, mutable=["hnlq"])[0]
     assert float(jnp.abs(other - y_ref).max()) > 1e-3
     lin = nnx.Linear(30, 16, dot_general=QuantDotGeneral(cfg, calibrate=calibrate),

@@ -150,6 +150,10 @@ def test_filter_fn_keeps_layers_in_float():
 def test_clear_errors():
     with pytest.raises(ValueError, match="under a jax transformation"):
         quantize_params(VARS, CFG, jax.jit(lambda v: FLOAT.apply(v, CAL)))
+    # The first layer's input is the constant CAL itself, yet jit traces its statistics.
+    with pytest.raises(ValueError, match="under a jax transformation"):
+        quantize_params(VARS, CFG, jax.jit(lambda v: FLOAT.apply(v, CAL)),
+                        filter_fn=lambda path, k: path == ("a",))
     with pytest.raises(ValueError, match="never ran 1 of the layers to quantize: b;"):
         quantize_params(VARS, CFG, lambda v: First().apply({"params": {"a": v["params"]["a"]}},
                                                             CAL))

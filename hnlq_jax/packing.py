@@ -591,8 +591,12 @@ class Packed:
             if scale_dtype.kind not in "biuf":
                 raise _bad_header(f"'scale' dtype must be a numeric NumPy dtype string, got "
                                   f"{h['scale'][0]!r}")
-        if config is not None and config != made:
-            raise ValueError(f"Packed.from_bytes: the data was made with {made}, not {config}")
+        # Row codes (those with scales) are made at beta = 1, theirs lives in the row scales:
+        # the config they were made from matches whatever its beta.
+        rows = scale_dtype is not None
+        if config is not None and (config.replace(beta=made.beta) if rows else config) != made:
+            raise ValueError(f"Packed.from_bytes: the data was made with {made}, not {config}"
+                             + (" (beta aside: row codes keep it in their scales)" if rows else ""))
         body = memoryview(buf)[12 + hlen:-4]
         sizes = h["sizes"]
         scale_size = 0 if scale_dtype is None else math.prod(h["scale"][1]) * scale_dtype.itemsize

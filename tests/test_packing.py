@@ -220,6 +220,12 @@ def test_bytes_form_records_version_and_config():
         hq.Packed.from_bytes(buf[:40] + bytes([buf[40] ^ 4]) + buf[41:])
     with pytest.raises(ValueError, match="not HNLQ packed data"):
         hq.Packed.from_bytes(b"PK\x03\x04" + buf[4:])
+    # Row codes: the config encode_rows was given matches, its beta lives in the scales.
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    rows = hq.pack(hq.encode_rows(np.random.default_rng(0).standard_normal((3, 16)), cfg))
+    assert hq.Packed.from_bytes(rows.to_bytes(), cfg).config == cfg.replace(beta=1.0)
+    with pytest.raises(ValueError, match="beta aside"):
+        hq.Packed.from_bytes(rows.to_bytes(), cfg.replace(q=3))
     v2 = hq.Packed(p.labels, p.tcode, p.rice, p.config, p.blocks_shape, version=2).to_bytes()
     with pytest.raises(ValueError, match="format version 2, this hnlq_jax reads version 1"):
         hq.Packed.from_bytes(v2)

@@ -364,8 +364,8 @@ def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
 
     Raises:
       TypeError: not a ``Codes`` (e.g. a tuple of the old ``(labels, T)`` form).
-      ValueError: a config mismatch, inconsistent shapes, an index ``>= q^d`` or a T field
-        value above ``max_T + 1`` (corrupted codes).
+      ValueError: a config mismatch, inconsistent shapes, an index ``>= q^d``, a T field
+        value above ``max_T + 1`` or a non-finite row scale (corrupted codes).
     """
     if not isinstance(codes, Codes):
         raise TypeError(
@@ -395,6 +395,8 @@ def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
                          "codes, or codes of a config with a larger max_T?)")
     if codes.n is not None:
         Codes(index, tfield, cfg).with_rows(scale=codes.scale, n=codes.n)  # raises on mismatch
+    if codes.scale is not None and not concrete_all(jnp.asarray(codes.scale), jnp.isfinite):
+        raise ValueError(f"{fn}: the row scales hold NaN or Inf (corrupted codes?)")
     return codes
 
 

@@ -178,6 +178,27 @@ def test_rotated_state_dict_round_trip_and_mismatch():
         QuantizedLinear(24, 40, CFG, rotation=Rotation(40, 0))
 
 
+@pytest.mark.parametrize("field, value, match", [
+    ("index", 200, "codebook index out of range"),
+    ("scale", float("nan"), "row scales hold NaN or Inf")])
+def test_corrupted_state_dict_refused_before_anything_is_written(field, value, match):
+    cfg = hq.HNLQConfig("D4", 3, 2, beta=0.3)  # q^d = 81: index 200 is out of range
+    layer = QuantizedLinear.from_linear(torch.nn.Linear(24, 4), cfg)
+    sd = {k: v.clone() if isinstance(v, torch.Tensor) else v
+          for k, v in layer.state_dict().items()}
+    sd[field].view(-1)[0] = value
+    fresh = QuantizedLinear(24, 4, cfg)
+    before = {k: v.clone() for k, v in fresh.state_dict().items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(sd)
+    for k, v in fresh.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, before[k]), k  # the refused load wrote nothing
+    fresh.load_state_dict(layer.state_dict())  # the intact one loads
+    with torch.no_grad():
+        assert torch.equal(fresh(TEST), layer(TEST))
+
+
 def test_rotation_gradient_and_rtn_rotation():
     layer = QuantizedLinear.from_linear(torch.nn.Linear(24, 4), CFG, rotation=Rotation(24, 3))
     x = torch.randn(5, 24, requires_grad=True)

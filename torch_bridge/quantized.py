@@ -138,11 +138,16 @@ class CodesLayer:
             if t is not None and t.dtype != getattr(self, name).dtype:
                 raise ValueError(f"{where}: saved {name} is {t.dtype}, expected "
                                  f"{getattr(self, name).dtype} for {self.codes_config}")
+        saved = [state_dict.get(prefix + name) for name in _CODES]
+        if all(isinstance(t, torch.Tensor) and t.shape == getattr(self, name).shape
+               for t, name in zip(saved, _CODES)):
+            # Checked before the buffers are overwritten: a refused state dict leaves the layer
+            # as it was. (Other shapes are reported by torch's own size check.)
+            codes = Codes(*saved[:2], self.codes_config, saved[2], self.in_features)
+            with x64_for(*codes.op_args()):
+                codes.to_jax()  # raises on corrupted codes (index, T or scale out of range)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        if all(prefix + name in state_dict for name in _CODES):
-            with x64_for(*self.codes().op_args()):
-                self.codes().to_jax()  # raises on corrupted codes (index or T out of range)
 
 
 class QuantizedLinear(CodesLayer, torch.nn.Module):

@@ -88,14 +88,23 @@ def test_straight_through_gradients_and_clipping():
 def test_quantize_every_caches_codes():
     q = QLinear(30, 16, CFG, quantize_every=2, calibrate=False)
     x = torch.randn(3, 30)
-    q(x)  # step 0: refresh
+    w0 = q.weight.detach().clone()
+    y0 = q(x)  # step 0: refresh, exactly the codes' weights
     before = q.index.clone()
-    with torch.no_grad():  # (a rescaled row would keep its codes: the scales are per row)
-        q.weight.add_(torch.randn_like(q.weight))
-    q(x)  # step 1: cached
+    w_hat = tb.decode(q.codes())
+    with torch.no_grad():
+        torch.testing.assert_close(y0, q.codes_matmul(x) + q.bias, rtol=0, atol=0)
+        torch.testing.assert_close(q.error, w_hat - w0)  # the refresh's quantization error
+        q.weight.add_(torch.randn_like(q.weight))  # (rescaled rows would keep their codes)
+    y1 = q(x)  # step 1: cached codes, the weight followed with the last refresh's error
     assert torch.equal(q.index, before)
+    with torch.no_grad():
+        torch.testing.assert_close(y1, x @ (w_hat + q.weight - w0).T + q.bias, rtol=1e-5,
+                                   atol=1e-5)
+    assert not torch.allclose(y1, y0)
     q(x)  # step 2: refreshed from the new weight
     assert not torch.equal(q.index, before)
+    assert "error" in q.state_dict() and "error" not in QLinear(30, 16, CFG).state_dict()
     q.eval()
     y0 = q(x)
     with torch.no_grad():

@@ -63,8 +63,11 @@ class QLinear(CodesLayer, torch.nn.Linear):
       quantize_weights: quantize the weight (default); ``False``: a plain linear layer.
       quantize_activations: also quantize the input per token (row).
       ste: ``"identity"`` or ``"clipped"``.
-      quantize_every: in training, re-quantize the weight every N forward calls (the codes are
-        cached in between); ``0``: only :meth:`refresh_codes` does. Eval mode always uses the
+      quantize_every: in training, re-quantize the weight every N forward calls; ``0``: only
+        :meth:`refresh_codes` does. With N != 1 the layer also keeps the quantization error of
+        the last refresh (buffer ``error = W_hat - W``, ``[out, in]``) and training calls between
+        refreshes compute with ``W + error``, so the layer follows the optimizer instead of
+        standing still at its cached codes (as the Flax ``QDense``). Eval mode always uses the
         cached codes.
       calibrate: the weight's beta from :func:`hnlq_jax.rows.calibrate_rows` (at construction,
         in :meth:`from_linear` and by :meth:`calibrate_beta`; stored in the ``beta`` buffer), the
@@ -93,6 +96,8 @@ class QLinear(CodesLayer, torch.nn.Linear):
         self.register_buffer("beta", torch.tensor(config.beta, dtype=torch.float32,
                                                   device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
+        if quantize_every != 1:  # refreshing every call needs no copy of the error
+            self.register_buffer("error", torch.zeros_like(self.weight, requires_grad=False))
         if quantize_weights:
             self.calibrate_beta()
             self.refresh_codes()
@@ -124,9 +129,12 @@ class QLinear(CodesLayer, torch.nn.Linear):
 
     @torch.no_grad()
     def refresh_codes(self):
-        """Re-quantizes the weight now at the stored ``beta`` (codes and scales)."""
+        """Re-quantizes the weight now at the stored ``beta`` (codes, scales and, with
+        ``quantize_every != 1``, the quantization error)."""
         self.set_codes(encode_rows(self.weight.detach(), self.config, beta=self.beta,
                                    implementation=self.implementation))
+        if self.quantize_every != 1:
+            self.error.copy_(decode(self.codes(), dtype=self.weight.dtype) - self.weight)
 
     def _weight_proxy(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ (W * mask)^T`` with x detached: its gradient in W is the straight-through one."""
@@ -159,11 +167,16 @@ class QLinear(CodesLayer, torch.nn.Linear):
             x = self._quantize_rows(x)
         if not self.quantize_weights:
             return torch.nn.functional.linear(x, self.weight, self.bias)
+        cached = self.training and self.quantize_every != 1
         if self.training:
             if self.quantize_every and int(self.step) % self.quantize_every == 0:
                 self.refresh_codes()
+                cached = False  # exactly the fresh codes' weights
             self.step += 1
-        y = self.codes_matmul(x)
+        if cached:
+            y = torch.nn.functional.linear(x, (self.weight + self.error).detach().to(x.dtype))
+        else:
+            y = self.codes_matmul(x)
         if torch.is_grad_enabled() and self.weight.requires_grad:
             y = _Through.apply(y, self._weight_proxy(x).to(y.dtype))
         return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -339,11 +339,13 @@ def _matmul_xla(x, codes: Codes):
 
 
 def _compute_dtypes(dtype):
-    """bfloat16 runs a bfloat16 product with float32 accumulation; others at least float32."""
+    """``(compute, output)`` dtypes: bfloat16 runs a bfloat16 product with float32
+    accumulation; float16 (too narrow a range for the product) a float32 one rounded back to
+    float16, as a half-precision layer's output; others at least float32."""
     if dtype == jnp.bfloat16:
         return dtype, dtype
     wide = jnp.promote_types(dtype, jnp.float32)
-    return wide, wide
+    return wide, (dtype if dtype == jnp.float16 else wide)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -382,8 +384,8 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
     """``y = x @ W_hat^T`` with the weight given only by its codes (weight-only quantization).
 
     Args:
-      x: ``[..., k]`` real activations (float32, bfloat16 or float64; bfloat16 runs a
-        bfloat16 product with float32 accumulation).
+      x: ``[..., k]`` real activations (float32, bfloat16, float16 or float64; bfloat16 runs
+        a bfloat16 product with float32 accumulation, float16 a float32 product).
       codes: the weight ``W[n, k]`` as codes with blocks ``[n, nb]`` (row codes from
         :func:`hnlq_jax.encode_rows`, whose row scales are applied, or block codes with
         ``k = nb d``).
@@ -393,7 +395,7 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
       interpret: Pallas interpret mode (default: on a CPU).
 
     Returns:
-      ``[..., n]`` in x's dtype (at least float32 unless bfloat16). Differentiable in x and in
+      ``[..., n]`` in x's dtype. Differentiable in x and in
       the row scale; the integer code arrays get no gradient.
     """
     codes = check_weight_codes(codes, "matmul")

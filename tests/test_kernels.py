@@ -210,6 +210,14 @@ def test_matmul_digits_small_tiles_and_dtypes():
     got = hq.matmul(eb, codes, **PALLAS)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(got, hq.matmul(eb, codes, **XLA))
+    # float16: a float32 product rounded back, as the output of a half-precision layer.
+    xh = jnp.asarray(x, jnp.float16)
+    for impl in (PALLAS, XLA, {"implementation": "lut"}):
+        got = hq.matmul(xh, codes, **impl)
+        assert got.dtype == jnp.float16
+        np.testing.assert_allclose(got.astype(np.float32),
+                                   hq.matmul(xh.astype(jnp.float32), codes, **XLA), rtol=2e-3,
+                                   atol=2e-3)
     xb = jnp.asarray(x, jnp.bfloat16)
     np.testing.assert_allclose(hq.matmul(xb, codes, **PALLAS).astype(np.float32),
                                hq.matmul(xb, codes, **XLA).astype(np.float32), rtol=2e-2, atol=5e-2)

@@ -173,7 +173,7 @@ def matmul(x: torch.Tensor, codes: Codes, *, implementation=None) -> torch.Tenso
       implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"lut"``.
 
     Returns:
-      ``[..., n]`` (float32 for float32 x, float64 for float64, bfloat16 for bfloat16),
+      ``[..., n]`` in x's dtype (float32, float64, bfloat16 or float16),
       differentiable in ``x`` and in the row scale, equal to :func:`hnlq_jax.matmul` bit for bit.
     """
     codes = check_codes_arg(codes, "torch_bridge.matmul")

@@ -368,9 +368,10 @@ def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
         value above ``max_T + 1`` or a non-finite row scale (corrupted codes).
     """
     if not isinstance(codes, Codes):
-        raise TypeError(
-            f"{fn}: expected hnlq_jax.Codes, got {type(codes).__name__}; build codes with "
-            "hnlq_jax.encode or hnlq_jax.Codes.from_labels(labels, T, config)")
+        how = ("unpack packed data first: hnlq_jax.unpack(packed)"
+               if type(codes).__name__ == "Packed" else "build codes with hnlq_jax.encode or "
+               "hnlq_jax.Codes.from_labels(labels, T, config)")
+        raise TypeError(f"{fn}: expected hnlq_jax.Codes, got {type(codes).__name__}; {how}")
     cfg = codes.config
     if not isinstance(cfg, HNLQConfig):
         raise TypeError(f"{fn}: codes carry no HNLQConfig (got {type(cfg).__name__})")

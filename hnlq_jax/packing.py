@@ -698,7 +698,9 @@ def unpack(packed: Packed) -> Codes:
         corrupted label chunk its blocks.
     """
     if not isinstance(packed, Packed):
-        raise TypeError(f"unpack: expected hnlq_jax.Packed, got {type(packed).__name__}")
+        how = ("; read bytes with hnlq_jax.Packed.from_bytes(buf) first"
+               if isinstance(packed, (bytes, bytearray, memoryview)) else "")
+        raise TypeError(f"unpack: expected hnlq_jax.Packed, got {type(packed).__name__}{how}")
     if packed.version != FORMAT_VERSION:
         raise ValueError(f"unpack: the data is in format version {packed.version}, this "
                          f"hnlq_jax reads version {FORMAT_VERSION}")

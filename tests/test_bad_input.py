@@ -329,6 +329,12 @@ CASES = [
     pytest.param(lambda: jax.jit(hq.pack)(_codes()), TypeError,
                  r"pack: sizes its output from the data, so it runs outside jit; .*use "
                  r"hnlq_jax\.wire", id="pack-under-jit"),
+    pytest.param(lambda: hq.decode(_packed()), TypeError,
+                 r"decode: expected hnlq_jax\.Codes, got Packed; unpack packed data first: "
+                 r"hnlq_jax\.unpack\(packed\)", id="packed-decoded-without-unpack"),
+    pytest.param(lambda: hq.unpack(_bytes()), TypeError,
+                 r"unpack: expected hnlq_jax\.Packed, got bytes; read bytes with "
+                 r"hnlq_jax\.Packed\.from_bytes\(buf\) first", id="packed-bytes-unpacked"),
     pytest.param(lambda: Packed.from_bytes(b"PK\x03\x04" + _bytes()[4:]), ValueError,
                  r"from_bytes: not HNLQ packed data \(bad magic bytes\)", id="bytes-magic"),
     pytest.param(lambda: Packed.from_bytes(_bytes()[:-7]), ValueError,
@@ -421,6 +427,11 @@ CASES = [
                  id="flax-ste"),
 
     # -- PyTorch: front doors and layers
+    pytest.param(lambda: tb.encode(np.zeros((3, 4), np.float32), C), TypeError,
+                 r"torch_bridge\.encode: expected a torch\.Tensor, got ndarray \(for NumPy or JAX "
+                 r"arrays use the hnlq_jax function of the same name\)", id="torch-encode-numpy"),
+    pytest.param(lambda: tb.HNLQHookState("D4"), TypeError,
+                 r"HNLQHookState: config must be an HNLQConfig, got str", id="torch-hook-config"),
     pytest.param(lambda: tb.encode(torch.zeros(3, 4, dtype=torch.int64), C), TypeError,
                  r"encode: expected a floating-point array, got dtype int64",
                  id="torch-encode-int64"),
@@ -437,7 +448,7 @@ CASES = [
                  r"to_jax: a torch\.float64 tensor becomes a 64-bit JAX array only in JAX's x64 "
                  r"mode.*torch_bridge\.x64_for", id="torch-to_jax-float64"),
     pytest.param(lambda: tb.encode_rows(np.zeros((2, 8), np.float32), C), TypeError,
-                 r"torch_bridge\.encode_rows: expected a tensor, got ndarray",
+                 r"torch_bridge\.encode_rows: expected a torch\.Tensor, got ndarray",
                  id="torch-encode_rows-numpy"),
     pytest.param(lambda: _empty_qlinear(config=C8).load_state_dict(_qlinear_state()), ValueError,
                  r"QLinear \(root\): the codes were " + OTHER_CONFIG.format("D4", 8)

@@ -125,6 +125,13 @@ def check_codes_arg(codes, fn: str) -> Codes:
     return codes
 
 
+def _check_tensor(t, fn: str):
+    """A clear error for a non-tensor input (the custom ops would raise a schema error)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: expected a torch.Tensor, got {type(t).__name__} (for NumPy or "
+                        "JAX arrays use the hnlq_jax function of the same name)")
+
+
 def encode(t: torch.Tensor, config: HNLQConfig, *, implementation=None,
            failures: str = "raise") -> Codes:
     """Algorithm 1 on a tensor ``[..., d]``: block :class:`Codes` (:func:`hnlq_jax.encode`).
@@ -133,6 +140,7 @@ def encode(t: torch.Tensor, config: HNLQConfig, *, implementation=None,
     NaN/Inf, blocks beyond ``max_T`` unless ``failures="mark"``). Gradient-requiring and
     non-contiguous tensors are accepted; float64 is encoded in float64.
     """
+    _check_tensor(t, "torch_bridge.encode")
     index, tfield = torch.ops.hnlq.encode(t, implementation, failures, *ops.config_args(config))
     return Codes(index, tfield, config)
 
@@ -160,6 +168,7 @@ def quantize(t: torch.Tensor, config: HNLQConfig, *, implementation=None) -> tor
     Returns:
       The quantized tensor, same shape and dtype; gradients pass through unchanged.
     """
+    _check_tensor(t, "torch_bridge.quantize")
     return torch.ops.hnlq.quantize(t, implementation, *ops.config_args(config))
 
 
@@ -177,6 +186,7 @@ def matmul(x: torch.Tensor, codes: Codes, *, implementation=None) -> torch.Tenso
       differentiable in ``x`` and in the row scale, equal to :func:`hnlq_jax.matmul` bit for bit.
     """
     codes = check_codes_arg(codes, "torch_bridge.matmul")
+    _check_tensor(x, "torch_bridge.matmul")
     return torch.ops.hnlq.matmul(x, *codes.op_args(), implementation,
                                  *ops.config_args(codes.config))
 
@@ -200,8 +210,7 @@ def encode_rows(w: torch.Tensor, config: HNLQConfig, *, beta=None, implementatio
       float32), owning their memory.
     """
     fn = "torch_bridge.encode_rows"
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"{fn}: expected a tensor, got {type(w).__name__}")
+    _check_tensor(w, fn)
     if w.ndim == 0:
         raise ValueError(f"{fn}: expected a tensor with a row axis [..., k]")
     ops.config_args(config)  # a clear TypeError for a config that is not an HNLQConfig

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from hnlq_jax import wire
 from hnlq_jax.codes import FORMAT_VERSION
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_config
 from torch_bridge.interop import to_jax, to_torch
 
 __all__ = ["METHODS", "HNLQHookState", "hnlq_hook"]
@@ -102,6 +102,7 @@ class HNLQHookState:
                  chunk: int = wire.CHUNK, t_capacity=None, implementation=None):
         if method not in METHODS:
             raise ValueError(f"HNLQHookState: method must be one of {METHODS}, got {method!r}")
+        check_config(config, "HNLQHookState")
         wire.layout(1, config, chunk=chunk, t_capacity=t_capacity)  # validates
         for name, v in (("warmup_steps", warmup_steps), ("min_size", min_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

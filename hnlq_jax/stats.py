@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax.codec import check_x, decode_blocks, encode_blocks
-from hnlq_jax.codes import Codes, check_codes
+from hnlq_jax.codes import Codes, check_codes, is_concrete
 from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = ["RateStats", "rate_stats", "calibrate_beta", "gaussian_beta", "search_beta", "BetaSearch"]
@@ -33,6 +33,13 @@ class RateStats(NamedTuple):
     histogram: jax.Array
     entropy_T: jax.Array
     rate: jax.Array
+
+    def __repr__(self) -> str:
+        if not all(is_concrete(v) for v in self):  # traced: the fields' own reprs
+            return f"RateStats({', '.join(f'{k}={v!r}' for k, v in zip(self._fields, self))})"
+        return (f"RateStats(overload_rate={float(self.overload_rate):.4g}, failure_rate="
+                f"{float(self.failure_rate):.4g}, histogram={np.asarray(self.histogram).tolist()}, "
+                f"entropy_T={float(self.entropy_T):.4g}, rate={float(self.rate):.4g})")
 
 
 def t_counts(T, config: HNLQConfig):

@@ -21,6 +21,8 @@ def test_rate_stats_by_hand():
     assert float(s.overload_rate) == pytest.approx(3 / 8)
     assert float(s.failure_rate) == pytest.approx(1 / 8)
     np.testing.assert_array_equal(s.histogram, [4, 2, 1, 0, 0, 0])
+    assert repr(s) == (f"RateStats(overload_rate=0.375, failure_rate=0.125, histogram=[4, 2, 1, "
+                       f"0, 0, 0], entropy_T={H:.4g}, rate={4 + H / 4:.4g})")
 
 
 def test_rate_stats_no_overload_is_nominal_rate():

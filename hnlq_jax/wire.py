@@ -226,7 +226,8 @@ def _t_streams(u, lay: Layout):
 def _t_from_streams(t, lay: Layout):
     """``(u [C, chunk], ok [C])`` of T streams ``uint8 [C, t_bytes]`` (inverse of
     :func:`_t_streams`). ``ok`` is false for a stream that cannot have been written: more
-    flagged blocks than codes, a symbol above ``max_T + 1``, or one bits after the last code.
+    flagged blocks than codes, a symbol above ``max_T`` (``max_T + 1``, a failed block, is
+    never sent), or one bits after the last code.
     """
     C, n = t.shape[0], lay.chunk
     flags = jnp.unpackbits(t[:, :n // 8], axis=1, bitorder="little").astype(bool)
@@ -244,7 +245,7 @@ def _t_from_streams(t, lay: Layout):
     last = jnp.take_along_axis(zero_at, jnp.maximum(F - 1, 0)[:, None], axis=1)[:, 0]
     used = jnp.where(F > 0, last + 1, 0)  # tail bits the codes take
     top = lay.config.max_T + 1
-    ok = (used <= tail) & (jnp.sum(bits, axis=1) == used - F) & jnp.all(v <= top, axis=1)
+    ok = (used <= tail) & (jnp.sum(bits, axis=1) == used - F) & jnp.all(v < top, axis=1)
     return packing.t_from_symbols(jnp.minimum(v, top), lay.config), ok
 
 

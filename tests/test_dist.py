@@ -333,8 +333,9 @@ def test_wire_t_stream_bit_layout():
 @settings(max_examples=15)
 @given(seed=st.integers(0, 2**31 - 1), p=st.floats(0.0, 0.9))
 def test_wire_t_streams_round_trip(max_T, seed, p):
-    """Any T (failed blocks too) that fits comes back exactly; a chunk that overflows is
-    reported (its bits) and never spills into the next chunk's stream."""
+    """Any T that fits comes back exactly; a chunk holding a failed block (never sent) is
+    refused; a chunk that overflows is reported (its bits) and never spills into the next
+    chunk's stream."""
     cfg = CFG.replace(max_T=max_T)
     lay = wire.layout(4 * 64 * 4, cfg, chunk=64, t_capacity=4)  # 4 chunks of 64 blocks
     rng = np.random.default_rng(seed)
@@ -348,10 +349,45 @@ def test_wire_t_streams_round_trip(max_T, seed, p):
     back, ok = wire._t_from_streams(data, lay)
     fits = np.asarray(bits) <= 8 * lay.t_bytes
     assert not fits[2]
-    np.testing.assert_array_equal(np.asarray(ok)[fits], True)
-    np.testing.assert_array_equal(np.asarray(back)[fits], np.asarray(u)[fits])
+    sendable = fits & np.all(np.asarray(u) > 0, axis=1)
+    np.testing.assert_array_equal(np.asarray(ok)[fits], sendable[fits])
+    np.testing.assert_array_equal(np.asarray(back)[sendable], np.asarray(u)[sendable])
     alone, _ = wire._t_streams(u[3:], lay)  # the chunk after the overflow, coded alone
     np.testing.assert_array_equal(data[3], alone[0])
+
+
+def _t_stream(flags, tail_bits, lay):
+    """A hand-made T stream: the flag bits of ``lay.chunk`` blocks, then the tail bits."""
+    tail = np.zeros(8 * lay.t_bytes - lay.chunk, np.uint8)
+    tail[:len(tail_bits)] = tail_bits
+    f = np.zeros(lay.chunk, np.uint8)
+    f[list(flags)] = 1
+    return jnp.asarray(np.concatenate([np.packbits(f, bitorder="little"),
+                                       np.packbits(tail, bitorder="little")])[None])
+
+
+@pytest.mark.parametrize("max_T, flags, tail_bits, ok, T0", [
+    # tail 16 bits: a code filling it exactly is valid; each bad stream trips one check only
+    (127, [0], [1] * 15 + [0], True, 16),      # v = 16: 15 ones and the zero, exactly full
+    (14, [0], [0, 1], False, None),            # a one after the last code (the ones count)
+    (14, [0], [1] * 14 + [0], False, None),    # v = 15 = max_T + 1: a failed block, never sent
+    (14, [0], [1] * 15 + [0], False, None),    # v = 16 > max_T + 1
+    (127, [0], [1] * 16, False, None),         # no terminating zero: the code runs past the tail
+    (127, [0, 3], [1] * 15 + [0], False, None),  # two flagged blocks, one code fills the tail
+])
+def test_wire_t_stream_checks(max_T, flags, tail_bits, ok, T0):
+    lay = wire.layout(32, CFG.replace(max_T=max_T), t_capacity=3)  # 8 blocks, 16 tail bits
+    assert (lay.chunk, 8 * lay.t_bytes - lay.chunk) == (8, 16)
+    data = _t_stream(flags, tail_bits, lay)
+    u, good = wire._t_from_streams(data, lay)
+    assert bool(good[0]) == ok
+    if ok:
+        assert int(u[0, 0]) == T0 + 1 and np.all(np.asarray(u[0, 1:]) == 1)
+        back, bits = wire._t_streams(u, lay)  # and the encoder writes exactly this stream
+        np.testing.assert_array_equal(back, data)
+        assert int(bits[0]) == 8 * lay.t_bytes
+        over, bits = wire._t_streams(u.at[0, 0].add(1), lay)  # one bit more does not fit
+        assert int(bits[0]) == 8 * lay.t_bytes + 1
 
 
 def test_wire_corrupted_t_stream_decodes_to_nan():

@@ -531,13 +531,13 @@ def _collect_hessians(run, variables, targets, order: list | None = None) -> dic
                 order.append(path)
             if path in targets:
                 H, rows = acc.get(path, (None, 0))
-                H = ptq.hessian_update(H, args[0], rows)
+                H, rows = ptq.hessian_update(H, args[0], rows)
                 # A traced input, or a constant one whose statistics a trace still captures.
-                if isinstance(H[0], jax.core.Tracer):
+                if isinstance(H, jax.core.Tracer):
                     raise ValueError("quantize_params: calibration ran the model under a jax "
                                      "transformation (jit, vmap, ...); run(variables) must "
                                      "apply it eagerly so the inputs can be accumulated")
-                acc[path] = H
+                acc[path] = H, rows
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(interceptor):

@@ -222,7 +222,7 @@ def _search(st: _Search, config: HNLQConfig, scales, z) -> _Search:
     st = _attempt(st, config, scales, z)
 
     def compact(cap, s):
-        idx = jnp.nonzero(s.active, size=cap, fill_value=n)[0]
+        idx = active_index(s.active, cap)
         take = jnp.minimum(idx, n - 1)
         t = s.t[take]
         # Built from t, so that under shard_map they carry x's varying axes.
@@ -240,6 +240,38 @@ def _search(st: _Search, config: HNLQConfig, scales, z) -> _Search:
     return jax.lax.switch(branch, [lambda s: s, functools.partial(compact, n // 8),
                                    functools.partial(compact, n // 4),
                                    functools.partial(compact, n // 2), loop], st)
+
+
+def active_index(mask, cap: int):
+    """``jnp.nonzero(mask, size=cap, fill_value=n)[0]``, in fewer passes over ``mask``.
+
+    jnp.nonzero takes two prefix sums over n (each log2(n) passes on XLA:CPU) and a bincount.
+    Here the mask is packed into 32-bit words: a set bit's rank within its word is a popcount
+    of the lower bits, and the words' offsets are an exclusive prefix sum of their popcounts,
+    taken as an integer product with a triangular matrix per row of 32 words plus a short
+    prefix sum over rows. One scatter then puts each index in its slot. 2-4x faster than
+    jnp.nonzero at 2^15 blocks on a 2-core CPU (the search's compaction).
+
+    Args:
+      mask: ``[n]`` bool.
+      cap: output length.
+
+    Returns:
+      ``[cap]`` int32: the indices of the first ``cap`` set entries in increasing order, then
+      ``n`` in the unused slots.
+    """
+    n = mask.shape[0]
+    bit = jnp.arange(32, dtype=jnp.uint32)
+    words = jnp.sum(jnp.pad(mask, (0, -n % 1024)).reshape(-1, 32).astype(jnp.uint32) << bit,
+                    axis=1, dtype=jnp.uint32)
+    rank = jax.lax.population_count(words[:, None] & ((jnp.uint32(1) << bit) - 1))
+    counts = jax.lax.population_count(words).astype(jnp.int32).reshape(-1, 32)
+    rows = jnp.sum(counts, axis=1)
+    offsets = (jnp.dot(counts, jnp.asarray(np.triu(np.ones((32, 32), np.int32), 1)))
+               + (jnp.cumsum(rows) - rows)[:, None])
+    dest = (offsets.reshape(-1, 1) + rank.astype(jnp.int32)).reshape(-1)[:n]
+    return jnp.full((cap,), n, jnp.int32).at[jnp.where(mask, dest, cap)].set(
+        jnp.arange(n, dtype=jnp.int32), mode="drop")
 
 
 def scale_tables(config: HNLQConfig, beta, dtype):

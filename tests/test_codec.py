@@ -288,6 +288,22 @@ def test_chunked_encode_matches(monkeypatch):
     assert int(big_T[17]) == -1 and np.mean(np.asarray(big_T) > 0) > 0.3
 
 
+@pytest.mark.parametrize("n", [1, 33, 1024, 1025, 5000, 32768])
+@pytest.mark.parametrize("share", [0.0, 0.4, 1.0])
+def test_active_index_is_nonzero(n, share):
+    """The search's compaction equals jnp.nonzero: order, truncation at cap and fill.
+
+    Sizes straddle the 32-bit words and the 1024-block rows of the prefix sum (a rank or
+    offset off by one moves an index); shares include an empty and a full mask (fill and
+    truncation)."""
+    from hnlq_jax.codec import active_index
+
+    mask = jnp.asarray(np.random.default_rng(n).random(n) < share)
+    for cap in sorted({1, max(n // 8, 1), n // 2 + 1, n}):
+        np.testing.assert_array_equal(active_index(mask, cap),
+                                      jnp.nonzero(mask, size=cap, fill_value=n)[0])
+
+
 def test_jit_vmap_and_grad():
     cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(6, 5, 4)), jnp.float32)

@@ -112,6 +112,25 @@ def test_quantize_every_caches_codes():
     torch.testing.assert_close(q(x), y0, rtol=0, atol=0)  # eval: the cached codes
 
 
+def test_quantize_every_can_change_after_construction():
+    """From 1 to N the error buffer appears holding the current codes' error (the first cached
+    step computes with exactly W_hat, not the float weight); back to 1 it goes."""
+    q = QLinear(30, 16, CFG, calibrate=False)
+    x = torch.randn(3, 30)
+    q(x)  # step 0 at N = 1: a refresh
+    w_hat = tb.decode(q.codes())
+    q.quantize_every = 4  # step 1 is not a refresh: cached codes
+    assert torch.equal(q.error, w_hat - q.weight.detach())
+    with torch.no_grad():
+        torch.testing.assert_close(q(x), x @ w_hat.T + q.bias, rtol=1e-6, atol=1e-6)
+    assert "error" in q.state_dict()
+    q.quantize_every = 1
+    assert "error" not in q.state_dict() and not hasattr(q, "error")
+    q(x)  # refreshes every call again, no error buffer needed
+    with pytest.raises(ValueError, match="quantize_every must be an int >= 0"):
+        q.quantize_every = 2.0
+
+
 def test_state_dict_reloads_exactly_and_refuses_other_configs():
     a = QLinear(64, 8, CFG).eval()
     x = torch.randn(5, 64)

@@ -85,22 +85,36 @@ class QLinear(CodesLayer, torch.nn.Linear):
                             f"{type(config).__name__}")
         if ste not in STE_MODES:
             raise ValueError(f"QLinear: ste must be one of {STE_MODES}, got {ste!r}")
-        if isinstance(quantize_every, bool) or not isinstance(quantize_every, int) or \
-                quantize_every < 0:
-            raise ValueError(f"QLinear: quantize_every must be an int >= 0, got {quantize_every!r}")
         self.config, self.ste, self.implementation = config, ste, implementation
         self.quantize_weights, self.quantize_activations = quantize_weights, quantize_activations
-        self.quantize_every, self.calibrate = quantize_every, calibrate
+        self.calibrate = calibrate
+        self.quantize_every = quantize_every
         self._register_codes(config, device, torch.promote_types(self.weight.dtype,
                                                                  torch.float32))
         self.register_buffer("beta", torch.tensor(config.beta, dtype=torch.float32,
                                                   device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
-        if quantize_every != 1:  # refreshing every call needs no copy of the error
-            self.register_buffer("error", torch.zeros_like(self.weight, requires_grad=False))
         if quantize_weights:
             self.calibrate_beta()
             self.refresh_codes()
+
+    @property
+    def quantize_every(self) -> int:
+        """The refresh interval in training (see the constructor); may be changed at any time."""
+        return self._quantize_every
+
+    @quantize_every.setter
+    def quantize_every(self, n: int):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"QLinear: quantize_every must be an int >= 0, got {n!r}")
+        self._quantize_every = n
+        if n == 1:  # refreshing every call needs no copy of the error
+            self._buffers.pop("error", None)
+        elif "error" not in self._buffers:
+            self.register_buffer("error", torch.zeros_like(self.weight, requires_grad=False))
+            if self.quantize_weights and "tfield" in self._buffers:  # codes made: their error
+                with torch.no_grad():
+                    self.error.copy_(decode(self.codes(), dtype=self.weight.dtype) - self.weight)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, config: HNLQConfig, **kwargs) -> QLinear:

@@ -110,9 +110,11 @@ def _kernel_codes(kernel, config: HNLQConfig, beta) -> Codes:
     return rows_codes(jax.lax.stop_gradient(kernel).T, config, beta)
 
 
-def _error(codes: Codes, kernel_t):
-    """``W_hat - kernel^T`` (``[out, in]``, the kernel's dtype): the quantization error."""
-    return ops.decode(codes, dtype=kernel_t.dtype) - kernel_t
+def _decoded(codes: Codes, kernel_t):
+    """``(W_hat, W_hat - kernel^T)``, both ``[out, in]`` in the kernel's dtype: the codes'
+    weight and their quantization error."""
+    w_hat = ops.decode(codes, dtype=kernel_t.dtype)
+    return w_hat, w_hat - kernel_t
 
 
 def _ste_mask(codes: Codes, ste: str, dtype):
@@ -349,19 +351,25 @@ class QDense(nn.Module):
         # between refreshes (a layer standing still for N steps made Adam overshoot), needs no
         # decode, and is exactly W_hat at a refresh. Refreshing every call needs no copy of it.
         now = jax.lax.stop_gradient(kernel).T
-        error = (self.variable(COLLECTION, "error", lambda: _error(cache.value, now))
+        mutable = self.is_mutable_collection(COLLECTION)
+        # Variables made with quantize_every=1 hold no error: a mutable apply adds it, an
+        # immutable one computes what it needs without it.
+        error = (self.variable(COLLECTION, "error", lambda: _decoded(cache.value, now)[1])
                  if self.quantize_every != 1 and (self.is_initializing() or not deterministic)
-                 else None)
+                 and (mutable or self.has_variable(COLLECTION, "error")) else None)
         step = self.variable(COLLECTION, "step", jnp.zeros, (), jnp.int32)
         _check_layer_codes(cache.value, cfg, kernel.shape[0], self.features,
                            f"QDense {self.name}")
 
         def fresh():  # (codes, their error, the forward weight: exactly W_hat)
             codes = _kernel_codes(kernel, cfg, beta.value)
-            w_hat = ops.decode(codes, dtype=now.dtype)
-            return codes, w_hat - now, w_hat
+            w_hat, err = _decoded(codes, now)
+            return codes, err, w_hat
 
         def cached():
+            if error is None:
+                w_hat, err = _decoded(cache.value, now)
+                return cache.value, err, w_hat
             return cache.value, error.value, now + error.value
 
         weight = None
@@ -369,13 +377,12 @@ class QDense(nn.Module):
             codes = cache.value
         elif self.quantize_every == 0:
             codes, _, weight = cached()
-        elif self.is_mutable_collection(COLLECTION) and self.quantize_every > 1:
+        elif mutable and self.quantize_every > 1:
             refresh = step.value % self.quantize_every == 0
             codes, err, weight = jax.lax.cond(refresh, fresh, cached)
             step.value = step.value + 1
             cache.value, error.value = codes, err
         else:  # every call (no cache to keep without a mutable collection)
-            mutable = self.is_mutable_collection(COLLECTION)
             if mutable and error is not None:
                 codes, error.value, _ = fresh()
             else:
@@ -434,7 +441,7 @@ def refresh_codes(variables, config: HNLQConfig):
         _check_layer_codes(codes, config, kernel.shape[0], kernel.shape[1], where)
         flat[path + ("codes",)] = _kernel_codes(kernel, config, flat[path + ("beta",)])
         if path + ("error",) in flat:
-            flat[path + ("error",)] = _error(flat[path + ("codes",)], kernel.T)
+            flat[path + ("error",)] = _decoded(flat[path + ("codes",)], kernel.T)[1]
     return {**variables, COLLECTION: traverse_util.unflatten_dict(flat)}
 
 

@@ -260,6 +260,22 @@ def test_quantize_every_zero_is_manual(variables):
                                rtol=0, atol=1e-6)
 
 
+def test_variables_without_error_train_with_another_interval():
+    """Variables made at quantize_every=1 hold no error: an immutable training apply at another
+    interval computes without it (exactly the cached codes' weights, or fresh codes), a mutable
+    one adds it (W_hat - kernel^T of the cached codes)."""
+    v1 = QDense(16, CFG, quantize_every=1).init(jax.random.key(0), X)
+    assert "error" not in v1["hnlq"]
+    w_hat = hq.decode(v1["hnlq"]["codes"]).T
+    expect = X @ w_hat + v1["params"]["bias"]
+    for every in (0, 16):
+        m = QDense(16, CFG, quantize_every=every)
+        np.testing.assert_allclose(m.apply(v1, X), expect, rtol=1e-5, atol=1e-5)
+        _, upd = m.apply(v1, X, mutable=["hnlq"])
+        np.testing.assert_allclose(upd["hnlq"]["error"], w_hat.T - v1["params"]["kernel"].T,
+                                   rtol=0, atol=1e-6)
+
+
 def test_jit_vmap_and_batch_sizes(variables, exported):
     m = QDense(16, CFG, quantize_activations=True)
     f = jax.jit(functools.partial(m.apply, deterministic=True))

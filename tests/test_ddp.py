@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import hnlq_jax as hq
 from hnlq_jax import dist, wire
 from torch_bridge import HNLQHookState, hnlq_hook
+import torch_bridge.ddp as tb_ddp
 from torch_bridge.ddp import _compress, _mean
 
 CFG = hq.HNLQConfig("D4", 4, 2, beta=0.2016)
@@ -106,6 +107,28 @@ def test_state_validation_and_pickling():
         hnlq_hook(CFG, None)
     with pytest.raises(RuntimeError, match="not initialized"):
         hnlq_hook(s, None)
+
+
+@pytest.mark.parametrize("module,name", [(wire, "WIRE_VERSION"), (tb_ddp, "FORMAT_VERSION")])
+def test_ranks_running_another_format_disagree(monkeypatch, module, name):
+    """A peer on another wire or codes format version is refused at the first bucket, even with
+    the same config (its payloads would decode to garbage)."""
+    sent = []
+
+    def all_gather_object(out, mine, group=None):  # rank 0: the peer, rank 1: this process
+        sent.append(mine)
+        out[:] = sent[-len(out):]
+
+    monkeypatch.setattr(tb_ddp.dist, "all_gather_object", all_gather_object)
+    with monkeypatch.context() as m:  # the peer: same config, the next version
+        m.setattr(module, name, getattr(module, name) + 1)
+        peer = f"{tb_ddp.FORMAT_VERSION}/{wire.WIRE_VERSION}"
+        HNLQHookState(CFG)._check_agreement(None, 1)
+    with pytest.raises(ValueError, match="ranks disagree") as e:
+        HNLQHookState(CFG)._check_agreement(None, 2)
+    assert f"rank 0: format/wire version {peer}, config=" in str(e.value)
+    assert f"rank 1: format/wire version {tb_ddp.FORMAT_VERSION}/{wire.WIRE_VERSION}," in str(
+        e.value)
 
 
 @pytest.mark.slow

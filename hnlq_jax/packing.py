@@ -227,12 +227,13 @@ def _plane(v, j):
     """
     N = v.shape[0]
     elig, ones = v >= j, v >= j + 1
-    n, m = jnp.sum(elig), jnp.sum(ones)
-    rank = jnp.cumsum(elig) - 1
-    slot = jnp.where(ones, jnp.cumsum(ones) - 1, N + 1)
+    i32 = jnp.int32  # explicit: under jax_enable_x64 sums and cumsums default to int64
+    n, m = jnp.sum(elig, dtype=i32), jnp.sum(ones, dtype=i32)
+    rank = jnp.cumsum(elig, dtype=i32) - 1
+    slot = jnp.where(ones, jnp.cumsum(ones, dtype=i32) - 1, N + 1)
     pos = jnp.full(N + 1, n, jnp.int32).at[slot].set(rank, mode="drop")  # the ones, then n
     run = pos - jnp.concatenate([jnp.full(1, -1, jnp.int32), pos[:-1]]) - 1
-    t = jnp.arange(N + 1)
+    t = jnp.arange(N + 1, dtype=i32)
     valid = (t <= m) & (n > 0)
     return valid, run, jnp.where(n > 0, m + 1, 0)
 
@@ -267,7 +268,7 @@ def stream_bits(v, ks, planes):
     def body(j, used):
         k = ks[j]
         valid, run, count = _plane(v, j)
-        return used + jnp.sum(_unary_bits(valid, run, k)) + count * k
+        return used + jnp.sum(_unary_bits(valid, run, k), dtype=jnp.int32) + count * k
 
     return _over_planes(planes, lambda j, _: jnp.any(v >= j), body, _zero(v, jnp.int32))
 
@@ -320,19 +321,19 @@ def encode_stream(v, ks, planes, capacity, nbytes: int):
       ``data`` is not decodable.
     """
     N = v.shape[0]
-    t = jnp.arange(N + 1)
+    t = jnp.arange(N + 1, dtype=jnp.int32)
 
     def body(j, carry):
         words, u_used, r_used = carry
         k = ks[j]
         valid, run, count = _plane(v, j)
         ulen = _unary_bits(valid, run, k)
-        term = u_used + jnp.cumsum(ulen) - 1  # each codeword's unary 1
+        term = u_used + jnp.cumsum(ulen, dtype=jnp.int32) - 1  # each codeword's unary 1
         words = _write(words, term, jnp.ones_like(term), valid & (term < capacity))
         field = capacity - r_used - (t + 1) * k  # remainders from the end, backward
         rem = run & ((1 << k) - 1)
         words = _write(words, field, rem, valid & (k > 0) & (field >= 0))
-        return words, u_used + jnp.sum(ulen), r_used + count * k
+        return words, u_used + jnp.sum(ulen, dtype=jnp.int32), r_used + count * k
 
     zero = _zero(v, jnp.int32)
     words = jnp.zeros(nbytes // 4 + 2, jnp.uint32) + zero.astype(jnp.uint32)
@@ -376,7 +377,7 @@ def decode_stream(data, ks, planes, capacity, n_valid, n_blocks: int):
         r = jnp.where(k > 0, _read(words, capacity - o - (t + 1) * k, k), 0)
         # A run beyond N is corrupt; clamp before shifting so nothing wraps.
         run = jnp.where(q > (N >> k), N + 1, (q << k) + r)
-        cum = jnp.cumsum(run + 1)  # codeword i's 1 is the plane's block cum_i - 1
+        cum = jnp.cumsum(run + 1, dtype=jnp.int32)  # codeword i's 1 is the plane's block cum_i - 1
         # The first codeword to reach n + 1 is the plane's last (it comes before the sum can
         # wrap: every term is at least 1).
         m = jnp.argmax(cum >= n + 1).astype(jnp.int32)

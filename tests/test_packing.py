@@ -76,6 +76,21 @@ def test_row_codes_roundtrip_and_bytes():
         np.testing.assert_array_equal(hq.decode(out), hq.decode(codes))
 
 
+@pytest.mark.parametrize("cfg", CONFIGS[:2] + CONFIGS[4:5], ids=lambda c: f"{c.lattice}q{c.q}M{c.M}")
+def test_roundtrip_under_x64(cfg, x64):
+    """With jax_enable_x64 sums default to int64: the stream loops must keep their int32 carry
+    (a failure here is a while_loop type error), and the bytes are those of float32 mode."""
+    rng = np.random.default_rng(1)
+    T = np.minimum(rng.geometric(0.5, size=300) - 1, cfg.max_T)
+    codes = hq.Codes.from_labels(rng.integers(0, cfg.q, size=(300, cfg.M, cfg.d)), T, cfg)
+    packed = hq.pack(codes)
+    out = hq.unpack(hq.Packed.from_bytes(packed.to_bytes()))
+    np.testing.assert_array_equal(out.index, codes.index)
+    np.testing.assert_array_equal(out.tfield, codes.tfield)
+    with jax.enable_x64(False):
+        assert hq.pack(codes).to_bytes() == packed.to_bytes()
+
+
 def test_label_bits_known():
     """Little-endian digits: labels (1, 2, 3, 0) at q = 4 pack to 0b00111001 = 57; at q = 3
     the 17-digit chunk (1, 2, 0, ...) is 1 + 2*3 = 7 in 27 bits."""

@@ -41,7 +41,7 @@ def run(sizes, repeat):
     rows = []
     for name in ("D4", "E8"):
         cfg = hq.HNLQConfig(name, 4, 2)
-        beta, _ = hq.calibrate_beta(np.random.default_rng(0).standard_normal((4000, cfg.d)), cfg)
+        beta = hq.gaussian_beta(cfg)
         cfg = cfg.replace(beta=beta)
         enc = jax.jit(hq.encode, static_argnums=1)
         dec = jax.jit(hq.decode)

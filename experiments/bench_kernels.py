@@ -37,8 +37,7 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 
 def config():
     cfg = hq.HNLQConfig("D4", 4, 2)
-    beta, _ = hq.calibrate_beta(np.random.default_rng(0).standard_normal((4000, 4)), cfg)
-    return cfg.replace(beta=beta)
+    return cfg.replace(beta=hq.gaussian_beta(cfg))
 
 
 def _front_door(fn):

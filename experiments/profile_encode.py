@@ -49,7 +49,7 @@ def hlo_size(fn, *args) -> dict:
 
 def profile(name: str, repeat: int) -> dict:
     cfg = hq.HNLQConfig(name, 4, 2)
-    beta, _ = hq.calibrate_beta(np.random.default_rng(0).standard_normal((4000, cfg.d)), cfg)
+    beta = hq.gaussian_beta(cfg)
     cfg = cfg.replace(beta=beta)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((N, cfg.d)), jnp.float32)
     xt = x.T

@@ -52,7 +52,7 @@ class RDPoint(NamedTuple):
 def _point(name: str, q: int, M: int, code: str, n: int, seed: int) -> RDPoint:
     cfg = HNLQConfig(name, q, M)
     x = np.random.default_rng(seed).standard_normal((n, cfg.d))
-    beta, t = calibrate_beta(x, cfg)
+    beta, t = calibrate_beta(x, cfg, scale=1.0)  # the paper's grid
     i = t.best
     return RDPoint(name, q, M, code, beta, float(t.mse[i]), float(t.entropy_T[i]),
                    float(t.rate[i]), 10 * math.log10(t.f[i]), float(t.overload_rate[i]))

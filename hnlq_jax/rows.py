@@ -72,7 +72,8 @@ def calibrate_rows(w, config: HNLQConfig):
     blocks = to_blocks(w / row_rms(w)[..., None], config.d).reshape(-1, config.d)
     idx = (jnp.arange(CALIBRATION_BLOCKS) * blocks.shape[0]) // CALIBRATION_BLOCKS
     # The search itself is compiled for the fixed sample shape: once per config, not per layer.
-    return search_beta(blocks[idx], config).astype(jnp.float32)
+    # scale=1: the rows are normalized already, and beta is relative to each row's RMS.
+    return search_beta(blocks[idx], config, scale=1.0).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 3))

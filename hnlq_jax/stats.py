@@ -114,10 +114,13 @@ def _beta_grid(x, config, betas):
 
 
 def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
-                   step: float = 0.05) -> tuple[float, BetaSearch]:
-    """The paper's grid search for beta: ``beta_min (1 + step k)``, ``k < num``.
+                   step: float = 0.05, scale="rms") -> tuple[float, BetaSearch]:
+    """The paper's grid search for beta: ``s * beta_min * (1 + step k)``, ``k < num``.
 
-    The search and its criterion are described in ``docs/math.md`` ("Choosing beta").
+    The search and its criterion are described in ``docs/math.md`` ("Choosing beta"). The
+    paper's grid (``s = 1``) is meant for unit-variance data; by default it is scaled by the
+    sample's RMS ``s``, so that data of any magnitude gets the beta its normalized form would
+    (times ``s``) instead of a grid that is orders of magnitude off.
 
     Every grid point encodes and decodes all of ``x``; the grid is mapped on device.
 
@@ -128,31 +131,50 @@ def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
         figure of merit); ``"mse"`` minimizes the MSE alone.
       num: number of grid points.
       step: relative grid step.
+      scale: the grid's unit ``s``: ``"rms"`` (the RMS of ``x`` over all its entries) or a
+        positive number (``1.0``: the paper's grid, to reproduce its numbers).
 
     Returns:
       ``(beta, table)``: the chosen beta (a Python float, ready for
       ``config.replace(beta=...)``) and the :class:`BetaSearch` table.
 
     Raises:
-      ValueError: unknown criterion, bad grid, or invalid ``x`` (see :func:`hnlq_jax.encode`).
+      ValueError: unknown criterion, bad grid or scale, all-zero ``x`` with ``scale="rms"``,
+        no beta on the grid that encodes every block, or invalid ``x`` (see
+        :func:`hnlq_jax.encode`).
     """
-    x, betas = _grid_args(x, config, criterion, num, step, "calibrate_beta")
+    x, grid = _grid_args(x, config, criterion, num, step, scale, "calibrate_beta")
+    remedy = ("the sample has blocks far beyond its RMS" if scale == "rms" else
+              "the data may be far from the given scale: try scale='rms'")
+    if isinstance(scale, str):
+        scale = float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))))
+        if scale == 0:
+            raise ValueError("calibrate_beta: x is all zero, so its RMS gives the grid no "
+                             "scale; pass scale=1.0 (zeros are coded exactly at any beta)")
+    betas = scale * grid
     cols = [np.asarray(v, dtype=np.float64)
             for v in _beta_grid(x, config, jnp.asarray(betas, x.dtype))]
     key = cols[3] if criterion == "f" else cols[0]
     best = int(np.argmin(key))
     if not np.isfinite(key[best]):
-        raise ValueError("calibrate_beta: no beta on the grid encodes every block; raise max_T")
+        raise ValueError(
+            f"calibrate_beta: no beta on the grid [{betas[0]:.4g}, {betas[-1]:.4g}] encodes "
+            f"every block ({remedy}): raise max_T (now "
+            f"{config.max_T}), or extend the grid with a larger num or step")
     table = BetaSearch(betas, *cols, best=best)
     return float(betas[best]), table
 
 
-def _grid_args(x, config, criterion, num, step, fn: str):
-    """Validates the grid search's arguments; returns the blocks ``[N, d]`` and the grid."""
+def _grid_args(x, config, criterion, num, step, scale, fn: str):
+    """Validates the grid search's arguments; returns the blocks ``[N, d]`` and the grid for
+    unit scale."""
     if criterion not in ("f", "mse"):
         raise ValueError(f"{fn}: criterion must be 'f' or 'mse', got {criterion!r}")
     if not (isinstance(num, int) and num >= 1 and math.isfinite(step) and step > 0):
         raise ValueError(f"{fn}: need num >= 1 and step > 0, got {num}, {step}")
+    if not (scale == "rms" or (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                               and math.isfinite(scale) and scale > 0)):
+        raise ValueError(f"{fn}: scale must be 'rms' or a positive finite number, got {scale!r}")
     x = check_x(x, config, fn).reshape(-1, config.d)
     if x.shape[0] == 0:
         raise ValueError(f"{fn}: x holds no block")
@@ -160,20 +182,25 @@ def _grid_args(x, config, criterion, num, step, fn: str):
     return x, np.array([b0 * (1 + step * k) for k in range(num)])
 
 
-def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step: float = 0.05):
+def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step: float = 0.05,
+                scale="rms"):
     """:func:`calibrate_beta` as a traceable function: the chosen beta as a 0-d array.
 
     Usable under ``jit`` and inside ``flax`` initializers, where ``x`` is traced. Where no
-    beta on the grid encodes every block, the last one is returned (the largest).
+    beta on the grid encodes every block, the last one is returned (the largest); all-zero
+    ``x`` with ``scale="rms"`` searches the unit grid.
 
     Args:
-      x, config, criterion, num, step: as :func:`calibrate_beta`.
+      x, config, criterion, num, step, scale: as :func:`calibrate_beta`.
 
     Returns:
       ``[]`` array in x's dtype (at least float32).
     """
-    x, betas = _grid_args(x, config, criterion, num, step, "search_beta")
-    betas = jnp.asarray(betas, x.dtype)
+    x, grid = _grid_args(x, config, criterion, num, step, scale, "search_beta")
+    if isinstance(scale, str):
+        rms = jnp.sqrt(jnp.mean(jnp.square(x)))
+        scale = jnp.where(rms > 0, rms, 1)
+    betas = scale * jnp.asarray(grid, x.dtype)
     mse, _, _, f, _ = _beta_grid(x, config, betas)
     key = f if criterion == "f" else mse
     return jnp.where(jnp.isfinite(jnp.min(key)), betas[jnp.argmin(key)], betas[-1])
@@ -194,7 +221,7 @@ def gaussian_beta(config: HNLQConfig) -> float:
 def _gaussian_beta(config: HNLQConfig) -> float:
     x = np.random.default_rng(0).standard_normal((4000, config.d)).astype(np.float32)
     with jax.ensure_compile_time_eval():  # a constant, also when first asked for under jit
-        return calibrate_beta(x, config)[0]
+        return calibrate_beta(x, config, scale=1.0)[0]
 
 
 # The cache stays reachable from the public name (e.g. to empty it in a test).

@@ -7,6 +7,7 @@ import pytest
 from conftest import golden_config, load_golden
 
 import hnlq_jax as hq
+from hnlq_jax.stats import search_beta
 
 
 def test_rate_stats_by_hand():
@@ -66,7 +67,7 @@ def test_calibrate_beta_reproduces_reference(name, x64):
     cfg = golden_config(g)
     x = np.random.default_rng(0).standard_normal((4000, cfg.d))
     assert cfg.beta_min() == pytest.approx(float(g["beta_min"]), rel=1e-15)
-    beta, table = hq.calibrate_beta(x, cfg)
+    beta, table = hq.calibrate_beta(x, cfg, scale=1.0)  # the reference's grid
     b, mse, H, R, f, p = g["beta_search_best"]
     assert beta == pytest.approx(b, rel=1e-12)
     i = table.best
@@ -87,6 +88,34 @@ def test_calibrate_beta_mse_criterion():
     assert 1.5 < f_db < 4.5
 
 
+@pytest.mark.parametrize("s", [2.0**-7, 2.0**9])
+def test_calibrate_beta_scales_with_the_data(s):
+    """By default the grid follows the sample's RMS: data scaled by a power of two (exact in
+    floating point) gets exactly that multiple of beta and the same codes, where the paper's
+    unit grid would code 0.01-scale data as zeros or 100-scale data with constant overload."""
+    cfg = hq.HNLQConfig("D4", 4, 2)
+    x = np.random.default_rng(5).standard_normal((1000, 4)).astype(np.float32)
+    beta, table = hq.calibrate_beta(x, cfg, num=10, step=0.1)
+    beta_s, table_s = hq.calibrate_beta(s * x, cfg, num=10, step=0.1)
+    rms = float(np.sqrt(np.mean(np.square(x.astype(np.float64)))))
+    np.testing.assert_allclose(table.beta, rms * cfg.beta_min() * (1 + 0.1 * np.arange(10)),
+                               rtol=1e-12)
+    assert beta_s == s * beta and table_s.best == table.best
+    np.testing.assert_array_equal(table_s.mse, s * s * table.mse)
+    np.testing.assert_array_equal(table_s.overload_rate, table.overload_rate)
+    # The unit grid is far off: small data decodes to zeros, large data overloads beyond max_T.
+    if s < 1:
+        unit = hq.calibrate_beta(s * x, cfg, num=10, step=0.1, scale=1.0)[1]
+        assert unit.overload_rate.max() == 0
+        assert unit.mse[unit.best] == pytest.approx(np.mean(np.square(s * x)), rel=1e-5)
+    else:
+        with pytest.raises(ValueError, match="far from the given scale: try scale='rms'"):
+            hq.calibrate_beta(s * x, cfg, num=10, step=0.1, scale=1.0)
+    # search_beta (traceable, float32) makes the same choice.
+    traced = jax.jit(lambda v: search_beta(v, cfg, num=10, step=0.1))(s * x)
+    assert float(traced) == pytest.approx(beta_s, rel=1e-6)
+
+
 def test_calibrate_beta_bad_input():
     cfg = hq.HNLQConfig("D4", 4, 2)
     x = np.zeros((10, 4), np.float32)
@@ -98,8 +127,15 @@ def test_calibrate_beta_bad_input():
         hq.calibrate_beta(np.zeros((10, 3), np.float32), cfg)
     with pytest.raises(ValueError, match="no block"):
         hq.calibrate_beta(np.zeros((0, 4), np.float32), cfg)
-    with pytest.raises(ValueError, match="raise max_T"):
-        hq.calibrate_beta(np.full((10, 4), 1e6, np.float32), cfg.replace(max_T=2), num=3)
+    with pytest.raises(ValueError, match=r"x is all zero.*pass scale=1.0"):
+        hq.calibrate_beta(x, cfg)
+    for bad in (0, -1.0, float("nan"), "max", True):
+        with pytest.raises(ValueError, match="scale must be 'rms' or a positive"):
+            hq.calibrate_beta(x, cfg, scale=bad)
+    outlier = np.zeros((1000, 4), np.float32)
+    outlier[0] = 1e3  # 63 RMS units: beyond every beta of the grid at max_T = 0
+    with pytest.raises(ValueError, match=r"no beta on the grid \[.*raise max_T \(now 0\)"):
+        hq.calibrate_beta(outlier, cfg.replace(max_T=0), num=3)
 
 
 def test_rate_stats_under_jit():

@@ -81,10 +81,17 @@ def check_saved_header(state, config: HNLQConfig, where: str, remedy: str) -> HN
         raise ValueError(f"{where}: expected saved HNLQ codes with a format_version and a config, "
                          f"got {got}")
     version = state["format_version"]
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{where}: the codes were saved in format version {version}; this "
+    if isinstance(version, (bool, str)) or version != FORMAT_VERSION:
+        raise ValueError(f"{where}: the codes were saved in format version {version!r}; this "
                          f"version of hnlq_jax reads format version {FORMAT_VERSION}: quantize "
                          "again with this version")
+    # Every field, as saved_header writes them: a missing one would silently take its default.
+    fields = [f.name for f in dataclasses.fields(HNLQConfig)]
+    missing = [k for k in fields if k not in state["config"]] if isinstance(
+        state["config"], dict) else []
+    if missing:
+        raise ValueError(f"{where}: the saved config {state['config']!r} lacks the field(s) "
+                         f"{missing} (truncated or edited by hand?); save the codes again")
     try:
         saved = HNLQConfig(**state["config"])
     except (TypeError, ValueError) as e:
@@ -301,18 +308,7 @@ class Codes:
           ValueError: ``n`` does not split into the last leading axis, or ``scale`` has the
             wrong shape.
         """
-        lead = self.blocks_shape
-        if not lead:
-            raise ValueError("Codes.with_rows: row codes need a block axis [..., nb, M]")
-        nb, d = lead[-1], self.config.d
-        n = nb * d if n is None else int(n)
-        if not (nb * d - d < n <= nb * d or (n == 0 and nb == 0)):
-            raise ValueError(f"Codes.with_rows: n={n} does not split into {nb} blocks of d={d}")
-        if scale is not None:
-            scale = jnp.asarray(scale)
-            if scale.shape != lead[:-1] or not jnp.issubdtype(scale.dtype, jnp.floating):
-                raise ValueError(f"Codes.with_rows: scale must be a real array of shape "
-                                 f"{lead[:-1]}, got {scale.dtype}{list(scale.shape)}")
+        n, scale = check_rows(self.blocks_shape, self.config, scale, n, "Codes.with_rows")
         return Codes(self.index, self.tfield, self.config, scale=scale, n=n)
 
     def __repr__(self) -> str:
@@ -328,6 +324,27 @@ class Codes:
 
 
 # ------------------------------------------------------------------------------ validation
+
+
+def check_rows(lead: tuple, config: HNLQConfig, scale, n, fn: str):
+    """``(n, scale)`` of row codes with blocks ``lead``, checked (``n`` None: every block's
+    ``d`` entries; ``scale`` None or a real array ``lead[:-1]``).
+
+    Raises:
+      ValueError: no block axis, ``n`` that does not split into the blocks, or a bad scale.
+    """
+    if not lead:
+        raise ValueError(f"{fn}: row codes need a block axis [..., nb, M]")
+    nb, d = lead[-1], config.d
+    n = nb * d if n is None else int(n)
+    if not (nb * d - d < n <= nb * d or (n == 0 and nb == 0)):
+        raise ValueError(f"{fn}: n={n} does not split into {nb} blocks of d={d}")
+    if scale is not None:
+        scale = jnp.asarray(scale)
+        if scale.shape != lead[:-1] or not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise ValueError(f"{fn}: scale must be a real array of shape {lead[:-1]}, got "
+                             f"{scale.dtype}{list(scale.shape)}")
+    return n, scale
 
 
 def check_labels(labels, T, config: HNLQConfig, fn: str):
@@ -395,20 +412,19 @@ def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
         raise ValueError(f"{fn}: T field holds values above max_T = {cfg.max_T} (corrupted "
                          "codes, or codes of a config with a larger max_T?)")
     if codes.n is not None:
-        Codes(index, tfield, cfg).with_rows(scale=codes.scale, n=codes.n)  # raises on mismatch
+        check_rows(lead, cfg, codes.scale, codes.n, fn)
     if codes.scale is not None and not concrete_all(jnp.asarray(codes.scale), jnp.isfinite):
         raise ValueError(f"{fn}: the row scales hold NaN or Inf (corrupted codes?)")
     return codes
 
 
 def _codes_ok(arrays, cfg: HNLQConfig):
-    """Every index below ``q^d`` and every T field entry at most ``max_T + 1``."""
+    """Every index below ``q^d`` and every T field entry at most ``max_T + 1`` (the padding
+    nibble of an odd last axis is not an entry: reading ignores it)."""
     index, tfield = arrays
-    ok = jnp.all(_index_ok(index, cfg))
-    f, top = tfield.astype(jnp.int32), cfg.max_T + 1
-    if t_bits(cfg) == 8:
-        return ok & jnp.all(f <= top)
-    return ok & jnp.all((f & 15) <= top) & jnp.all((f >> 4) <= top)
+    lead = index.shape[:-1]
+    u = unpack_t(tfield, cfg, lead[-1] if lead else None)
+    return jnp.all(_index_ok(index, cfg)) & jnp.all(u <= cfg.max_T + 1)
 
 
 def valid_blocks(index, u, config: HNLQConfig):

@@ -50,8 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax.codes import (FORMAT_VERSION, Codes, check_codes, index_dtype, index_from_labels,
-                            is_concrete, labels_of_index, pack_t)
+from hnlq_jax.codes import (FORMAT_VERSION, Codes, check_codes, check_rows, index_dtype,
+                            index_from_labels, is_concrete, labels_of_index, pack_t)
 from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.ops import bucket
 
@@ -589,9 +589,9 @@ class Packed:
                 scale_dtype = np.dtype(h["scale"][0])
             except (TypeError, ValueError):
                 scale_dtype = np.dtype("V")  # refused below
-            if scale_dtype.kind not in "biuf":
-                raise _bad_header(f"'scale' dtype must be a numeric NumPy dtype string, got "
-                                  f"{h['scale'][0]!r}")
+            if scale_dtype.kind != "f":
+                raise _bad_header(f"'scale' dtype must be a floating NumPy dtype string (e.g. "
+                                  f"'<f4'), got {h['scale'][0]!r}")
         # Row codes (those with scales) are made at beta = 1, theirs lives in the row scales:
         # the config they were made from matches whatever its beta.
         rows = scale_dtype is not None
@@ -610,7 +610,10 @@ class Packed:
             at += s
         scale = None
         if scale_dtype is not None:
-            scale = jnp.asarray(np.frombuffer(body[at:], scale_dtype).reshape(h["scale"][1]))
+            # Another writer's byte order is read as written, then held in native order
+            # (what JAX arrays need); the values are exactly the same.
+            scale = np.frombuffer(body[at:], scale_dtype).reshape(h["scale"][1])
+            scale = jnp.asarray(scale.astype(scale_dtype.newbyteorder("=")))
         labels, tcode, rice = (jnp.asarray(a) for a in arrays)
         return cls(labels, tcode, rice, made, tuple(h["blocks_shape"]), scale=scale, n=h["n"],
                    version=h["version"])
@@ -737,8 +740,8 @@ def unpack(packed: Packed) -> Codes:
                          f"hold a chunk above the largest value for q={config.q}")
     index = index[:N].reshape(lead + (config.M,))
     T = (u[:N] - 1).reshape(lead)
-    codes = Codes(index, pack_t(T, config), config)
-    if packed.n is not None or packed.scale is not None:
-        codes = codes.with_rows(scale=packed.scale, n=packed.n)
-    return codes
+    if packed.n is None and packed.scale is None:
+        return Codes(index, pack_t(T, config), config)
+    n, scale = check_rows(lead, config, packed.scale, packed.n, "unpack")
+    return Codes(index, pack_t(T, config), config, scale=scale, n=n)
 

@@ -56,6 +56,22 @@ def test_nibble_order():
     np.testing.assert_array_equal(pack_t(jnp.asarray([2, 5, -1]), cfg), [3 | 6 << 4, 0])
 
 
+def test_padding_nibble_is_ignored_on_reading():
+    """An odd last axis leaves the last byte's high nibble as padding: whatever it holds, every
+    reader (eager and jitted decode, rate_stats, pack) gives what the clean codes give, while the
+    same value in a real nibble is refused as corrupted."""
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2016, max_T=3)  # u <= 4: 15 is out of range
+    codes = hq.encode(2 * np.random.default_rng(2).standard_normal((2, 3, 4)), cfg)
+    dirty = hq.Codes(codes.index, codes.tfield.at[:, -1].add(15 << 4), cfg)
+    np.testing.assert_array_equal(hq.decode(dirty), hq.decode(codes))
+    np.testing.assert_array_equal(jax.jit(hq.decode)(dirty), hq.decode(codes))
+    np.testing.assert_array_equal(hq.rate_stats(dirty).histogram, hq.rate_stats(codes).histogram)
+    assert hq.pack(dirty).to_bytes() == hq.pack(codes).to_bytes()
+    corrupt = hq.Codes(codes.index, codes.tfield.at[:, 0].set(15 << 4), cfg)
+    with pytest.raises(ValueError, match="T field holds values above max_T = 3"):
+        hq.decode(corrupt)
+
+
 def test_codes_views_and_from_labels():
     x = np.random.default_rng(0).normal(size=(5, 7, 4)).astype(np.float32)
     c = hq.encode(x, D4)

@@ -280,7 +280,8 @@ def test_bad_input():
     with pytest.raises(ValueError, match="do not broadcast"):
         lut.dot(c, _random_codes(cfg, (3, 3), rng))
     with pytest.raises(ValueError, match=r"codes of vectors, blocks \[..., nb\]"):
-        lut.dot(hq.Codes(c.index[0, 0], c.tfield[0, 0], cfg), c)
+        # one block: its T field is one whole byte u (here 1: T = 0)
+        lut.dot(hq.Codes(c.index[0, 0], jnp.uint8(1), cfg), c)
     with pytest.raises(TypeError, match="expected hnlq_jax.Codes, got tuple"):
         lut.dot((c.labels, c.T), c)
     with pytest.raises(TypeError, match="codes carry no HNLQConfig"):

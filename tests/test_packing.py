@@ -1,6 +1,9 @@
 """The storage form: exact round trips, bit layouts, the rate target, corrupt or foreign data."""
 
+import json
 import math
+import struct
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +79,8 @@ def test_row_codes_roundtrip_and_bytes():
         np.testing.assert_array_equal(hq.decode(out), hq.decode(codes))
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[:2] + CONFIGS[4:5], ids=lambda c: f"{c.lattice}q{c.q}M{c.M}")
+@pytest.mark.parametrize("cfg", CONFIGS[:2] + CONFIGS[4:5],
+                         ids=lambda c: f"{c.lattice}q{c.q}M{c.M}")
 def test_roundtrip_under_x64(cfg, x64):
     """With jax_enable_x64 sums default to int64: the stream loops must keep their int32 carry
     (a failure here is a while_loop type error), and the bytes are those of float32 mode."""
@@ -89,6 +93,25 @@ def test_roundtrip_under_x64(cfg, x64):
     np.testing.assert_array_equal(out.tfield, codes.tfield)
     with jax.enable_x64(False):
         assert hq.pack(codes).to_bytes() == packed.to_bytes()
+
+
+def test_big_endian_scales_read_exactly():
+    """Another writer may store the row scales big-endian ('>f4' in the header): they read as
+    the same values, held in native order (a JAX array cannot hold a non-native dtype)."""
+    codes = hq.encode_rows(np.random.default_rng(4).standard_normal((5, 12)), hq.HNLQConfig())
+    b = hq.pack(codes).to_bytes()
+    (hlen,) = struct.unpack("<I", b[8:12])
+    header = json.loads(b[12:12 + hlen])
+    assert header["scale"] == ["<f4", [5]]
+    header["scale"][0] = ">f4"
+    head = json.dumps(header, sort_keys=True).encode()
+    swapped = np.asarray(codes.scale, "<f4").astype(">f4").tobytes()
+    out = b[:8] + struct.pack("<I", len(head)) + head + b[12 + hlen:-4 - 20] + swapped
+    out += struct.pack("<I", zlib.crc32(out))
+    back = hq.unpack(hq.Packed.from_bytes(out))
+    assert back.scale.dtype == np.float32
+    np.testing.assert_array_equal(back.scale, codes.scale)
+    np.testing.assert_array_equal(hq.decode(back), hq.decode(codes))
 
 
 def test_label_bits_known():

@@ -51,10 +51,12 @@ def check_x(x, config: HNLQConfig, fn: str):
     if jnp.finfo(x.dtype).bits < 32:
         x = x.astype(jnp.float32)
     if not concrete_all(x, jnp.isfinite):
-        bad = int(np.sum(~np.all(np.isfinite(np.asarray(x)), axis=-1)))
+        bad = ~np.all(np.isfinite(np.asarray(x)), axis=-1)
+        first = [int(i) for i in np.argwhere(bad)[0]]
         raise ValueError(
-            f"{fn}: input has NaN or Inf in {bad} block(s); expected finite values "
-            "(under jit such blocks are marked T = -1 and decode to NaN)"
+            f"{fn}: input has NaN or Inf in {int(np.sum(bad))} block(s) (the first at block "
+            f"{first}); expected finite values (under jit such blocks are marked T = -1 and "
+            "decode to NaN)"
         )
     return x
 

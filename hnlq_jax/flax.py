@@ -54,7 +54,7 @@ from hnlq_jax._numerics import straight_through
 from hnlq_jax.codes import Codes, check_codes, check_saved_header, is_concrete, saved_header
 from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.incoherence import Rotation
-from hnlq_jax.rows import bucket_rows, calibrate_rows, rows_codes, unit
+from hnlq_jax.rows import bucket_rows, calibrate_rows, check_finite_weight, rows_codes, unit
 from hnlq_jax.stats import gaussian_beta
 
 __all__ = [
@@ -614,6 +614,9 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
                         f"{type(calibration).__name__}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"{fn}: seed must be a non-negative int, got {seed!r}")
+    ptq.check_calibration_options(fn, calibration, act_order=act_order, damp=damp,
+                                  criterion=criterion, grid=grid, t_budget=t_budget,
+                                  sequential=sequential)
     params = traverse_util.flatten_dict(variables["params"])
     layers = {path: k for path, k in sorted(_dense_layers(variables["params"]).items())
               if filter_fn is None or filter_fn(path, k)}
@@ -640,16 +643,19 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
                 traverse_util.unflatten_dict(params))}, {path})
         H = hessians.pop(path, (None, 0))[0]
         name = "/".join(path)
-        if H is None:
-            w = kernel.T if rotation is None else rotation.rotate_weight(kernel.T)
-            codes = _kernel_codes(w.T, config, _weight_beta(w.T, config, calibrate))
-        else:
-            result = ptq.gptq_rows(kernel.T, H, config, damp=damp, act_order=act_order,
-                                   beta=None if calibrate else config.beta, grid=grid,
-                                   criterion=criterion, t_budget=t_budget, rotation=rotation)
-            codes = result.codes
-            report["proxy_loss"][name], report["clipped"][name] = result.loss, result.clipped
-            report["t_bits"][name] = result.t_bits
+        check_finite_weight(kernel, f"{fn}: layer {name!r}", "the kernel [in, out]")
+        with ptq.layer_context(fn, name):
+            if H is None:
+                w = kernel.T if rotation is None else rotation.rotate_weight(kernel.T)
+                codes = _kernel_codes(w.T, config, _weight_beta(w.T, config, calibrate))
+            else:
+                result = ptq.gptq_rows(kernel.T, H, config, damp=damp, act_order=act_order,
+                                       beta=None if calibrate else config.beta, grid=grid,
+                                       criterion=criterion, t_budget=t_budget,
+                                       rotation=rotation)
+                codes = result.codes
+                report["proxy_loss"][name] = result.loss
+                report["clipped"][name], report["t_bits"][name] = result.clipped, result.t_bits
         hnlq[path + ("codes",)] = codes
         if rotation is not None:
             hnlq[path + ("rotation",)] = rotation

@@ -22,6 +22,7 @@ per (shape, config, options), vectorized over rows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -36,11 +37,12 @@ from hnlq_jax.codec import decode_blocks, default_float, from_blocks
 from hnlq_jax.codes import Codes, index_dtype, pack_t
 from hnlq_jax.config import HNLQConfig, check_config, pow2_table
 from hnlq_jax.incoherence import Rotation
-from hnlq_jax.rows import calibrate_rows, row_rms, unit
+from hnlq_jax.rows import calibrate_rows, check_finite_weight, row_rms, unit
 from hnlq_jax.stats import entropy_bits, t_counts
 
-__all__ = ["DAMP", "DEFAULT_GRID", "GROUP_COLUMNS", "PTQResult", "gptq_rows", "hessian",
-           "hessian_update", "proxy_loss"]
+__all__ = ["CALIBRATION_OPTIONS", "DAMP", "DEFAULT_GRID", "GROUP_COLUMNS", "PTQResult",
+           "check_calibration_options", "gptq_rows", "hessian", "hessian_update", "layer_context",
+           "proxy_loss"]
 
 # Damping, relative to the mean of diag(H) (GPTQ's default).
 DAMP = 0.01
@@ -57,6 +59,39 @@ _HI = jax.lax.Precision.HIGHEST
 
 def _dtype():
     return jnp.dtype(default_float())
+
+
+# The options of the model-level front doors (torch_bridge.quantize_model,
+# hnlq_jax.flax.quantize_params) that only compensated rounding uses, at their defaults.
+CALIBRATION_OPTIONS = {"act_order": False, "damp": DAMP, "criterion": "loss",
+                       "grid": DEFAULT_GRID, "t_budget": None, "sequential": False}
+
+
+def check_calibration_options(fn: str, calibration, **options):
+    """Raises a ``ValueError`` when options of :data:`CALIBRATION_OPTIONS` are set away from
+    their defaults but ``calibration`` is ``None`` (round-to-nearest would silently ignore
+    them)."""
+    if calibration is not None:
+        return
+    changed = [k for k, v in options.items() if not (
+        type(v) is type(CALIBRATION_OPTIONS[k]) and v == CALIBRATION_OPTIONS[k])]
+    if changed:
+        raise ValueError(f"{fn}: {', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} "
+                         f"only to compensated rounding, and no calibration was given: pass "
+                         f"calibration=run, or leave {'it' if len(changed) == 1 else 'them'} "
+                         f"at the default for round-to-nearest")
+
+
+@contextlib.contextmanager
+def layer_context(fn: str, name: str):
+    """Re-raises a ``ValueError`` or ``TypeError`` raised while coding one layer of a model
+    with the model-level function and the layer's name in front of its message (a model has
+    many layers, and the inner message cannot know which one it was)."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        kind = ValueError if isinstance(e, ValueError) else TypeError
+        raise kind(f"{fn}: layer {name!r}: {e}") from e
 
 
 # ------------------------------------------------------------------------------- Hessians
@@ -195,11 +230,11 @@ def _check_inputs(w, H, config, fn: str):
     dt = _dtype()
     w, H = w.astype(dt), H.astype(dt)
     wn, Hn = np.asarray(w), np.asarray(H)
-    if not np.all(np.isfinite(wn)):
-        raise ValueError(f"{fn}: w has {int(np.sum(~np.isfinite(wn)))} NaN or Inf entries")
+    check_finite_weight(wn, fn, "w")
     if not np.all(np.isfinite(Hn)):
-        raise ValueError(f"{fn}: H has {int(np.sum(~np.isfinite(Hn)))} NaN or Inf entries; "
-                         "accumulate it in float32 or wider")
+        raise ValueError(f"{fn}: H has {int(np.sum(~np.isfinite(Hn)))} NaN or Inf entries: the "
+                         "layer's calibration inputs have NaN or Inf, or X^T X overflowed "
+                         "(accumulate it in float32 or wider)")
     dg = np.diag(Hn)
     if np.any(dg < 0):
         bad = np.nonzero(dg < 0)[0]

@@ -12,10 +12,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hnlq_jax import ops
 from hnlq_jax.codec import check_x, encode_blocks, to_blocks
-from hnlq_jax.codes import Codes, pack_t
+from hnlq_jax.codes import Codes, concrete_all, pack_t
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.stats import search_beta
 
@@ -53,6 +54,17 @@ def row_rms(w):
     return jnp.where(rms > 0, rms, 1.0)
 
 
+def check_finite_weight(w, fn: str, what: str = "the weight"):
+    """Raises a ``ValueError`` with the count and first position of NaN/Inf entries of a
+    concrete ``w`` (a traced one is not checked: its bad blocks are marked at run time)."""
+    if concrete_all(w, jnp.isfinite):
+        return
+    bad = ~np.isfinite(np.asarray(w))
+    first = [int(i) for i in np.argwhere(bad)[0]]
+    raise ValueError(f"{fn}: {what} has {int(np.sum(bad))} NaN or Inf entries (the first at "
+                     f"{first}); expected finite values")
+
+
 def calibrate_rows(w, config: HNLQConfig):
     """The per-layer beta of the row format: the paper's grid search on row-normalized blocks.
 
@@ -67,7 +79,13 @@ def calibrate_rows(w, config: HNLQConfig):
 
     Returns:
       ``[]`` float32 beta, relative to each row's RMS.
+
+    Raises:
+      ValueError: a concrete ``w`` with NaN or Inf (the message names the first bad block).
     """
+    # The raw weight's NaN/Inf: after row normalization one bad entry would spoil its whole
+    # row, and the search repeats blocks to its fixed sample size.
+    check_finite_weight(w, "calibrate_rows")
     w = w.astype(jnp.promote_types(w.dtype, jnp.float32))
     blocks = to_blocks(w / row_rms(w)[..., None], config.d).reshape(-1, config.d)
     idx = (jnp.arange(CALIBRATION_BLOCKS) * blocks.shape[0]) // CALIBRATION_BLOCKS

@@ -51,7 +51,8 @@ def entropy_bits(counts):
     """Entropy in bits of the empirical distribution ``counts[..., S]`` (over the last axis;
     traceable)."""
     p = counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1)
-    return -jnp.sum(jnp.where(p > 0, p * jnp.log2(jnp.where(p > 0, p, 1)), 0), axis=-1)
+    # -p log p term by term: a negated sum would print an empty distribution's 0 as -0.
+    return jnp.sum(jnp.where(p > 0, -p * jnp.log2(jnp.where(p > 0, p, 1)), 0), axis=-1)
 
 
 def _rate_stats(T, config: HNLQConfig) -> RateStats:

@@ -262,8 +262,11 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
 
     Raises:
       ValueError: ``v`` is not a flat array of ``lay.size`` values.
+      TypeError: ``v`` is not floating point.
     """
     v = jnp.asarray(v)
+    if not jnp.issubdtype(v.dtype, jnp.floating):
+        raise TypeError(f"wire.encode: expected floating-point values, got dtype {v.dtype}")
     if v.shape != (lay.size,):
         raise ValueError(f"wire.encode: expected a flat array of {lay.size} values (the layout's "
                          f"size), got shape {tuple(v.shape)}; make the layout with "

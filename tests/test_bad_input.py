@@ -40,7 +40,7 @@ import hnlq_jax.flax as hf
 import torch_bridge as tb
 from hnlq_jax import Codes, HNLQConfig, Packed, dist, kernels, lut, modq, ops, wire
 from hnlq_jax.__main__ import main as cli_main
-from hnlq_jax.rows import unit
+from hnlq_jax.rows import calibrate_rows, unit
 
 # The configs every row shares (compiled once).
 C = HNLQConfig("D4", 4, 2, beta=0.5)
@@ -93,10 +93,17 @@ def _packed_cs(labels=(0,) * 13, tcode=(), rice=()) -> Packed:
     return Packed(u8(labels), u8(tcode), u8(rice), CS, (16,))
 
 
-def _resigned(change) -> bytes:
-    """``_bytes()`` with its JSON header changed by ``change(header)`` and a valid CRC-32 (what
-    another writer could produce, as opposed to corruption, which the CRC catches)."""
-    b = _bytes()
+@functools.cache
+def _row_bytes() -> bytes:
+    """The bytes of the packed row codes of a weight [4, 16] (scales float32 [4])."""
+    return hq.pack(hq.encode_rows(X.reshape(4, 16), C)).to_bytes()
+
+
+def _resigned(change, b: bytes | None = None) -> bytes:
+    """``b`` (default ``_bytes()``) with its JSON header changed by ``change(header)`` and a
+    valid CRC-32 (what another writer could produce, as opposed to corruption, which the CRC
+    catches)."""
+    b = _bytes() if b is None else b
     (hlen,) = struct.unpack("<I", b[8:12])
     header = json.loads(b[12:12 + hlen])
     change(header)
@@ -157,6 +164,13 @@ def _qlinear_state_with(*, version=None, config=None, **tensors) -> dict:
     return {**state, "_extra_state": extra}
 
 
+def _qlinear_state_without(field: str) -> dict:
+    """The saved QLinear state dict with one config field dropped (it would take its default)."""
+    state = _qlinear_state_with()
+    state["_extra_state"]["config"].pop(field)
+    return state
+
+
 def _unversioned_state() -> dict:
     """A state dict of the earlier format: ``labels`` and ``T`` buffers, no format version."""
     state = {k: v for k, v in _qlinear_state().items()
@@ -190,6 +204,20 @@ def _cli(*argv: str):
                 return cli_main([a.format(tmp=tmp) for a in argv])
             except SystemExit as e:
                 raise SystemExit(f"exit {e.code}: {err.getvalue()}") from None
+
+
+def _nan_linear() -> torch.nn.Linear:
+    """An ``nn.Linear`` 8 -> 4 whose ``weight[2, 5]`` is NaN."""
+    linear = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        linear.weight[2, 5] = float("nan")
+    return linear
+
+
+def _nan_kernel_variables() -> dict:
+    """Float Flax variables of one Dense 8 -> 4 whose ``kernel[5, 2]`` is NaN."""
+    kernel = jnp.ones((8, 4)).at[5, 2].set(jnp.nan)
+    return {"params": {"Dense_0": {"kernel": kernel, "bias": jnp.zeros(4)}}}
 
 
 def _xfail(reason: str):
@@ -230,7 +258,8 @@ CASES = [
                  r"encode: expected a floating-point array, got dtype int32", id="encode-int"),
     pytest.param(lambda: hq.encode(np.array([[np.nan, 0, 0, 0], [np.inf, 0, 0, 0], [0] * 4],
                                             np.float32), C), ValueError,
-                 r"encode: input has NaN or Inf in 2 block\(s\); expected finite values",
+                 r"encode: input has NaN or Inf in 2 block\(s\) \(the first at block \[0\]\); "
+                 r"expected finite values",
                  id="encode-nan-inf"),
     pytest.param(lambda: hq.encode(1e7 * X, C), ValueError,
                  r"encode: 16 block\(s\) still overload at max_T = 14: the largest block norm "
@@ -275,6 +304,13 @@ CASES = [
     pytest.param(lambda: hq.gaussian_beta({"lattice": "D4"}), TypeError,
                  r"gaussian_beta: config must be an HNLQConfig, got dict",
                  id="gaussian_beta-dict"),
+
+    pytest.param(lambda: calibrate_rows(np.asarray(_nan_linear().weight.detach()), C),
+                 ValueError, r"calibrate_rows: the weight has 1 NaN or Inf entries \(the first at "
+                 r"\[2, 5\]\); expected finite values", id="calibrate_rows-nan"),
+    pytest.param(lambda: hq.calibrate_beta(X, C, scale=-1.0), ValueError,
+                 r"calibrate_beta: scale must be 'rms' or a positive finite number, got -1\.0",
+                 id="calibrate_beta-scale"),
 
     # -- codes: ranges, dtypes, another config
     pytest.param(lambda: Codes.from_labels(np.zeros((3, 2, 4), np.int32),
@@ -353,6 +389,14 @@ CASES = [
                  r"decode it with the version that wrote it", id="bytes-another-version"),
     pytest.param(lambda: Packed.from_bytes(_resigned(lambda h: h.pop("sizes"))), ValueError,
                  r"from_bytes: .*header", id="bytes-header-without-sizes"),
+    pytest.param(lambda: Packed.from_bytes(_resigned(lambda h: h.update(scale=["<i4", [4]]),
+                                                     _row_bytes())), ValueError,
+                 r"from_bytes: .*'scale' dtype must be a floating NumPy dtype string \(e\.g\. "
+                 r"'<f4'\), got '<i4'", id="bytes-scale-int"),
+    pytest.param(lambda: hq.unpack(Packed.from_bytes(_resigned(
+        lambda h: h.update(scale=["<f4", [2, 2]]), _row_bytes()))), ValueError,
+                 r"^unpack: scale must be a real array of shape \(4,\), got float32\[2, 2\]",
+                 id="unpack-scale-shape"),
     pytest.param(lambda: Packed.from_bytes("codes.bin"), TypeError,
                  r"from_bytes: .*bytes.*got str", id="bytes-given-a-path"),
     pytest.param(lambda: hq.unpack(_packed_with(version=0)), ValueError,
@@ -385,6 +429,9 @@ CASES = [
                  id="wire-negative-size"),
     pytest.param(lambda: wire.encode(jnp.zeros(100, jnp.float32), wire.layout(64, C)), ValueError,
                  r"wire.*64 values.*got .*100", id="wire-encode-size"),
+    pytest.param(lambda: wire.encode(jnp.arange(64), wire.layout(64, C)), TypeError,
+                 r"wire\.encode: expected floating-point values, got dtype int32",
+                 id="wire-encode-int"),
     pytest.param(lambda: wire.decode(jnp.zeros((1, 46), jnp.uint8), wire.layout(64, C8)),
                  ValueError, r"wire.*payload.*\[1, 54\].*got .*\[1, 46\]",
                  id="wire-decode-payload-of-another-layout"),
@@ -395,6 +442,13 @@ CASES = [
                  r"'ring'", id="wire_bytes-method"),
 
     # -- Flax: QDense and its saved inference form
+    pytest.param(lambda: hf.quantize_params(_nan_kernel_variables(), C), ValueError,
+                 r"quantize_params: layer 'Dense_0': the kernel \[in, out\] has 1 NaN or Inf "
+                 r"entries \(the first at \[5, 2\]\)", id="flax-quantize-nan-kernel"),
+    pytest.param(lambda: hf.quantize_params(_nan_kernel_variables(), C, act_order=True,
+                                            t_budget=0.1), ValueError,
+                 r"quantize_params: act_order, t_budget apply only to compensated rounding, and "
+                 r"no calibration was given: pass calibration=run", id="flax-quantize-rtn-options"),
     pytest.param(lambda: hf.import_params(_flax()[2], HNLQConfig("Z4", 4, 2)), ValueError,
                  r"import_params: layer \(root\): the codes were " + OTHER_CONFIG.format("Z4", 4)
                  + r".*load them into a model of their config", id="flax-import-another-config"),
@@ -427,6 +481,23 @@ CASES = [
                  id="flax-ste"),
 
     # -- PyTorch: front doors and layers
+    pytest.param(lambda: tb.QLinear.from_linear(_nan_linear(), C), ValueError,
+                 r"QLinear\.from_linear: the weight has 1 NaN or Inf entries \(the first at "
+                 r"\[2, 5\]\); expected finite values", id="qlinear-from-nan-weight"),
+    pytest.param(lambda: tb.quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 8),
+                                                               _nan_linear()), C), ValueError,
+                 r"quantize_model: layer '1': QuantizedLinear\.from_linear: the weight has 1 NaN "
+                 r"or Inf entries \(the first at \[2, 5\]\)", id="quantize_model-nan-weight"),
+    pytest.param(lambda: tb.quantize_model(
+        torch.nn.Sequential(torch.nn.Linear(8, 4)), C,
+        calibration=lambda m: m(torch.full((3, 8), float("nan")))), ValueError,
+                 r"quantize_model: layer '0': gptq_rows: H has 64 NaN or Inf entries: the layer's "
+                 r"calibration inputs have NaN or Inf", id="quantize_model-nan-calibration"),
+    pytest.param(lambda: tb.quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 4)), C,
+                                           criterion="f"), ValueError,
+                 r"quantize_model: criterion applies only to compensated rounding, and no "
+                 r"calibration was given: pass calibration=run, or leave it at the default",
+                 id="quantize_model-rtn-options"),
     pytest.param(lambda: tb.encode(np.zeros((3, 4), np.float32), C), TypeError,
                  r"torch_bridge\.encode: expected a torch\.Tensor, got ndarray \(for NumPy or JAX "
                  r"arrays use the hnlq_jax function of the same name\)", id="torch-encode-numpy"),
@@ -457,6 +528,13 @@ CASES = [
                  ValueError, r"QLinear \(root\): the codes were saved in format version 0; "
                  r"this version of hnlq_jax reads format version 1",
                  id="qlinear-load-another-version"),
+    pytest.param(lambda: _empty_qlinear().load_state_dict(_qlinear_state_with(version="1")),
+                 ValueError, r"QLinear \(root\): the codes were saved in format version '1'; ",
+                 id="qlinear-load-version-string"),
+    pytest.param(lambda: _empty_qlinear().load_state_dict(_qlinear_state_without("max_T")),
+                 ValueError, r"QLinear \(root\): the saved config .* lacks the field\(s\) "
+                 r"\['max_T'\] \(truncated or edited by hand\?\)",
+                 id="qlinear-load-config-field-missing"),
     pytest.param(lambda: _empty_qlinear().load_state_dict(_unversioned_state(), strict=False),
                  ValueError, r"QLinear \(root\): the state dict holds codes in the earlier "
                  r"unversioned format \(labels, T\).*quantize the float model again",

@@ -294,6 +294,10 @@ def test_quantize_model_report_and_no_float_weight():
     with pytest.warns(UserWarning, match="odd"):
         again = quantize_model(model, CFG)
     assert [n for n, *_ in again.converted] == ["a.0"]
+    # no linear layer: no ratio (not "nanx")
+    nothing = quantize_model(torch.nn.Sequential(torch.nn.ReLU()), CFG)
+    assert str(nothing) == ("quantize_model: converted 0 linear layer(s): 0 bytes as float32 "
+                            "-> 0 bytes")
     with pytest.raises(ValueError, match="itself an nn.Linear"):
         quantize_model(torch.nn.Linear(4, 4), CFG)
     with pytest.raises(TypeError, match="HNLQConfig"):

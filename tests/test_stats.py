@@ -31,6 +31,10 @@ def test_rate_stats_no_overload_is_nominal_rate():
     s = hq.rate_stats(hq.Codes.from_labels(jnp.zeros((7, 2, 8), jnp.uint8), jnp.zeros(7, jnp.int8),
                                            cfg))
     assert float(s.entropy_T) == 0 and float(s.rate) == 4.0
+    # One symbol, or none at all: H = +0 (a negated sum would print as -0).
+    empty = hq.rate_stats(hq.encode(np.zeros((0, 8), np.float32), cfg.replace(beta=0.2)))
+    for st in (s, empty):
+        assert not np.signbit(float(st.entropy_T)) and "entropy_T=0," in repr(st)
 
 
 @pytest.mark.parametrize("max_T", [14, 20], ids=["4bit", "8bit"])

@@ -25,7 +25,7 @@ from hnlq_jax.config import HNLQConfig
 from hnlq_jax.rows import bucket_rows
 from hnlq_jax.stats import gaussian_beta
 from torch_bridge.codec import decode, encode_rows
-from torch_bridge.quantized import CodesLayer, calibrated_beta
+from torch_bridge.quantized import CodesLayer, calibrated_beta, check_weight
 
 __all__ = ["QLinear"]
 
@@ -123,6 +123,8 @@ class QLinear(CodesLayer, torch.nn.Linear):
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"QLinear.from_linear: expected an nn.Linear, got "
                             f"{type(linear).__name__}")
+        if kwargs.get("quantize_weights", True):
+            check_weight(linear.weight, "QLinear.from_linear")
         q = cls(linear.in_features, linear.out_features, config, linear.bias is not None,
                 device=linear.weight.device, dtype=linear.weight.dtype,
                 **{**kwargs, "quantize_weights": False})

@@ -37,7 +37,7 @@ from hnlq_jax import FORMAT_VERSION, HNLQConfig
 from hnlq_jax import ptq as hptq
 from hnlq_jax.codes import check_saved_header, index_dtype, saved_header, tfield_shape
 from hnlq_jax.incoherence import Rotation
-from hnlq_jax.rows import calibrate_rows, unit
+from hnlq_jax.rows import calibrate_rows, check_finite_weight, unit
 from torch_bridge import ops
 from torch_bridge.codec import Codes, decode, encode_rows
 from torch_bridge.interop import to_jax, to_torch, x64_for
@@ -54,6 +54,13 @@ def calibrated_beta(weight: torch.Tensor, config: HNLQConfig, calibrate: bool):
         return config.beta
     with x64_for(weight):
         return calibrate_rows(to_jax(weight.detach()), config)
+
+
+def check_weight(weight: torch.Tensor, fn: str):
+    """:func:`hnlq_jax.rows.check_finite_weight` of a torch weight (before calibration, which
+    would report normalized blocks instead of weights)."""
+    with x64_for(weight):
+        check_finite_weight(to_jax(weight.detach()), fn)
 
 
 class CodesLayer:
@@ -236,7 +243,7 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
                 raise ValueError("QuantizedLinear.from_linear: the layer already holds codes "
                                  "(it keeps them): no hessian or rotation applies")
             codes = linear.codes()
-        elif hessian is not None:
+        elif check_weight(w, "QuantizedLinear.from_linear") or hessian is not None:
             wd = w.detach().to(dtype)
             H = hessian if not isinstance(hessian, torch.Tensor) else to_jax(hessian.detach())
             with x64_for(wd, getattr(hessian, "dtype", None)):
@@ -340,8 +347,8 @@ class QuantizeReport:
 
     def __str__(self) -> str:
         lines = [f"quantize_model: converted {len(self.converted)} linear layer(s): "
-                 f"{self.float32_bytes:,} bytes as float32 -> {self.quantized_bytes:,} bytes "
-                 f"({self.ratio:.3f}x)"]
+                 f"{self.float32_bytes:,} bytes as float32 -> {self.quantized_bytes:,} bytes"
+                 + (f" ({self.ratio:.3f}x)" if self.float32_bytes else "")]
         lines += [f"  {name}: proxy loss {loss:.6g} over {self.tokens.get(name, 0):,} "
                   f"input rows, {self.clipped.get(name, 0)} clipped block(s), T "
                   f"{self.t_bits.get(name, 0.0):.3f} bits/weight"
@@ -485,6 +492,9 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
         raise ValueError(f"quantize_model: criterion must be 'loss' or 'f', got {criterion!r}")
     if not isinstance(sequential, bool):
         raise TypeError(f"quantize_model: sequential must be a bool, got {sequential!r}")
+    hptq.check_calibration_options("quantize_model", calibration, act_order=act_order,
+                                   damp=damp, criterion=criterion, grid=grid,
+                                   t_budget=t_budget, sequential=sequential)
     report = QuantizeReport()
     sites, seen = [], set()
     for parent_name, parent in model.named_modules(remove_duplicate=False):
@@ -522,10 +532,11 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
             hessians = _collect_hessians(model, {key: name}, calibration)
         H, rows = hessians.pop(key, (None, 0))  # pop: free it once coded
         rotation = Rotation(child.in_features, seed + k) if rotate and plain else None
-        q, result = QuantizedLinear._from_linear(
-            child, config, calibrate=calibrate, implementation=implementation, hessian=H,
-            rotation=rotation, damp=damp, act_order=act_order, criterion=criterion, grid=grid,
-            t_budget=t_budget)
+        with hptq.layer_context("quantize_model", name):
+            q, result = QuantizedLinear._from_linear(
+                child, config, calibrate=calibrate, implementation=implementation, hessian=H,
+                rotation=rotation, damp=damp, act_order=act_order, criterion=criterion,
+                grid=grid, t_budget=t_budget)
         done[key] = q
         if sequential:  # later layers' calibration runs through this one's codes
             install(key)

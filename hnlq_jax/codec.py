@@ -36,9 +36,13 @@ def default_float():
     return jnp.zeros(()).dtype if jax.config.jax_enable_x64 else jnp.float32
 
 
-def check_x(x, config: HNLQConfig, fn: str):
-    """Validates ``x[..., d]`` and returns it in its compute dtype (half -> float32)."""
+def check_x(x, config: HNLQConfig, fn: str, given=None):
+    """Validates ``x[..., d]`` and returns it in its compute dtype (half -> float32).
+
+    ``given`` is the dtype the caller was handed, where it converted ``x`` already: messages
+    name it (without x64, ``jnp.asarray`` turns int64 into int32)."""
     check_config(config, fn)
+    given = getattr(x, "dtype", None) if given is None else given
     x = jnp.asarray(x)
     d = config.d
     if x.ndim == 0 or x.shape[-1] != d:
@@ -47,7 +51,8 @@ def check_x(x, config: HNLQConfig, fn: str):
             f"{config.lattice}, got shape {x.shape}; use to_blocks(x, {d}) to split a longer axis"
         )
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{fn}: expected a floating-point array, got dtype {x.dtype}")
+        raise TypeError(f"{fn}: expected a floating-point array, got dtype "
+                        f"{x.dtype if given is None else given}")
     if jnp.finfo(x.dtype).bits < 32:
         x = x.astype(jnp.float32)
     if not concrete_all(x, jnp.isfinite):

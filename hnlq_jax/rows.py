@@ -134,9 +134,10 @@ def encode_rows(w, config: HNLQConfig, *, implementation=None) -> Codes:
     Raises:
       ValueError, TypeError: as :func:`hnlq_jax.encode` (non-finite or non-floating ``w``).
     """
+    given = getattr(w, "dtype", None)
     w = jnp.asarray(w)
     if w.ndim == 0:
         raise ValueError("encode_rows: expected an array with a row axis [..., k]")
-    check_x(to_blocks(w, config.d), config, "encode_rows")
+    check_x(to_blocks(w, config.d), config, "encode_rows", given)
     impl = ops.resolve(implementation, config, "encode")
     return rows_codes(w, config, config.beta, impl)

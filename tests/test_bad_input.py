@@ -256,6 +256,9 @@ CASES = [
                  r"to_blocks\(x, 4\)", id="encode-last-axis-not-d"),
     pytest.param(lambda: hq.encode(np.zeros((3, 4), np.int32), C), TypeError,
                  r"encode: expected a floating-point array, got dtype int32", id="encode-int"),
+    pytest.param(lambda: hq.encode_rows(np.zeros((2, 8), np.int64), C), TypeError,
+                 r"encode_rows: expected a floating-point array, got dtype int64",
+                 id="encode_rows-int64"),
     pytest.param(lambda: hq.encode(np.array([[np.nan, 0, 0, 0], [np.inf, 0, 0, 0], [0] * 4],
                                             np.float32), C), ValueError,
                  r"encode: input has NaN or Inf in 2 block\(s\) \(the first at block \[0\]\); "

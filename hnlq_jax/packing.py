@@ -726,7 +726,10 @@ def unpack(packed: Packed) -> Codes:
     if is_concrete(rice) and rice.size and int(jnp.max(rice)) > MAX_RICE:
         raise ValueError(f"unpack: Rice parameter {int(jnp.max(rice))} > {MAX_RICE}: corrupted "
                          "data")
-    Nb, Bb = (bucket(N), bucket(tcode.shape[0])) if is_concrete(tcode) else (N, tcode.shape[0])
+    # At least one block and one byte: an all-zero T stream is empty, no codes have no blocks,
+    # and the decoder indexes the last of each.
+    Nb, Bb = ((bucket(N), bucket(tcode.shape[0])) if is_concrete(tcode)
+              else (max(N, 1), max(tcode.shape[0], 1)))
     arrays = (jnp.pad(labels, (0, -(-label_bits(config, Nb) // 8) - labels.shape[0])),
               jnp.pad(tcode, (0, Bb - tcode.shape[0])),
               jnp.pad(rice.astype(jnp.int32), (0, config.max_T + 1 - rice.shape[0])),

@@ -73,13 +73,23 @@ def check_calibration_options(fn: str, calibration, **options):
     them)."""
     if calibration is not None:
         return
-    changed = [k for k, v in options.items() if not (
-        type(v) is type(CALIBRATION_OPTIONS[k]) and v == CALIBRATION_OPTIONS[k])]
+    changed = [k for k, v in options.items() if not _is_default(v, CALIBRATION_OPTIONS[k])]
     if changed:
         raise ValueError(f"{fn}: {', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} "
                          f"only to compensated rounding, and no calibration was given: pass "
                          f"calibration=run, or leave {'it' if len(changed) == 1 else 'them'} "
                          f"at the default for round-to-nearest")
+
+
+def _is_default(value, default) -> bool:
+    """Whether an option equals its default by value: a list or NumPy scalar spelling of the
+    default is the default (``damp=np.float64(0.01)``, ``grid=[...]``)."""
+    if default is None or isinstance(default, str):
+        return value is default or (isinstance(value, str) and value == default)
+    try:
+        return np.array_equal(np.asarray(value, np.float64), np.asarray(default, np.float64))
+    except (TypeError, ValueError):
+        return False
 
 
 @contextlib.contextmanager

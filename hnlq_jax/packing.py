@@ -411,6 +411,24 @@ def _is_dims(v) -> bool:
     return isinstance(v, list) and all(_is_int(s) and s >= 0 for s in v)
 
 
+def _dtype_name(dtype) -> str:
+    """A scale dtype as the header writes it: NumPy's string with its byte order (``'<f4'``),
+    or for the ml_dtypes floats NumPy has no string for (bfloat16: ``'<V2'``) the name."""
+    return dtype.str if dtype.kind == "f" else dtype.name
+
+
+def _named_dtype(name: str):
+    """The floating dtype a header's scale names (inverse of :func:`_dtype_name`)."""
+    try:
+        dtype = np.dtype(name) if name[:1] in "<>=|" else jnp.dtype(name)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise _bad_header(f"'scale' dtype must be a floating NumPy dtype string (e.g. '<f4') "
+                          f"or 'bfloat16', got {name!r}")
+    return dtype
+
+
 # The header :meth:`Packed.to_bytes` writes: key -> (check, what it must be). "version" comes
 # first: it is checked before the rest, whose schema is that of the version.
 _HEADER = {
@@ -523,7 +541,7 @@ class Packed:
             "blocks_shape": list(self.blocks_shape), "n": self.n,
             "sizes": [int(self.labels.shape[0]), int(self.tcode.shape[0]),
                       int(self.rice.shape[0])],
-            "scale": None if scale is None else [scale.dtype.str, list(scale.shape)],
+            "scale": None if scale is None else [_dtype_name(scale.dtype), list(scale.shape)],
         }
         head = json.dumps(header, sort_keys=True).encode()
         body = b"".join(np.asarray(a, np.uint8).tobytes()
@@ -583,15 +601,7 @@ class Packed:
             made = HNLQConfig(**cd)
         except (TypeError, ValueError) as e:
             raise _bad_header(f"its config is not valid: {e}") from e
-        scale_dtype = None
-        if h["scale"] is not None:
-            try:
-                scale_dtype = np.dtype(h["scale"][0])
-            except (TypeError, ValueError):
-                scale_dtype = np.dtype("V")  # refused below
-            if scale_dtype.kind != "f":
-                raise _bad_header(f"'scale' dtype must be a floating NumPy dtype string (e.g. "
-                                  f"'<f4'), got {h['scale'][0]!r}")
+        scale_dtype = None if h["scale"] is None else _named_dtype(h["scale"][0])
         # Row codes (those with scales) are made at beta = 1, theirs lives in the row scales:
         # the config they were made from matches whatever its beta.
         rows = scale_dtype is not None
@@ -613,7 +623,9 @@ class Packed:
             # Another writer's byte order is read as written, then held in native order
             # (what JAX arrays need); the values are exactly the same.
             scale = np.frombuffer(body[at:], scale_dtype).reshape(h["scale"][1])
-            scale = jnp.asarray(scale.astype(scale_dtype.newbyteorder("=")))
+            if scale_dtype.kind == "f":
+                scale = scale.astype(scale_dtype.newbyteorder("="))
+            scale = jnp.asarray(scale)
         labels, tcode, rice = (jnp.asarray(a) for a in arrays)
         return cls(labels, tcode, rice, made, tuple(h["blocks_shape"]), scale=scale, n=h["n"],
                    version=h["version"])

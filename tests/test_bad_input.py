@@ -395,7 +395,13 @@ CASES = [
     pytest.param(lambda: Packed.from_bytes(_resigned(lambda h: h.update(scale=["<i4", [4]]),
                                                      _row_bytes())), ValueError,
                  r"from_bytes: .*'scale' dtype must be a floating NumPy dtype string \(e\.g\. "
-                 r"'<f4'\), got '<i4'", id="bytes-scale-int"),
+                 r"'<f4'\) or 'bfloat16', got '<i4'", id="bytes-scale-int"),
+    pytest.param(lambda: Packed.from_bytes(_resigned(lambda h: h.update(scale=["int8", [4]]),
+                                                     _row_bytes())), ValueError,
+                 r"'scale' dtype must be .* got 'int8'", id="bytes-scale-int-by-name"),
+    pytest.param(lambda: Packed.from_bytes(_resigned(lambda h: h.update(scale=["<V2", [4]]),
+                                                     _row_bytes())), ValueError,
+                 r"'scale' dtype must be .* got '<V2'", id="bytes-scale-void"),
     pytest.param(lambda: hq.unpack(Packed.from_bytes(_resigned(
         lambda h: h.update(scale=["<f4", [2, 2]]), _row_bytes()))), ValueError,
                  r"^unpack: scale must be a real array of shape \(4,\), got float32\[2, 2\]",

@@ -65,16 +65,22 @@ def test_roundtrip(cfg, shape, spread, seed):
     assert packed.rice.shape[0] == (int(np.where(T < 0, cfg.max_T + 1, T).max()) if n else 0)
 
 
-def test_row_codes_roundtrip_and_bytes():
+@pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_row_codes_roundtrip_and_bytes(scale_dtype):
+    """Row scales keep their dtype through bytes (bfloat16, which NumPy names '<V2', is
+    written by name)."""
     cfg = hq.HNLQConfig("D4", 4, 2)
     w = np.random.default_rng(0).standard_normal((6, 37)).astype(np.float32)
     codes = hq.encode_rows(w, cfg)
+    codes = hq.Codes(codes.index, codes.tfield, cfg, scale=codes.scale.astype(scale_dtype),
+                     n=codes.n)
     packed = hq.pack(codes)
     for p in (packed, hq.Packed.from_bytes(packed.to_bytes())):
         out = hq.unpack(p)
         assert out.n == 37 and out.config == codes.config
         np.testing.assert_array_equal(out.index, codes.index)
         np.testing.assert_array_equal(out.tfield, codes.tfield)
+        assert out.scale.dtype == scale_dtype
         np.testing.assert_array_equal(out.scale, codes.scale)
         np.testing.assert_array_equal(hq.decode(out), hq.decode(codes))
 

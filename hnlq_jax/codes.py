@@ -413,6 +413,10 @@ def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
                          "codes, or codes of a config with a larger max_T?)")
     if codes.n is not None:
         check_rows(lead, cfg, codes.scale, codes.n, fn)
+    elif codes.scale is not None:
+        # Block codes would decode without the scale and pack would make row codes of them.
+        raise ValueError(f"{fn}: the codes have a row scale but no row length n; make row "
+                         "codes with Codes.with_rows(scale=..., n=...) or encode_rows")
     if codes.scale is not None and not concrete_all(jnp.asarray(codes.scale), jnp.isfinite):
         raise ValueError(f"{fn}: the row scales hold NaN or Inf (corrupted codes?)")
     return codes

@@ -341,6 +341,13 @@ CASES = [
     pytest.param(lambda: hq.decode(Codes(jnp.zeros((3, 2), jnp.uint8), VALID_T, C8)), ValueError,
                  r"decode: expected index uint16\[\.\.\., M=2\] for D4 q=8, got uint8\[3, 2\]",
                  id="decode-codes-of-another-config"),
+    pytest.param(lambda: hq.decode(Codes(jnp.zeros((3, 2), jnp.uint8), VALID_T, CS,
+                                         scale=jnp.ones(()))), ValueError,
+                 r"decode: the codes have a row scale but no row length n; make row codes with "
+                 r"Codes\.with_rows", id="decode-scale-without-n"),
+    pytest.param(lambda: hq.pack(Codes(jnp.zeros((3, 2), jnp.uint8), VALID_T, CS,
+                                       scale=jnp.ones(()))), ValueError,
+                 r"pack: the codes have a row scale but no row length n", id="pack-scale-without-n"),
     pytest.param(lambda: hq.decode(_codes(), levels=3), ValueError,
                  r"decode: levels must be an int in 1\.\.M=2, got 3", id="decode-levels"),
     pytest.param(lambda: hq.decode(_codes(), levels=True), ValueError,

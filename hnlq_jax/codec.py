@@ -24,7 +24,8 @@ from hnlq_jax import _numerics
 from hnlq_jax.codes import (Codes, concrete_all, digits_of_index, index_dtype, unpack_t,
                             valid_blocks)
 from hnlq_jax.config import NORM_SLACK, HNLQConfig, check_config
-from hnlq_jax.lattices import columns, floor_div, matvec, mod, nearest_float, nearest_int, sumsq
+from hnlq_jax.lattices import (columns, floor_div, matvec, mod, nearest_float, nearest_int, norm,
+                               sumsq)
 
 __all__ = ["codebook", "to_blocks", "from_blocks", "encode_blocks", "decode_xla"]
 
@@ -323,7 +324,7 @@ def encode_blocks(x, config: HNLQConfig, beta):
     z = [dtype.type(v) for v in config.dither_array]
     finite = jnp.all(jnp.isfinite(x), axis=-1)
     xt = x.T
-    norms = jnp.sqrt(sumsq([jnp.where(finite, xt[j], 0) for j in range(config.d)]))
+    norms = norm([jnp.where(finite, xt[j], 0) for j in range(config.d)])
     t0 = jnp.searchsorted(thresholds, norms, method="scan_unrolled").astype(jnp.int32)
     st = _Search(xt, t0, finite & (t0 <= config.max_T),
                  # Built from t0, so that under shard_map they carry x's varying axes.

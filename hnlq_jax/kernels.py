@@ -72,7 +72,7 @@ from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_
                              digits_of_index, index_dtype, pack_t, t_bits, unpack_t,
                              valid_blocks)
 from hnlq_jax.config import HNLQConfig, check_config
-from hnlq_jax.lattices import sumsq
+from hnlq_jax.lattices import norm
 
 __all__ = [
     "GPU_BACKENDS",
@@ -259,11 +259,11 @@ def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *, config: HNLQConfig, thre
     finite = jnp.isfinite(x[0])
     for c in x[1:]:
         finite = finite & jnp.isfinite(c)
-    norm = jnp.sqrt(sumsq([jnp.where(finite, c, 0) for c in x]))
+    size = norm([jnp.where(finite, c, 0) for c in x])
     # The reference's searchsorted lower bound on T, against constant thresholds.
-    t = jnp.zeros(norm.shape, jnp.int32)
+    t = jnp.zeros(size.shape, jnp.int32)
     for th in thresholds:
-        t = t + (dtype.type(th) < norm).astype(jnp.int32)
+        t = t + (dtype.type(th) < size).astype(jnp.int32)
     z = [dtype.type(v) for v in config.dither_array]
 
     def attempt(state):

@@ -103,6 +103,15 @@ class BetaSearch(NamedTuple):
 
 @functools.partial(jax.jit, static_argnums=1)
 def _beta_grid(x, config, betas):
+    """Per beta: ``(mse, H(T), rate, f, overload rate)``, with mse and f in units of ``4^e``
+    (``e``, returned second). ``x`` and the betas are first scaled by the power of two ``2^-e``
+    that brings the largest entry of ``x`` into [0.5, 1): ``x / beta`` is unchanged bit for bit
+    (up to entries 2^126 times smaller than the largest, which may flush to zero), and the
+    squared errors of tiny or huge data neither underflow nor overflow float32."""
+    top = jnp.max(jnp.abs(x))
+    e = jnp.frexp(jnp.where(top > 0, top, 1))[1]
+    x, betas = jnp.ldexp(x, -e), jnp.ldexp(betas, -e)
+
     def one(beta):
         index, T = encode_blocks(x, config, beta)
         xh = decode_blocks(index, T + 1, config, None, x.dtype, beta)
@@ -111,7 +120,7 @@ def _beta_grid(x, config, betas):
         mse = jnp.where(st.failure_rate > 0, jnp.inf, mse)
         return mse, st.entropy_T, st.rate, mse * 2 ** (2 * st.rate), st.overload_rate
 
-    return jax.lax.map(one, betas, batch_size=8)
+    return jax.lax.map(one, betas, batch_size=8), e
 
 
 def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
@@ -144,7 +153,7 @@ def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
         no beta on the grid that encodes every block, or invalid ``x`` (see
         :func:`hnlq_jax.encode`).
     """
-    x, grid = _grid_args(x, config, criterion, num, step, scale, "calibrate_beta")
+    x, grid, scale = _grid_args(x, config, criterion, num, step, scale, "calibrate_beta")
     remedy = ("the sample has blocks far beyond its RMS" if scale == "rms" else
               "the data may be far from the given scale: try scale='rms'")
     if isinstance(scale, str):
@@ -153,8 +162,10 @@ def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
             raise ValueError("calibrate_beta: x is all zero, so its RMS gives the grid no "
                              "scale; pass scale=1.0 (zeros are coded exactly at any beta)")
     betas = scale * grid
-    cols = [np.asarray(v, dtype=np.float64)
-            for v in _beta_grid(x, config, jnp.asarray(betas, x.dtype))]
+    cols, e = _beta_grid(x, config, jnp.asarray(betas, x.dtype))
+    cols = [np.asarray(v, dtype=np.float64) for v in cols]
+    for i in (0, 3):  # mse and f back in the data's units (exact: a power of two)
+        cols[i] = cols[i] * 4.0 ** int(e)
     key = cols[3] if criterion == "f" else cols[0]
     best = int(np.argmin(key))
     if not np.isfinite(key[best]):
@@ -167,20 +178,27 @@ def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
 
 
 def _grid_args(x, config, criterion, num, step, scale, fn: str):
-    """Validates the grid search's arguments; returns the blocks ``[N, d]`` and the grid for
-    unit scale."""
+    """Validates the grid search's arguments; returns the blocks ``[N, d]``, the grid for
+    unit scale and the scale (``"rms"`` or a float)."""
     if criterion not in ("f", "mse"):
         raise ValueError(f"{fn}: criterion must be 'f' or 'mse', got {criterion!r}")
     if not (isinstance(num, int) and num >= 1 and math.isfinite(step) and step > 0):
         raise ValueError(f"{fn}: need num >= 1 and step > 0, got {num}, {step}")
-    if not (scale == "rms" or (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                               and math.isfinite(scale) and scale > 0)):
-        raise ValueError(f"{fn}: scale must be 'rms' or a positive finite number, got {scale!r}")
+    if not (isinstance(scale, str) and scale == "rms"):
+        try:  # a Python, NumPy or concrete JAX real scalar
+            value = (math.nan if isinstance(scale, (bool, np.bool_, str)) or np.ndim(scale)
+                     else float(scale))
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{fn}: scale must be 'rms' or a positive finite number, got "
+                             f"{scale!r}")
+        scale = value
     x = check_x(x, config, fn).reshape(-1, config.d)
     if x.shape[0] == 0:
         raise ValueError(f"{fn}: x holds no block")
     b0 = config.beta_min()
-    return x, np.array([b0 * (1 + step * k) for k in range(num)])
+    return x, np.array([b0 * (1 + step * k) for k in range(num)]), scale
 
 
 def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step: float = 0.05,
@@ -197,12 +215,16 @@ def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step
     Returns:
       ``[]`` array in x's dtype (at least float32).
     """
-    x, grid = _grid_args(x, config, criterion, num, step, scale, "search_beta")
+    x, grid, scale = _grid_args(x, config, criterion, num, step, scale, "search_beta")
     if isinstance(scale, str):
-        rms = jnp.sqrt(jnp.mean(jnp.square(x)))
+        # Relative to the largest entry: squares of tiny (or huge) data would underflow (or
+        # overflow) float32.
+        top = jnp.max(jnp.abs(x))
+        top = jnp.where(top > 0, top, 1)
+        rms = top * jnp.sqrt(jnp.mean(jnp.square(x / top)))
         scale = jnp.where(rms > 0, rms, 1)
     betas = scale * jnp.asarray(grid, x.dtype)
-    mse, _, _, f, _ = _beta_grid(x, config, betas)
+    (mse, _, _, f, _), _ = _beta_grid(x, config, betas)
     key = f if criterion == "f" else mse
     return jnp.where(jnp.isfinite(jnp.min(key)), betas[jnp.argmin(key)], betas[-1])
 

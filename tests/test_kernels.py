@@ -109,6 +109,12 @@ def test_encode_edge_cases():
     nan = jax.jit(lambda v: hq.encode(v, cfg, **PALLAS))(v)
     np.testing.assert_array_equal(nan.T, [-1, 0])
     assert np.all(np.isnan(hq.decode(nan, **PALLAS)[0]))
+    # Data and beta scaled by 2^62: the same codes (block norms would overflow float32 squared).
+    big = 2.0**62
+    scaled = hq.encode(big * x, cfg.replace(beta=big * cfg.beta), failures="mark", **PALLAS)
+    ref = hq.encode(x, cfg, failures="mark", **XLA)
+    np.testing.assert_array_equal(scaled.index, ref.index)
+    np.testing.assert_array_equal(scaled.tfield, ref.tfield)
     # bfloat16 input is encoded in float32, as the reference does.
     xb = jnp.asarray(_data(cfg, 64), jnp.bfloat16)
     assert_codes_equal(hq.encode(xb, cfg, failures="mark", **PALLAS),

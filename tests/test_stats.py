@@ -92,11 +92,13 @@ def test_calibrate_beta_mse_criterion():
     assert 1.5 < f_db < 4.5
 
 
-@pytest.mark.parametrize("s", [2.0**-7, 2.0**9])
+@pytest.mark.parametrize("s", [2.0**-70, 2.0**-7, 2.0**9, 2.0**62])
 def test_calibrate_beta_scales_with_the_data(s):
     """By default the grid follows the sample's RMS: data scaled by a power of two (exact in
     floating point) gets exactly that multiple of beta and the same codes, where the paper's
-    unit grid would code 0.01-scale data as zeros or 100-scale data with constant overload."""
+    unit grid would code 0.01-scale data as zeros or 100-scale data with constant overload.
+    At 2^-70 and 2^62 float32 squares underflow and overflow: neither the search's errors nor
+    the encoder's block norms may square the data as it is."""
     cfg = hq.HNLQConfig("D4", 4, 2)
     x = np.random.default_rng(5).standard_normal((1000, 4)).astype(np.float32)
     beta, table = hq.calibrate_beta(x, cfg, num=10, step=0.1)
@@ -107,11 +109,15 @@ def test_calibrate_beta_scales_with_the_data(s):
     assert beta_s == s * beta and table_s.best == table.best
     np.testing.assert_array_equal(table_s.mse, s * s * table.mse)
     np.testing.assert_array_equal(table_s.overload_rate, table.overload_rate)
+    codes, codes_s = (hq.encode(v, cfg.replace(beta=b)) for v, b in ((x, beta), (s * x, beta_s)))
+    np.testing.assert_array_equal(codes_s.index, codes.index)
+    np.testing.assert_array_equal(codes_s.tfield, codes.tfield)
     # The unit grid is far off: small data decodes to zeros, large data overloads beyond max_T.
     if s < 1:
         unit = hq.calibrate_beta(s * x, cfg, num=10, step=0.1, scale=1.0)[1]
         assert unit.overload_rate.max() == 0
-        assert unit.mse[unit.best] == pytest.approx(np.mean(np.square(s * x)), rel=1e-5)
+        assert unit.mse[unit.best] == pytest.approx(np.mean(np.square(s * x.astype(np.float64))),
+                                                    rel=1e-5)
     else:
         with pytest.raises(ValueError, match="far from the given scale: try scale='rms'"):
             hq.calibrate_beta(s * x, cfg, num=10, step=0.1, scale=1.0)
@@ -133,9 +139,14 @@ def test_calibrate_beta_bad_input():
         hq.calibrate_beta(np.zeros((0, 4), np.float32), cfg)
     with pytest.raises(ValueError, match=r"x is all zero.*pass scale=1.0"):
         hq.calibrate_beta(x, cfg)
-    for bad in (0, -1.0, float("nan"), "max", True):
+    for bad in (0, -1.0, float("nan"), "max", True, np.True_, np.ones(2), jnp.float32(-1)):
         with pytest.raises(ValueError, match="scale must be 'rms' or a positive"):
             hq.calibrate_beta(x, cfg, scale=bad)
+    # NumPy and JAX scalars are numbers like Python's.
+    ones = np.ones((10, 4), np.float32)
+    betas = {hq.calibrate_beta(ones, cfg, scale=s, num=3)[0]
+             for s in (0.5, np.float32(0.5), jnp.float32(0.5), np.asarray(0.5))}
+    assert betas == {hq.calibrate_beta(ones, cfg, scale=0.5, num=3)[0]}
     outlier = np.zeros((1000, 4), np.float32)
     outlier[0] = 1e3  # 63 RMS units: beyond every beta of the grid at max_T = 0
     with pytest.raises(ValueError, match=r"no beta on the grid \[.*raise max_T \(now 0\)"):

@@ -59,7 +59,11 @@ def t_bits(config: HNLQConfig) -> int:
 
 def saved_header(config: HNLQConfig) -> dict:
     """What a serialized artifact records beside its arrays: format version and config."""
-    return {"format_version": FORMAT_VERSION, "config": dataclasses.asdict(config)}
+    # A list, not a tuple: msgpack (flax.serialization) refuses tuples; reading takes either.
+    fields = dataclasses.asdict(config)
+    if fields["dither"] is not None:
+        fields["dither"] = list(fields["dither"])
+    return {"format_version": FORMAT_VERSION, "config": fields}
 
 
 def check_saved_header(state, config: HNLQConfig, where: str, remedy: str) -> HNLQConfig:
@@ -81,7 +85,8 @@ def check_saved_header(state, config: HNLQConfig, where: str, remedy: str) -> HN
         raise ValueError(f"{where}: expected saved HNLQ codes with a format_version and a config, "
                          f"got {got}")
     version = state["format_version"]
-    if isinstance(version, (bool, str)) or version != FORMAT_VERSION:
+    if (not isinstance(version, (int, np.integer)) or isinstance(version, bool)
+            or version != FORMAT_VERSION):
         raise ValueError(f"{where}: the codes were saved in format version {version!r}; this "
                          f"version of hnlq_jax reads format version {FORMAT_VERSION}: quantize "
                          "again with this version")

@@ -547,6 +547,9 @@ CASES = [
     pytest.param(lambda: _empty_qlinear().load_state_dict(_qlinear_state_with(version="1")),
                  ValueError, r"QLinear \(root\): the codes were saved in format version '1'; ",
                  id="qlinear-load-version-string"),
+    pytest.param(lambda: _empty_qlinear().load_state_dict(_qlinear_state_with(version=1.0)),
+                 ValueError, r"QLinear \(root\): the codes were saved in format version 1\.0; ",
+                 id="qlinear-load-version-float"),
     pytest.param(lambda: _empty_qlinear().load_state_dict(_qlinear_state_without("max_T")),
                  ValueError, r"QLinear \(root\): the saved config .* lacks the field\(s\) "
                  r"\['max_T'\] \(truncated or edited by hand\?\)",

@@ -473,6 +473,18 @@ def test_saved_inference_form_round_trips_bit_exact(exported, tmp_path):
         hf.import_params(state, CFG.replace(beta=0.5)), X), y)
 
 
+def test_codes_of_a_dithered_config_round_trip_through_msgpack():
+    """The saved config's dither is a list: flax's msgpack refuses tuples."""
+    cfg = hq.HNLQConfig(dither=(0.1, 0.2, 0.3, 0.4))
+    codes = hq.encode(np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32), cfg)
+    back = flax.serialization.from_bytes({"c": codes},
+                                         flax.serialization.to_bytes({"c": codes}))["c"]
+    assert back.config == cfg
+    np.testing.assert_array_equal(back.index, codes.index)
+    np.testing.assert_array_equal(back.tfield, codes.tfield)
+    np.testing.assert_array_equal(hq.decode(back), hq.decode(codes))
+
+
 def test_saved_training_form_round_trips(variables):
     data = flax.serialization.to_bytes(variables)
     back = flax.serialization.from_bytes(variables, data)

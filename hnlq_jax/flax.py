@@ -320,19 +320,19 @@ class QDense(nn.Module):
         ``matmul(rotation.apply(x), codes) + bias`` when it holds a rotation
         (:func:`quantize_params` with ``rotate=True``)."""
         if not self.has_variable(COLLECTION, "codes"):
-            raise ValueError(f"QDense {self.name}: neither params/kernel nor {COLLECTION}/codes "
+            raise ValueError(f"{self._where()}: neither params/kernel nor {COLLECTION}/codes "
                              "found; apply the variables of QDense.init or export_params")
         codes = self.get_variable(COLLECTION, "codes")
         if isinstance(codes, Codes) and codes.n is not None and (x.ndim == 0
                                                                  or x.shape[-1] != codes.n):
-            raise ValueError(f"QDense {self.name or '(unnamed)'}: expected inputs [..., {codes.n}] "
+            raise ValueError(f"{self._where()}: expected inputs [..., {codes.n}] "
                              f"(the layer's codes hold a [{self.features}, {codes.n}] kernel^T), "
                              f"got shape {tuple(x.shape)}")
-        _check_layer_codes(codes, self.config, x.shape[-1], self.features, f"QDense {self.name}")
+        _check_layer_codes(codes, self.config, x.shape[-1], self.features, self._where())
         if self.has_variable(COLLECTION, "rotation"):  # codes of W R: compute with x R
             rotation = self.get_variable(COLLECTION, "rotation")
             if not isinstance(rotation, Rotation) or rotation.n != x.shape[-1]:
-                raise ValueError(f"QDense {self.name}: {COLLECTION}/rotation must be an "
+                raise ValueError(f"{self._where()}: {COLLECTION}/rotation must be an "
                                  f"incoherence.Rotation of size {x.shape[-1]}, got {rotation!r}")
             x = rotation.apply(x)
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
@@ -342,8 +342,18 @@ class QDense(nn.Module):
         y = _forward(x, None, codes, self.ste, self.compute, act_beta, self.precision)
         return y if bias is None else y + bias
 
+    def _where(self) -> str:
+        return f"QDense {self.name or '(root)'}"
+
     def _quantized(self, x, kernel, deterministic: bool):
         cfg = self.config
+        if not (self.is_initializing() or self.is_mutable_collection(COLLECTION)
+                or self.has_variable(COLLECTION, "beta")):
+            raise ValueError(
+                f"{self._where()}: params/kernel but no {COLLECTION}/beta and codes (a float "
+                f"Dense checkpoint?): quantize it with one training call, "
+                f"model.apply(variables, x, mutable=[{COLLECTION!r}]), and merge the returned "
+                f"{COLLECTION!r} collection into the variables")
         beta = self.variable(COLLECTION, "beta", _weight_beta, kernel, cfg, self.calibrate)
         cache = self.variable(COLLECTION, "codes", _kernel_codes, kernel, cfg, beta.value)
         # With cached codes the forward weight is kernel^T plus the quantization error of the
@@ -359,7 +369,7 @@ class QDense(nn.Module):
                  and (mutable or self.has_variable(COLLECTION, "error")) else None)
         step = self.variable(COLLECTION, "step", jnp.zeros, (), jnp.int32)
         _check_layer_codes(cache.value, cfg, kernel.shape[0], self.features,
-                           f"QDense {self.name}")
+                           self._where())
 
         def fresh():  # (codes, their error, the forward weight: exactly W_hat)
             codes = _kernel_codes(kernel, cfg, beta.value)
@@ -430,15 +440,27 @@ def refresh_codes(variables, config: HNLQConfig):
       ValueError: no QDense layers, a layer without a kernel (the inference form), or codes of
         another config.
     """
-    check_config(config, "refresh_codes")
+    return _refresh(variables, config, "refresh_codes")
+
+
+def _layer_name(path: tuple) -> str:
+    """A layer's name in messages (:func:`hnlq_jax.ptq.layer_name` of its path)."""
+    return ptq.layer_name("/".join(path))
+
+
+def _refresh(variables, config: HNLQConfig, fn: str):
+    """:func:`refresh_codes`, its errors under the name of ``fn`` (the public caller)."""
+    check_config(config, fn)
     flat = traverse_util.flatten_dict(variables[COLLECTION]) if COLLECTION in variables else {}
     params = traverse_util.flatten_dict(variables.get("params", {}))
-    for path, codes in _layers(variables, "refresh_codes").items():
-        where = f"refresh_codes: layer {'/'.join(path) or '(root)'}"
+    for path, codes in _layers(variables, fn).items():
+        where = f"{fn}: layer {_layer_name(path)}"
         if path + ("kernel",) not in params:
             raise ValueError(f"{where} has no kernel (the inference form): nothing to refresh")
         kernel = params[path + ("kernel",)]
         _check_layer_codes(codes, config, kernel.shape[0], kernel.shape[1], where)
+        # Codes of a NaN kernel would decode to NaN outputs (a diverged run, exported).
+        check_finite_weight(kernel, where, "the kernel [in, out]")
         flat[path + ("codes",)] = _kernel_codes(kernel, config, flat[path + ("beta",)])
         if path + ("error",) in flat:
             flat[path + ("error",)] = _decoded(flat[path + ("codes",)], kernel.T)[1]
@@ -463,7 +485,7 @@ def export_params(variables, config: HNLQConfig):
       "deployed_bytes", "ratio", "bits_per_weight"}``: the model stored as float32 against the
       inference form, and the bits per quantized weight of the codes (index, T field, scales).
     """
-    variables = refresh_codes(variables, config)
+    variables = _refresh(variables, config, "export_params")
     params = traverse_util.flatten_dict(variables["params"])
     float_bytes = sum(4 * int(np.size(v)) for v in params.values())
     layers = _layers(variables, "export_params")
@@ -495,7 +517,7 @@ def import_params(saved, config: HNLQConfig):
     params = saved.get("params", {})
     hnlq = {}
     for path, record in _layers(saved, "import_params").items():
-        where = f"import_params: layer {'/'.join(path) or '(root)'}"
+        where = f"import_params: layer {_layer_name(path)}"
         if isinstance(record, Codes):
             record = _codes_state(record)
         hnlq[path + ("codes",)] = _codes_from_state(record, unit(config), where)
@@ -643,7 +665,7 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
                 traverse_util.unflatten_dict(params))}, {path})
         H = hessians.pop(path, (None, 0))[0]
         name = "/".join(path)
-        check_finite_weight(kernel, f"{fn}: layer {name!r}", "the kernel [in, out]")
+        check_finite_weight(kernel, f"{fn}: layer {_layer_name(path)}", "the kernel [in, out]")
         with ptq.layer_context(fn, name):
             if H is None:
                 w = kernel.T if rotation is None else rotation.rotate_weight(kernel.T)

@@ -42,7 +42,7 @@ from hnlq_jax.stats import entropy_bits, t_counts
 
 __all__ = ["CALIBRATION_OPTIONS", "DAMP", "DEFAULT_GRID", "GROUP_COLUMNS", "PTQResult",
            "check_calibration_options", "gptq_rows", "hessian", "hessian_update", "layer_context",
-           "proxy_loss"]
+           "layer_name", "proxy_loss"]
 
 # Damping, relative to the mean of diag(H) (GPTQ's default).
 DAMP = 0.01
@@ -92,16 +92,22 @@ def _is_default(value, default) -> bool:
         return False
 
 
+def layer_name(name: str) -> str:
+    """A layer's name as messages show it: quoted (``'encoder.2'``), ``(root)`` for the model
+    itself (its path is empty)."""
+    return repr(name) if name else "(root)"
+
+
 @contextlib.contextmanager
 def layer_context(fn: str, name: str):
     """Re-raises a ``ValueError`` or ``TypeError`` raised while coding one layer of a model
-    with the model-level function and the layer's name in front of its message (a model has
-    many layers, and the inner message cannot know which one it was)."""
+    with the model-level function and the layer's name (:func:`layer_name`) in front of its
+    message (a model has many layers, and the inner message cannot know which one it was)."""
     try:
         yield
     except (ValueError, TypeError) as e:
         kind = ValueError if isinstance(e, ValueError) else TypeError
-        raise kind(f"{fn}: layer {name!r}: {e}") from e
+        raise kind(f"{fn}: layer {layer_name(name)}: {e}") from e
 
 
 # ------------------------------------------------------------------------------- Hessians

@@ -220,6 +220,13 @@ def _nan_kernel_variables() -> dict:
     return {"params": {"Dense_0": {"kernel": kernel, "bias": jnp.zeros(4)}}}
 
 
+def _nan_qdense_variables() -> dict:
+    """The QDense training variables of :func:`_flax` with ``kernel[3, 1]`` NaN."""
+    variables = _flax()[1]
+    kernel = variables["params"]["kernel"].at[3, 1].set(jnp.nan)
+    return {**variables, "params": {**variables["params"], "kernel": kernel}}
+
+
 def _xfail(reason: str):
     return pytest.mark.xfail(strict=True, reason=reason)
 
@@ -488,6 +495,23 @@ CASES = [
                  ValueError, r"the layer's codes were made with HNLQConfig\(lattice='D4', q=4.*"
                  r"configured with HNLQConfig\(lattice='D4', q=8.*re-export the model",
                  id="flax-apply-another-config"),
+    pytest.param(lambda: hf.QDense(4, config=C8, calibrate=False).apply(_flax()[1],
+                                                                        jnp.ones((2, 8))),
+                 ValueError, r"^QDense \(root\): the layer's codes", id="flax-apply-root-name"),
+    pytest.param(lambda: hf.export_params(_flax()[1], C8), ValueError,
+                 r"^export_params: layer \(root\): the layer's codes were made with",
+                 id="flax-export-another-config"),
+    pytest.param(lambda: hf.export_params(_nan_qdense_variables(), C), ValueError,
+                 r"^export_params: layer \(root\): the kernel \[in, out\] has 1 NaN or Inf "
+                 r"entries \(the first at \[3, 1\]\)", id="flax-export-nan-kernel"),
+    pytest.param(lambda: hf.refresh_codes(_nan_qdense_variables(), C), ValueError,
+                 r"^refresh_codes: layer \(root\): the kernel \[in, out\] has 1 NaN",
+                 id="flax-refresh-nan-kernel"),
+    pytest.param(lambda: _flax()[0].apply({"params": _flax()[1]["params"]}, jnp.ones((2, 8)),
+                                          deterministic=True), ValueError,
+                 r"QDense \(root\): params/kernel but no hnlq/beta and codes \(a float Dense "
+                 r"checkpoint\?\): quantize it with one training call, model\.apply\(variables, "
+                 r"x, mutable=\['hnlq'\]\)", id="flax-dense-checkpoint-without-codes"),
     pytest.param(lambda: _flax()[0].apply(hf.import_params(_flax()[2], C), jnp.ones((2, 12))),
                  ValueError, r"QDense \S+: expected inputs \[\.\.\., 8\] \(the layer's codes hold a "
                  r"\[4, 8\] kernel\^T\), got shape \(2, 12\)", id="flax-inference-input-width"),

@@ -127,6 +127,10 @@ def info(args) -> None:
               f"{nsm:9.6f}")
 
 
+# Counts index int32 arrays (and 2^31 vectors would not fit a CPU's memory anyway).
+MAX_COUNT = 2**31 - 1
+
+
 def _count(text: str) -> int:
     """A positive count written as an int or in float notation (``1e6``)."""
     try:
@@ -135,6 +139,9 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number such as 1000 or 1e6, got {text!r}")
     if not (v >= 1 and v == int(v)):
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    if v > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_COUNT:.3g} (2^31 - 1), got "
+                                         f"{text!r}")
     return int(v)
 
 
@@ -174,13 +181,15 @@ def main(argv=None) -> int:
     force = "--force" in argv
     parser = argparse.ArgumentParser(prog="python -m hnlq_jax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
-    p = sub.add_parser("demo", help="quantize Gaussian data and report (default)")
+    commands = {}
+    p = commands["demo"] = sub.add_parser("demo", help="quantize Gaussian data and report "
+                                                       "(default)")
     p.add_argument("--lattice", default="D4", help="Z2, A2, D4, E8, Z{n} or D{n} (default D4)")
     p.add_argument("--q", type=int, default=4, help="nesting ratio (default 4)")
     p.add_argument("--M", type=int, default=2, help="levels (default 2)")
     p.add_argument("--n", type=_count, default=1_000_000, help="vectors to quantize (default 1e6)")
     p.add_argument("--seed", type=int, default=0)
-    p = sub.add_parser("rd", help="the paper's rate-distortion table")
+    p = commands["rd"] = sub.add_parser("rd", help="the paper's rate-distortion table")
     p.add_argument("--lattices", nargs="+", default=["Z2", "A2", "D4", "E8"])
     p.add_argument("--q", nargs="+", type=int, default=[3, 4, 8])
     p.add_argument("--M", nargs="+", type=int, default=[1, 2, 3])
@@ -196,18 +205,15 @@ def main(argv=None) -> int:
         parser.error(f"unknown command {unknown!r}: choose from {', '.join(COMMANDS)} "
                      "(demo, the default, when the first argument is an option)")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        try:
-            demo(args)
-        except (ValueError, TypeError) as e:
-            parser.error(str(e))
-    elif args.command == "rd":
-        try:
-            rate_distortion(args)
-        except (ValueError, TypeError) as e:
-            parser.error(str(e))
-    else:
+    if args.command == "info":
         info(args)
+        return 0
+    try:  # a bad config or size is reported as a usage error of its command
+        (demo if args.command == "demo" else rate_distortion)(args)
+    except (ValueError, TypeError) as e:
+        commands[args.command].error(str(e))
+    except MemoryError:
+        commands[args.command].error(f"not enough memory for --n {args.n}: try a smaller --n")
     return 0
 
 

@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from hnlq_jax import __main__ as cli
 from hnlq_jax.__main__ import main
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -27,15 +28,20 @@ def test_demo_small(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["demo", "--q", "1", "--n", "10"], "q must be in 2..256"),
+    (["demo", "--q", "1", "--n", "10"], "demo: error: HNLQConfig.q must be in 2..256"),
+    (["rd", "--q", "1", "--n", "10"], "rd: error: HNLQConfig.q must be in 2..256"),
     (["--n", "0.5"], "expected a whole number >= 1, got '0.5'"),
     (["demo", "--n", "many"], "expected a number such as 1000 or 1e6, got 'many'"),
+    (["demo", "--n", "1e30"], "expected at most 2.15e+09 (2^31 - 1), got '1e30'"),
 ])
 def test_demo_bad_arguments(capsys, argv, message):
+    """Usage errors of the command that was run (its usage line, not the top-level one)."""
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith(f"usage: python -m hnlq_jax {argv[0] if argv[0] != '--n' else 'demo'}")
 
 
 def test_readme_examples_run():
@@ -57,3 +63,13 @@ def test_readme_top_commands():
     assert blocks[0].strip().endswith("python -m hnlq_jax demo")
     assert blocks[1].strip().endswith("python -m pytest -q")
     assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_out_of_memory_is_a_usage_error(capsys, monkeypatch):
+    def demo(args):
+        raise MemoryError
+    monkeypatch.setattr(cli, "demo", demo)
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--n", "2e9"])
+    assert e.value.code == 2
+    assert "not enough memory for --n 2000000000: try a smaller --n" in capsys.readouterr().err

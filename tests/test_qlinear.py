@@ -131,6 +131,25 @@ def test_quantize_every_can_change_after_construction():
         q.quantize_every = 2.0
 
 
+def test_state_dict_moves_between_refresh_intervals():
+    """The error cache of quantize_every != 1 is dropped by a layer that keeps none, and
+    computed from the loaded codes and weight by one that does (as when quantize_every is
+    raised from 1: the next cached step computes with exactly W_hat); the codes load exactly
+    either way."""
+    x = torch.randn(3, 30)
+    every4 = QLinear(30, 16, CFG, quantize_every=4, calibrate=False)
+    every4(x)
+    with torch.no_grad():
+        every4.weight.add_(0.1 * torch.randn_like(every4.weight))  # codes now 1 step old
+    every1 = QLinear(30, 16, CFG, calibrate=False)
+    every1.load_state_dict(every4.state_dict())  # strict: no unexpected 'error'
+    assert torch.equal(every1.index, every4.index) and torch.equal(every1.tfield, every4.tfield)
+    again = QLinear(30, 16, CFG, quantize_every=4, calibrate=False)
+    again.load_state_dict(every1.state_dict())  # strict: no missing 'error'
+    assert torch.equal(again.error, tb.decode(again.codes()) - again.weight.detach())
+    assert not torch.equal(again.error, torch.zeros_like(again.error))
+
+
 def test_state_dict_reloads_exactly_and_refuses_other_configs():
     a = QLinear(64, 8, CFG).eval()
     x = torch.randn(5, 64)

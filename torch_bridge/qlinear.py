@@ -113,8 +113,12 @@ class QLinear(CodesLayer, torch.nn.Linear):
         elif "error" not in self._buffers:
             self.register_buffer("error", torch.zeros_like(self.weight, requires_grad=False))
             if self.quantize_weights and "tfield" in self._buffers:  # codes made: their error
-                with torch.no_grad():
-                    self.error.copy_(decode(self.codes(), dtype=self.weight.dtype) - self.weight)
+                self._error_from_codes()
+
+    def _error_from_codes(self):
+        """Sets the cached ``error`` to the current codes' quantization error."""
+        with torch.no_grad():
+            self.error.copy_(decode(self.codes(), dtype=self.weight.dtype) - self.weight)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, config: HNLQConfig, **kwargs) -> QLinear:
@@ -197,12 +201,23 @@ class QLinear(CodesLayer, torch.nn.Linear):
             y = _Through.apply(y, self._weight_proxy(x).to(y.dtype))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        super()._load_from_state_dict(state_dict, prefix, *args)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
         if (self.quantize_weights and prefix + "weight" in state_dict
                 and prefix + "index" not in state_dict):  # a float checkpoint (strict=False)
             self.calibrate_beta()
             self.refresh_codes()
+        # `error` is a training cache that quantize_every = 1 keeps none of: a state saved with
+        # another interval loads all the same (ignored, or computed from the loaded codes).
+        key = prefix + "error"
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        if key in missing_keys:
+            missing_keys.remove(key)
+            if self.quantize_weights and prefix + "index" in state_dict:
+                self._error_from_codes()
 
     def extra_repr(self) -> str:
         c = self.config

@@ -446,7 +446,7 @@ def _weight_codes_tile(idx_ref, t_ref, rows, k0, bk: int, config: HNLQConfig, n:
 
 
 def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
-                          batch: int, bk: int, compute, scaled: bool, table: bool,
+                          batch: int, bk: int, compute, wide, scaled: bool, table: bool,
                           interpret: bool):
     s_ref = refs[0] if scaled else None
     tab = refs[int(scaled)] if table else None
@@ -458,16 +458,16 @@ def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: i
     def tile(t, acc):
         k0 = pl.multiple_of(t * bk, bk)
         ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb)
-        w = _decoded(ks, u, tab, pow_ref, beta_ref, config, jnp.float32, interpret)
+        w = _decoded(ks, u, tab, pow_ref, beta_ref, config, wide, interpret)
         for j, wj in enumerate(w):
-            if scaled:  # the reference's rounding: the float32 weight times its row scale
+            if scaled:  # the reference's rounding: the decoded weight times its row scale
                 wj = wj * s
             acc = acc + jax.lax.dot_general(
                 x_ref[j, :, pl.ds(k0, bk)].astype(compute), wj.astype(compute),
-                (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32)
+                (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=wide)
         return acc
 
-    acc = jax.lax.fori_loop(0, pl.cdiv(nb, bk), tile, jnp.zeros((bb, bn), jnp.float32))
+    acc = jax.lax.fori_loop(0, pl.cdiv(nb, bk), tile, jnp.zeros((bb, bn), wide))
     b = pl.program_id(0) * bb + _iota(bb)
     pltriton.store(o_ref, acc.astype(o_ref.dtype), mask=(b < batch)[:, None] & (rows < n)[None, :])
 
@@ -481,7 +481,7 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
     Args:
       x: ``[..., k]`` activations.
       codes: the weight ``W[n, k]`` as codes with blocks ``[n, nb]``: row codes (their row
-        scale is applied to the decoded float32 weight, as the reference does) or block codes
+        scale is applied to the decoded weight, as the reference does) or block codes
         with ``k = nb d``.
       compute_dtype: dtype of the ``dot`` operands (bfloat16, or at least float32).
       out_dtype: the result's dtype.
@@ -491,8 +491,8 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
       use_table: see :func:`decode`.
 
     Returns:
-      ``[..., n]`` in ``out_dtype``: the products of the reference's decoded weights, summed in
-      float32 in another order than :func:`hnlq_jax.matmul`'s ``"xla"`` path (equal bit for
+      ``[..., n]`` in ``out_dtype``: the products of the reference's decoded weights (float32,
+      float64 for a float64 ``compute_dtype``), summed in that dtype in another order than :func:`hnlq_jax.matmul`'s ``"xla"`` path (equal bit for
       bit whenever each sum has one nonzero term, e.g. one-hot rows of x).
 
     Raises:
@@ -526,16 +526,18 @@ def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, b
     Bp, nbp = pl.cdiv(B, bb) * bb, pl.cdiv(nb, bk) * bk
     # Activations only are re-laid out: coordinate planes [d, Bp, nbp], zero-padded.
     xp = jnp.pad(x, ((0, Bp - B), (0, nbp * d - k))).reshape(Bp, nbp, d).transpose(2, 0, 1)
-    pow2, beta = _tables(config, jnp.float32)
+    wide = jnp.promote_types(compute, jnp.float32)  # decoded weight and accumulation
+    pow2, beta = _tables(config, wide)
     scaled = codes.scale is not None
-    extra = ([codes.scale.astype(jnp.float32)] if scaled else []) \
+    extra = ([codes.scale.astype(wide)] if scaled else []) \
         + ([_codebook_input(config)] if table else [])
     extra_specs = ([pl.BlockSpec((bn,), lambda b, i: (i,))] if scaled else []) \
         + ([_whole(extra[-1])] if table else [])
     tfield = codes.tfield.reshape(-1)
     return pl.pallas_call(
         functools.partial(_decode_matmul_kernel, config=config, n=n, nb=nb, batch=B, bk=bk,
-                          compute=compute, scaled=scaled, table=table, interpret=interpret),
+                          compute=compute, wide=wide, scaled=scaled, table=table,
+                          interpret=interpret),
         grid=(Bp // bb, pl.cdiv(n, bn)),
         in_specs=[pl.BlockSpec((d, bb, nbp), lambda b, i: (0, b, 0)),
                   pl.BlockSpec((bn, nb, M), lambda b, i: (i, 0, 0)),

@@ -24,7 +24,7 @@ from hnlq_jax import codec, kernels, lut
 from hnlq_jax._numerics import straight_through
 from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes, is_concrete,
                             pack_t, row_length, unpack_t)
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = ["IMPLEMENTATIONS", "FAILURES", "encode", "decode", "quantize", "matmul",
            "default_implementation", "resolve", "bucket"]
@@ -287,6 +287,7 @@ def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None,
     Raises:
       ValueError, TypeError: as :func:`encode`.
     """
+    check_config(config, "quantize")  # before x: swapped arguments get this error
     dtype = jnp.asarray(x).dtype
     x = codec.check_x(x, config, "quantize")
     if failures not in FAILURES:
@@ -319,23 +320,30 @@ _quantize_jit = jax.jit(_quantize, static_argnums=(1, 2, 3))
 # ------------------------------------------------------------------------------------ matmul
 
 
-def _dense_weight(codes: Codes):
-    """``[n, k]`` float32 decoded weight without the row scale (the XLA reference)."""
+def _dense_weight(codes: Codes, dtype):
+    """``[n, k]`` decoded weight in ``dtype`` without the row scale (the XLA reference)."""
     config = codes.config
     n, nb = codes.blocks_shape
     u = unpack_t(codes.tfield, config, nb)
-    w = codec.decode_blocks(codes.index, u, config, None, jnp.float32, config.beta)
+    w = codec.decode_blocks(codes.index, u, config, None, dtype, config.beta)
     return w.reshape(n, nb * config.d)[:, :row_length(codes)]
 
 
 def _matmul_xla(x, codes: Codes):
-    w = _dense_weight(codes)
+    wide = _wide(x.dtype)
+    w = _dense_weight(codes, wide)
     if codes.scale is not None:
-        w = w * codes.scale.astype(jnp.float32)[:, None]
+        w = w * codes.scale.astype(wide)[:, None]
     compute, out_dtype = _compute_dtypes(x.dtype)
     y = jnp.einsum("...k,nk->...n", x.astype(compute), w.astype(compute), precision=_HIGHEST,
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=wide)
     return y.astype(out_dtype)
+
+
+def _wide(dtype):
+    """The dtype of the decoded weight and of the accumulation: float32, or float64 for
+    float64 activations (under x64)."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _compute_dtypes(dtype):
@@ -344,7 +352,7 @@ def _compute_dtypes(dtype):
     float16, as a half-precision layer's output; others at least float32."""
     if dtype == jnp.bfloat16:
         return dtype, dtype
-    wide = jnp.promote_types(dtype, jnp.float32)
+    wide = _wide(dtype)
     return wide, (dtype if dtype == jnp.float16 else wide)
 
 
@@ -364,13 +372,14 @@ def _matmul_fwd(x, codes, impl, interpret):
 
 def _matmul_bwd(impl, interpret, res, g):
     x, codes = res
-    w = _dense_weight(codes)  # [n, k], unscaled
-    g = g.astype(jnp.float32)
-    gs = g if codes.scale is None else g * codes.scale.astype(jnp.float32)
+    wide = _wide(x.dtype)
+    w = _dense_weight(codes, wide)  # [n, k], unscaled
+    g = g.astype(wide)
+    gs = g if codes.scale is None else g * codes.scale.astype(wide)
     dx = jnp.einsum("...n,nk->...k", gs, w, precision=_HIGHEST).astype(x.dtype)
     dscale = None
     if codes.scale is not None:
-        xw = jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w, precision=_HIGHEST)
+        xw = jnp.einsum("...k,nk->...n", x.astype(wide), w, precision=_HIGHEST)
         dscale = jnp.sum((g * xw).reshape(-1, w.shape[0]), axis=0).astype(codes.scale.dtype)
     zeros = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0),
                          (codes.index, codes.tfield))

@@ -206,11 +206,14 @@ def test_matmul_digits_small_tiles_and_dtypes():
                                   hq.matmul(eye, blocks.with_rows(n=64), **XLA))
     x = np.random.default_rng(3).standard_normal((5, 64))
     with jax.enable_x64(True):
-        ref = hq.matmul(jnp.asarray(x), codes, **XLA)
-        got = hq.matmul(jnp.asarray(x), codes, **PALLAS)
-        assert got.dtype == jnp.float64
-        # float32 sums (as the reference's), in another order
-        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(ref))))
+        # float64 activations: the weight decoded and the products summed in float64 (not
+        # float32) on every path, as decode gives it.
+        w64 = np.asarray(hq.decode(codes, dtype=jnp.float64))
+        np.testing.assert_array_equal(hq.matmul(jnp.eye(64), codes, **PALLAS), w64.T)
+        for impl in (XLA, PALLAS, {"implementation": "lut"}):
+            got = hq.matmul(jnp.asarray(x), codes, **impl)
+            assert got.dtype == jnp.float64
+            np.testing.assert_allclose(got, x @ w64.T, rtol=1e-12, atol=1e-12)
     # bfloat16: the scaled float32 weight rounded to bfloat16, as the reference does.
     eb = eye.astype(jnp.bfloat16)
     got = hq.matmul(eb, codes, **PALLAS)

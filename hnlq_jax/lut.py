@@ -122,13 +122,13 @@ def two_sided(config: HNLQConfig) -> jax.Array:
       config: the quantizer (only lattice and q matter).
 
     Returns:
-      ``[q^d, q^d]`` in the smallest integer dtype that holds it exactly (int8 for D4 q <= 4,
-      Z2 and E8 q = 2). For A2 the entries are half-integers and the table holds
+      ``[q^d, q^d]`` in the smallest integer dtype that holds it exactly (int8 for D4 q <= 6,
+      Z2 and A2 q <= 12, E8 q = 2). For A2 the entries are half-integers and the table holds
       ``2 * LUT`` (see :func:`table_den`).
 
     Raises:
       ValueError: when the table would have more than :data:`MAX_TWO_SIDED` entries (E8 q >= 3,
-        D4 q >= 8, ...): use the one-sided tables or decode then dot.
+        D4 q >= 7, ...): use the one-sided tables or decode then dot.
     """
     _check_two_sided(config, "two_sided")
     return jnp.asarray(_two_sided_np(config))
@@ -144,13 +144,20 @@ def _block_codes(codes, fn: str):
     return codes.index, unpack_t(codes.tfield, codes.config, nb), codes.scale
 
 
-def _check_real(y, nb: int, config, fn: str, what: str):
-    """Validates a real ``[..., n]`` array whose d-blocks pair with ``nb`` coded blocks."""
+def _check_real(y, nb: int, config, fn: str, what: str, n: int | None = None):
+    """Validates a real ``[..., k]`` array whose d-blocks pair with ``nb`` coded blocks (of row
+    codes of length ``n``, when given: then ``k = n``)."""
     y = jnp.asarray(y)
     d = config.d
     if not jnp.issubdtype(y.dtype, jnp.floating):
         raise TypeError(f"{fn}: {what} must be a floating-point array, got dtype {y.dtype}")
-    if y.ndim == 0 or -(-y.shape[-1] // d) != nb:
+    if y.ndim == 0:
+        raise ValueError(f"{fn}: expected {what} [..., k], got a scalar")
+    if n is not None and y.shape[-1] != n:
+        # Entries past n would meet the decoded padding of the last block, not zeros.
+        raise ValueError(f"{fn}: {what} has shape {y.shape}; its last axis must be the codes' "
+                         f"row length n = {n}")
+    if -(-y.shape[-1] // d) != nb:
         raise ValueError(
             f"{fn}: {what} has shape {y.shape}; its last axis must split into the codes' "
             f"nb = {nb} blocks of d = {d}, i.e. have length {nb * d - d + 1}..{nb * d}"
@@ -179,15 +186,18 @@ def _z_terms(config, dtype):
     return jnp.matmul(codebook(config, dtype), z, precision=_HIGHEST), jnp.dot(z, z)
 
 
-def _padding(codes_a: Codes, codes_b: Codes) -> int:
+def _padding(codes_a: Codes, codes_b: Codes, fn: str) -> int:
     """Coordinates of the last block beyond the logical length (row codes: ``nb d - n``).
 
     The tables multiply whole blocks, and the zero padding of a row does not decode to zero in
     general (a dither, or a lattice such as E8 whose nearest point to a block with zero
     coordinates may have nonzero ones), so two-sided products subtract those coordinates.
     """
-    ns = [c.n for c in (codes_a, codes_b) if c.n is not None]
-    return codes_a.blocks_shape[-1] * codes_a.config.d - min(ns) if ns else 0
+    ns = {c.n for c in (codes_a, codes_b) if c.n is not None}
+    if len(ns) > 1:
+        raise ValueError(f"{fn}: the row codes have different row lengths n = {codes_a.n} and "
+                         f"{codes_b.n}: their products need equal lengths")
+    return codes_a.blocks_shape[-1] * codes_a.config.d - ns.pop() if ns else 0
 
 
 def _tail(index, u, config, dtype, pad: int):
@@ -245,7 +255,7 @@ def dot(codes_x, codes_y):
     config = _same_config(codes_x, codes_y, "dot")
     _check_two_sided(config, "dot")
     _same_blocks(ua.shape, ub.shape, "dot")
-    out = _dot(a, ua, b, ub, config, _padding(codes_x, codes_y))
+    out = _dot(a, ua, b, ub, config, _padding(codes_x, codes_y, "dot"))
     return _row_scale(_row_scale(out, sa), sb)
 
 
@@ -320,7 +330,7 @@ def dot_one_sided(codes_x, y):
     index, u, scale = _block_codes(codes_x, "dot_one_sided")
     config = codes_x.config
     check_one_sided(config, "dot_one_sided")
-    y = _check_real(y, u.shape[-1], config, "dot_one_sided", "y")
+    y = _check_real(y, u.shape[-1], config, "dot_one_sided", "y", codes_x.n)
     _same_blocks(u.shape, y.shape[:-1] + (u.shape[-1],), "dot_one_sided")
     return _row_scale(_dot_one_sided(index, u, y, config), scale)
 
@@ -414,7 +424,7 @@ def matmul(codes_A, codes_B):
     _check_two_sided(config, "matmul")
     if ua.shape[-1] != ub.shape[-1]:
         raise ValueError(f"matmul: A has {ua.shape[-1]} blocks per row, B {ub.shape[-1]} per column")
-    out = _matmul(a, ua, b, ub, config, _padding(codes_A, codes_B))
+    out = _matmul(a, ua, b, ub, config, _padding(codes_A, codes_B, "matmul"))
     if sa is not None:
         out = out * sa.astype(out.dtype)[..., None]
     return _row_scale(out, sb)
@@ -446,7 +456,7 @@ def matmul_one_sided(codes_W, x):
     index, u, scale = _matrix_codes(codes_W, "matmul_one_sided", "W")
     config = codes_W.config
     check_one_sided(config, "matmul_one_sided")
-    x = _check_real(x, u.shape[-1], config, "matmul_one_sided", "x")
+    x = _check_real(x, u.shape[-1], config, "matmul_one_sided", "x", codes_W.n)
     if x.size == 0 or u.shape[0] == 0:
         return jnp.zeros(x.shape[:-1] + (u.shape[0],), jnp.promote_types(x.dtype, jnp.float32))
     return _row_scale(_matmul_one_sided(index, u, x, config), scale)

@@ -17,7 +17,7 @@ import numpy as np
 from hnlq_jax import ops
 from hnlq_jax.codec import check_x, encode_blocks, to_blocks
 from hnlq_jax.codes import Codes, concrete_all, pack_t
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.stats import search_beta
 
 __all__ = ["CALIBRATION_BLOCKS", "bucket_rows", "calibrate_rows", "encode_rows", "row_rms",
@@ -134,6 +134,7 @@ def encode_rows(w, config: HNLQConfig, *, implementation=None) -> Codes:
     Raises:
       ValueError, TypeError: as :func:`hnlq_jax.encode` (non-finite or non-floating ``w``).
     """
+    check_config(config, "encode_rows")  # before w: swapped arguments get this error
     given = getattr(w, "dtype", None)
     w = jnp.asarray(w)
     if w.ndim == 0:

@@ -64,6 +64,11 @@ def _codes() -> Codes:
     return hq.encode(X, C)
 
 
+def _rows(n: int) -> Codes:
+    """Row codes of 3 rows of length ``n`` (3 blocks for n = 10 or 11)."""
+    return hq.encode_rows(np.random.default_rng(n).standard_normal((3, n)).astype(np.float32), C)
+
+
 @functools.cache
 def _packed() -> Packed:
     return hq.pack(_codes())
@@ -282,6 +287,11 @@ CASES = [
                  r"quantize: .*overload at max_T = 14", id="torch-quantize-beyond-max_T"),
     pytest.param(lambda: hq.encode(X, {"lattice": "D4"}), TypeError,
                  r"encode: config must be an HNLQConfig, got dict", id="encode-config-dict"),
+    pytest.param(lambda: hq.quantize(C, X), TypeError,
+                 r"^quantize: config must be an HNLQConfig, got ndarray", id="quantize-swapped"),
+    pytest.param(lambda: hq.encode_rows(C, X), TypeError,
+                 r"^encode_rows: config must be an HNLQConfig, got ndarray",
+                 id="encode_rows-swapped"),
     pytest.param(lambda: hq.encode(X, C, failures="ignore"), ValueError,
                  r"encode: failures must be one of \('raise', 'mark'\), got 'ignore'",
                  id="encode-failures"),
@@ -365,6 +375,17 @@ CASES = [
     pytest.param(lambda: hq.matmul(np.zeros((2, 4), np.float32), _codes()), ValueError,
                  r"matmul: the weight must be coded as n rows of length k.*got blocks \[16\]; "
                  r"see hnlq_jax\.encode_rows", id="matmul-block-codes"),
+    pytest.param(lambda: lut.matmul_one_sided(_rows(10), np.ones((1, 12), np.float32)),
+                 ValueError, r"matmul_one_sided: x has shape \(1, 12\); its last axis must be the "
+                 r"codes' row length n = 10", id="lut-matmul-one-sided-row-length"),
+    pytest.param(lambda: lut.dot_one_sided(_rows(10), np.ones((3, 12), np.float32)),
+                 ValueError, r"dot_one_sided: y has shape \(3, 12\); .* n = 10",
+                 id="lut-dot-one-sided-row-length"),
+    pytest.param(lambda: lut.dot(_rows(10), _rows(11)), ValueError,
+                 r"dot: the row codes have different row lengths n = 10 and 11",
+                 id="lut-dot-row-lengths"),
+    pytest.param(lambda: lut.one_sided(np.float32(1.0), C), ValueError,
+                 r"one_sided: expected y \[\.\.\., k\], got a scalar", id="lut-one-sided-scalar"),
     pytest.param(lambda: lut.dot(_codes(), Codes(_codes().index, _codes().tfield,
                                                 C.replace(beta=0.7))), ValueError,
                  r"dot: the two codes were made with different configs: HNLQConfig\(.*beta=0\.5"

@@ -147,10 +147,13 @@ def _raise_on_failures(x, failed, config: HNLQConfig, fn: str):
     flat = np.asarray(x, np.float64).reshape(-1, config.d)
     top = float(np.max(np.linalg.norm(flat[failed.reshape(-1)], axis=-1)))
     reach = config.beta * 2 ** (config.alpha * config.max_T) * config.overload_radius
+    # The overload region is not a ball: blocks well inside the radius can overload too, so
+    # the reach is where every block fails, not a bound the failed ones exceed.
     raise ValueError(
-        f"{fn}: {int(failed.sum())} block(s) still overload at max_T = {config.max_T}: the "
-        f"largest block norm {top:.4g} exceeds about {reach:.4g} = beta 2^(alpha max_T) times "
-        f"the overload radius of {config.lattice} q={config.q} M={config.M}. Raise beta (see "
+        f"{fn}: {int(failed.sum())} block(s) still overload at max_T = {config.max_T} (the "
+        f"largest has norm {top:.4g}; every block beyond about {reach:.4g} = beta "
+        f"2^(alpha max_T) times the overload radius of {config.lattice} q={config.q} "
+        f"M={config.M} does, some nearer ones too). Raise beta (see "
         "calibrate_beta) or max_T (up to 127; T then takes 8 bits), or pass failures='mark' to "
         "mark such blocks T = -1 (they decode to NaN)")
 

@@ -277,8 +277,10 @@ CASES = [
                  r"expected finite values",
                  id="encode-nan-inf"),
     pytest.param(lambda: hq.encode(1e7 * X, C), ValueError,
-                 r"encode: 16 block\(s\) still overload at max_T = 14: the largest block norm "
-                 r"[0-9.]+e\+0[78] exceeds .*Raise beta .* or max_T .*failures='mark'",
+                 r"encode: 16 block\(s\) still overload at max_T = 14 \(the largest has norm "
+                 r"[0-9.]+e\+0[78]; every block beyond about [0-9.]+ = beta 2\^\(alpha max_T\) "
+                 r"times the overload radius .* does, some nearer ones too\)\. Raise beta .* or "
+                 r"max_T .*failures='mark'",
                  id="encode-beyond-max_T"),
     pytest.param(lambda: hq.quantize(1e7 * X, C), ValueError,
                  r"quantize: .*overload at max_T = 14.*largest.*Raise beta",

@@ -270,7 +270,9 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
         total = sum(f32)
         stats = {"bytes_sent": jnp.asarray(sent, jnp.float32),
                  "float32_bytes": jnp.asarray(total, jnp.float32),
-                 "ratio": jnp.asarray(total / jnp.maximum(sent, 1), jnp.float32),
+                 # one device sends nothing either way: 1, as wire_bytes reports
+                 "ratio": jnp.where(sent > 0, jnp.asarray(total, jnp.float32)
+                                    / jnp.maximum(jnp.asarray(sent, jnp.float32), 1), 1.0),
                  "overload_rate": (info.overloaded / (blocks * n)).astype(jnp.float32),
                  "rescaled_chunks": info.rescaled, "failed_chunks": info.failed}
         return (treedef.unflatten(out),

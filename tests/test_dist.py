@@ -422,6 +422,17 @@ def test_bad_input():
     assert one["sent"] == 0 and one["float32_allreduce"] == 0 and one["ratio"] == 1.0
 
 
+def test_one_device_sends_nothing_and_reports_ratio_one():
+    """As wire_bytes: on one device nothing is sent either way (the ratio was 0/0 -> 0)."""
+    tx = dist.compress_gradients(CFG, "i", min_size=1)
+    g = jnp.asarray(np.random.default_rng(0).standard_normal(256), jnp.float32)
+    f = jax.jit(jax.shard_map(lambda u, s: tx.update(u, s), mesh=mesh(1), in_specs=(P(), P()),
+                              out_specs=(P(), P()), check_vma=False))
+    stats = dist.compression_stats(f(g, tx.init(g))[1])
+    assert float(stats["bytes_sent"]) == 0 and float(stats["float32_bytes"]) == 0
+    assert float(stats["ratio"]) == 1.0
+
+
 @pytest.mark.slow
 def test_two_processes_jax_distributed(tmp_path, free_port):
     """Two processes (gloo collectives) give the same means as 4 devices in one process."""

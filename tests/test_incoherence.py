@@ -140,9 +140,16 @@ def test_save_and_load():
     state = json.loads(json.dumps(rot.to_dict()))
     assert state == {"kind": "randomized_hadamard", "version": 1, "n": 1536, "seed": 2**40 + 1}
     assert Rotation.from_dict(state) == rot
+    # A checkpoint may restore the integers as NumPy scalars or 0-d arrays.
+    assert Rotation.from_dict({**state, "n": np.int64(1536), "seed": np.asarray(2**40 + 1)}) == rot
     for bad, match in [({**state, "version": 2}, "version"), ({**state, "kind": "dct"}, "kind"),
                        ({"n": 4}, "expected a dict"), ([], "expected a dict"),
-                       ({**state, "n": 0}, "invalid")]:
+                       ({**state, "n": 0}, "invalid"),
+                       # never truncated into another rotation
+                       ({**state, "n": 1536.5}, "expected integers, got 1536.5"),
+                       ({**state, "seed": 2.7}, "expected integers, got 2.7"),
+                       ({**state, "n": "1536"}, "expected integers, got '1536'"),
+                       ({**state, "version": True}, "expected integers, got True")]:
         with pytest.raises(ValueError, match=match):
             Rotation.from_dict(bad)
 

@@ -303,7 +303,11 @@ def test_quantize_model_report_and_no_float_weight():
         t.nbytes for m in quantized for t in m.state_dict().values()
         if isinstance(t, torch.Tensor))
     assert report.float32_bytes == 4 * (16 * 16 + 16 + 16 * 4 + 16 * 16 + 16)
+    assert report.weights == sum(m.out_features * m.in_features for m in quantized) == 576
+    assert report.code_bytes == sum(m.codes().nbytes for m in quantized)
+    assert report.bits_per_weight == 8 * report.code_bytes / 576
     assert str(report).startswith("quantize_model: converted 4 linear layer(s): 2,432 bytes")
+    assert f"{report.bits_per_weight:.3f} bits per weight" in str(report)
     assert "kept odd (_Scaled)" in str(report)
     # forward: the JAX path bit for bit
     x = torch.randn(3, 16)

@@ -321,6 +321,9 @@ class QuantizeReport:
       skipped: ``(name, type name, reason)`` of each ``nn.Linear`` left in place.
       float32_bytes: the converted layers' weight and bias as float32.
       quantized_bytes: the tensor bytes of their state dicts now (codes, scales, bias).
+      weights: the number of weights quantized (``out * in`` summed over the layers).
+      code_bytes: the bytes of their codes (index, T field, row scales), what
+        :attr:`bits_per_weight` counts.
       proxy_loss: with ``calibration``, ``{name: tr(dW H dW^T)}`` of each layer coded by
         compensated rounding (:attr:`hnlq_jax.ptq.PTQResult.loss`, with ``H`` the sum over all
         calibration tokens); empty otherwise.
@@ -335,6 +338,8 @@ class QuantizeReport:
     skipped: list = dataclasses.field(default_factory=list)
     float32_bytes: int = 0
     quantized_bytes: int = 0
+    weights: int = 0
+    code_bytes: int = 0
     proxy_loss: dict = dataclasses.field(default_factory=dict)
     clipped: dict = dataclasses.field(default_factory=dict)
     tokens: dict = dataclasses.field(default_factory=dict)
@@ -345,10 +350,17 @@ class QuantizeReport:
         """``quantized_bytes / float32_bytes``."""
         return self.quantized_bytes / self.float32_bytes if self.float32_bytes else float("nan")
 
+    @property
+    def bits_per_weight(self) -> float:
+        """``8 code_bytes / weights``: the bits each quantized weight takes in memory (16 for
+        bfloat16, 8 for int8, 4 for int4 without their scales)."""
+        return 8 * self.code_bytes / self.weights if self.weights else float("nan")
+
     def __str__(self) -> str:
         lines = [f"quantize_model: converted {len(self.converted)} linear layer(s): "
                  f"{self.float32_bytes:,} bytes as float32 -> {self.quantized_bytes:,} bytes"
-                 + (f" ({self.ratio:.3f}x)" if self.float32_bytes else "")]
+                 + (f" ({self.ratio:.3f}x, {self.bits_per_weight:.3f} bits per weight)"
+                    if self.float32_bytes else "")]
         lines += [f"  {name}: proxy loss {loss:.6g} over {self.tokens.get(name, 0):,} "
                   f"input rows, {self.clipped.get(name, 0)} clipped block(s), T "
                   f"{self.t_bits.get(name, 0.0):.3f} bits/weight"
@@ -546,6 +558,8 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
         report.float32_bytes += 4 * (child.weight.numel() + q.out_features * (
             child.bias is not None))
         report.quantized_bytes += _state_bytes(q)
+        report.weights += child.weight.numel()
+        report.code_bytes += q.codes().nbytes
     for key in done:
         install(key)
     for name, parent, child_name, child in chosen:

@@ -629,8 +629,11 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
     fn = "quantize_params"
     check_config(config, fn)
     if not isinstance(variables, dict) or "params" not in variables:
+        got = (f"a dict without 'params' (keys {sorted(variables)[:4]}; pass the whole "
+               "variables of model.init, not variables['params'])"
+               if isinstance(variables, dict) else type(variables).__name__)
         raise ValueError(f"{fn}: expected the float model's variables {{'params': ...}}, got "
-                         f"{type(variables).__name__}")
+                         f"{got}")
     if calibration is not None and not callable(calibration):
         raise TypeError(f"{fn}: calibration must be None or a callable run(variables), got "
                         f"{type(calibration).__name__}")

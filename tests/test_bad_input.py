@@ -491,6 +491,13 @@ CASES = [
     pytest.param(lambda: hf.quantize_params(_nan_kernel_variables(), C), ValueError,
                  r"quantize_params: layer 'Dense_0': the kernel \[in, out\] has 1 NaN or Inf "
                  r"entries \(the first at \[5, 2\]\)", id="flax-quantize-nan-kernel"),
+    pytest.param(lambda: hf.quantize_params(_nan_kernel_variables()["params"], C), ValueError,
+                 r"quantize_params: expected the float model's variables \{'params': \.\.\.\}, got "
+                 r"a dict without 'params' \(keys \['Dense_0'\]; pass the whole variables of "
+                 r"model\.init, not variables\['params'\]\)", id="flax-quantize-params-only"),
+    pytest.param(lambda: hf.quantize_params([], C), ValueError,
+                 r"quantize_params: expected the float model's variables \{'params': \.\.\.\}, got "
+                 r"list", id="flax-quantize-list"),
     pytest.param(lambda: hf.quantize_params(_nan_kernel_variables(), C, act_order=True,
                                             t_budget=0.1), ValueError,
                  r"quantize_params: act_order, t_budget apply only to compensated rounding, and "

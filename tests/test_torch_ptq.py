@@ -165,7 +165,9 @@ def test_rotated_state_dict_round_trip_and_mismatch():
             (QuantizedLinear(24, 40, CFG), r"saved with Rotation\(n=24, seed=5\), but the "
                                            r"layer has no rotation"),
             (QuantizedLinear(24, 40, CFG, rotation=Rotation(24, 6)),
-             r"Rotation\(n=24, seed=5\), but the layer has Rotation\(n=24, seed=6\)")]:
+             r"Rotation\(n=24, seed=5\), but the layer has Rotation\(n=24, seed=6\); build the "
+             r"layer with the saved rotation .* or a model with quantize_model\(\.\.\., "
+             r"rotate=True, seed=\.\.\.\) given the seed it was saved with")]:
         before = layer.index.clone()
         with pytest.raises(ValueError, match=match):
             layer.load_state_dict(one)

@@ -299,7 +299,9 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
                 return "no rotation" if r is None else f"Rotation(n={r.n}, seed={r.seed})"
             raise ValueError(f"{where}: the codes were saved with {say(saved)}, but the layer "
                              f"has {say(self.rotation)}; build the layer with the saved rotation "
-                             "(QuantizedLinear(..., rotation=Rotation.from_dict(...)))")
+                             "(QuantizedLinear(..., rotation=Rotation.from_dict(...))), or a "
+                             "model with quantize_model(..., rotate=True, seed=...) given the "
+                             "seed it was saved with (layer k's rotation has seed + k)")
 
     def extra_repr(self) -> str:
         c = self.codes_config

@@ -24,8 +24,7 @@ from hnlq_jax import _numerics
 from hnlq_jax.codes import (Codes, concrete_all, digits_of_index, index_dtype, unpack_t,
                             valid_blocks)
 from hnlq_jax.config import NORM_SLACK, HNLQConfig, check_config
-from hnlq_jax.lattices import (columns, floor_div, matvec, mod, nearest_float, nearest_int, norm,
-                               sumsq)
+from hnlq_jax.lattices import columns, floor_div, matvec, mod, nearest_float, nearest_int, sumsq
 
 __all__ = ["codebook", "to_blocks", "from_blocks", "encode_blocks", "decode_xla"]
 
@@ -294,6 +293,18 @@ def scale_tables(config: HNLQConfig, beta, dtype):
     return scales, scales * (config.overload_radius * (1 + NORM_SLACK) + znorm)
 
 
+def norm_unit(thresholds):
+    """``2^-k`` with ``2^k`` the power of two of the largest threshold (traceable).
+
+    The lower bound on T compares block norms with the thresholds after multiplying both by
+    it: exact, and every norm up to the largest threshold then squares within float range
+    (float32 squares of the data as it is overflow from about 1.8e19, which would mark blocks
+    that fit as failed). A larger norm is beyond every threshold anyway, and a square that
+    underflows only lowers the bound.
+    """
+    return jnp.ldexp(jnp.ones((), thresholds.dtype), -jnp.frexp(thresholds[-1])[1])
+
+
 def encode_blocks(x, config: HNLQConfig, beta):
     """Encode with the overload loop; ``beta`` may be traced (the beta grid search maps it).
 
@@ -324,8 +335,9 @@ def encode_blocks(x, config: HNLQConfig, beta):
     z = [dtype.type(v) for v in config.dither_array]
     finite = jnp.all(jnp.isfinite(x), axis=-1)
     xt = x.T
-    norms = norm([jnp.where(finite, xt[j], 0) for j in range(config.d)])
-    t0 = jnp.searchsorted(thresholds, norms, method="scan_unrolled").astype(jnp.int32)
+    unit = norm_unit(thresholds)
+    norms = jnp.sqrt(sumsq([jnp.where(finite, xt[j] * unit, 0) for j in range(config.d)]))
+    t0 = jnp.searchsorted(thresholds * unit, norms, method="scan_unrolled").astype(jnp.int32)
     st = _Search(xt, t0, finite & (t0 <= config.max_T),
                  # Built from t0, so that under shard_map they carry x's varying axes.
                  jnp.broadcast_to(jnp.zeros_like(t0), (config.d, N)), jnp.full_like(t0, -1))

@@ -72,7 +72,7 @@ from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_
                              digits_of_index, index_dtype, pack_t, t_bits, unpack_t,
                              valid_blocks)
 from hnlq_jax.config import HNLQConfig, check_config
-from hnlq_jax.lattices import norm
+from hnlq_jax.lattices import sumsq
 
 __all__ = [
     "GPU_BACKENDS",
@@ -250,7 +250,8 @@ def _index_columns(idx_ref, M: int, mask, at=()):
 # ----------------------------------------------------------------------------------- encode
 
 
-def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *, config: HNLQConfig, thresholds, n: int):
+def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *, config: HNLQConfig, thresholds, unit,
+                   n: int):
     d, max_T = config.d, config.max_T
     bn = T_ref.shape[0]
     live = pl.program_id(0) * bn + _iota(bn) < n
@@ -259,11 +260,12 @@ def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *, config: HNLQConfig, thre
     finite = jnp.isfinite(x[0])
     for c in x[1:]:
         finite = finite & jnp.isfinite(c)
-    size = norm([jnp.where(finite, c, 0) for c in x])
-    # The reference's searchsorted lower bound on T, against constant thresholds.
-    t = jnp.zeros(size.shape, jnp.int32)
+    norm = jnp.sqrt(sumsq([jnp.where(finite, c * dtype.type(unit), 0) for c in x]))
+    # The reference's searchsorted lower bound on T, against constant thresholds (both in
+    # units of codec.norm_unit).
+    t = jnp.zeros(norm.shape, jnp.int32)
     for th in thresholds:
-        t = t + (dtype.type(th) < size).astype(jnp.int32)
+        t = t + (dtype.type(th) < norm).astype(jnp.int32)
     z = [dtype.type(v) for v in config.dither_array]
 
     def attempt(state):
@@ -292,11 +294,13 @@ def _encode_pallas(x, config, interpret, block, gpu_backend):
     N, d = x.shape
     with jax.ensure_compile_time_eval():
         scales, thresholds = codec.scale_tables(config, config.beta, x.dtype)
-        thresholds = [float(v) for v in np.asarray(thresholds)]
+        unit = codec.norm_unit(thresholds)
+        thresholds = [float(v) for v in np.asarray(thresholds * unit)]
+        unit = float(unit)
     S = _pow2_at_least(config.max_T + 1)
     bn = _tile(N, block)
     return pl.pallas_call(
-        functools.partial(_encode_kernel, config=config, thresholds=thresholds, n=N),
+        functools.partial(_encode_kernel, config=config, thresholds=thresholds, unit=unit, n=N),
         grid=(pl.cdiv(N, bn),),
         in_specs=[pl.BlockSpec((bn, d), lambda i: (i, 0)), pl.BlockSpec((S,), lambda i: (0,))],
         out_specs=[pl.BlockSpec((bn, config.M), lambda i: (i, 0)),

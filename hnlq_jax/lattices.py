@@ -208,15 +208,6 @@ def sumsq(cols: list):
     return acc
 
 
-def norm(cols: list):
-    """Euclidean norm of column vectors, with no overflow or underflow in the squares: the
-    columns are scaled by their largest magnitude first (float32 squares overflow from about
-    1.8e19 and the encoder's lower bound on T would take such blocks for failed)."""
-    top = functools.reduce(jnp.maximum, [jnp.abs(c) for c in cols])
-    inv = 1 / jnp.where(top > 0, top, 1)
-    return top * jnp.sqrt(sumsq([c * inv for c in cols]))
-
-
 def floor_div(N, D: int):
     """``floor(N / D)`` for an integer array ``N`` and a positive Python int ``D``.
 

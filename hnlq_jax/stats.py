@@ -217,11 +217,11 @@ def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step
     """
     x, grid, scale = _grid_args(x, config, criterion, num, step, scale, "search_beta")
     if isinstance(scale, str):
-        # Relative to the largest entry: squares of tiny (or huge) data would underflow (or
-        # overflow) float32.
+        # Relative to the power of two of the largest entry (exact: the RMS of ordinary data is
+        # unchanged bit for bit), else squares of tiny or huge data under- or overflow float32.
         top = jnp.max(jnp.abs(x))
-        top = jnp.where(top > 0, top, 1)
-        rms = top * jnp.sqrt(jnp.mean(jnp.square(x / top)))
+        e = jnp.frexp(jnp.where(top > 0, top, 1))[1]
+        rms = jnp.ldexp(jnp.sqrt(jnp.mean(jnp.square(jnp.ldexp(x, -e)))), e)
         scale = jnp.where(rms > 0, rms, 1)
     betas = scale * jnp.asarray(grid, x.dtype)
     (mse, _, _, f, _), _ = _beta_grid(x, config, betas)

@@ -167,3 +167,16 @@ def test_gaussian_beta_first_called_under_jit():
     got = jax.jit(lambda v: v * hq.gaussian_beta(cfg))(jnp.float32(1.0))
     beta = hq.gaussian_beta(cfg)
     assert isinstance(beta, float) and float(got) == np.float32(beta)
+
+
+def test_search_beta_rms_is_exact():
+    """search_beta's default scale is the float32 RMS of x bit for bit (the rescaling that
+    guards tiny and huge data is by a power of two), so data scaled by 2^k gets exactly
+    2^k times the beta."""
+    cfg = hq.HNLQConfig("D4", 4, 2)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((500, 4)), jnp.float32)
+    rms = float(jnp.sqrt(jnp.mean(jnp.square(x))))
+    beta = float(search_beta(x, cfg, num=8))
+    assert beta == float(search_beta(x, cfg, num=8, scale=rms))
+    for k in (-70, 62):
+        assert float(search_beta(x * 2.0**k, cfg, num=8)) == beta * 2.0**k

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax.config import HNLQConfig, check_config
+from hnlq_jax.config import HNLQConfig, check_config, saved_int
 
 __all__ = ["Codes", "FORMAT_VERSION", "index_dtype", "t_bits", "logical_shape", "saved_header",
            "check_saved_header"]
@@ -85,8 +85,7 @@ def check_saved_header(state, config: HNLQConfig, where: str, remedy: str) -> HN
         raise ValueError(f"{where}: expected saved HNLQ codes with a format_version and a config, "
                          f"got {got}")
     version = state["format_version"]
-    if (not isinstance(version, (int, np.integer)) or isinstance(version, bool)
-            or version != FORMAT_VERSION):
+    if saved_int(version) != FORMAT_VERSION:
         raise ValueError(f"{where}: the codes were saved in format version {version!r}; this "
                          f"version of hnlq_jax reads format version {FORMAT_VERSION}: quantize "
                          "again with this version")

@@ -11,7 +11,7 @@ import numpy as np
 
 from hnlq_jax.lattices import Lattice, closest_point, lattice
 
-__all__ = ["HNLQConfig", "check_config"]
+__all__ = ["HNLQConfig", "check_config", "saved_int"]
 
 MAX_Q_POW_M = 2**20  # keeps every integer of the encoder and decoder inside int32 (docs/math.md)
 MAX_T_CAP = 127  # T + 1 is stored in at most 8 bits
@@ -172,3 +172,13 @@ def beta_min(name: str, q: int, M: int) -> float:
 def pow2_table(alpha: float, max_T: int) -> np.ndarray:
     """``2**(alpha*t)`` for t = 0..max_T, in float64 with Python's pow (as the reference)."""
     return np.array([2.0 ** (alpha * t) for t in range(max_T + 1)], dtype=np.float64)
+
+
+def saved_int(value) -> int | None:
+    """An integer field of a saved artifact (format version, sizes, seeds) as an ``int``: a
+    Python int, NumPy integer or 0-d integer array (as a checkpoint may restore it); ``None``
+    for anything else (a float, bool or string is refused by the caller, never truncated)."""
+    if isinstance(value, (str, bytes)):
+        return None
+    a = np.asarray(value)
+    return int(a) if a.ndim == 0 and a.dtype.kind in "iu" else None

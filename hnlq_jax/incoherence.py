@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hnlq_jax.config import saved_int
+
 __all__ = ["KIND", "MAX_MIXER", "ROTATION_VERSION", "Rotation", "mixer", "paley_hadamard",
            "signs", "split_size"]
 
@@ -151,16 +153,6 @@ def _transform(x, rot: Rotation, ct, inverse: bool):
     return y.astype(x.dtype)
 
 
-def _saved_int(v):
-    """An integer field of a saved rotation: an int, NumPy integer or 0-d integer array (as a
-    checkpoint restores it); anything else (a float, bool or string) is refused, not
-    truncated into another rotation."""
-    a = np.asarray(v) if not isinstance(v, (str, bytes)) else np.asarray(None)
-    if a.ndim != 0 or a.dtype.kind not in "iu":
-        raise ValueError(f"Rotation.from_dict: invalid fields: expected integers, got {v!r}")
-    return int(a)
-
-
 @dataclasses.dataclass(frozen=True)
 class Rotation:
     """The randomized orthogonal transform ``R = diag(s) K`` of size ``n`` (module docstring).
@@ -204,11 +196,14 @@ class Rotation:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"Rotation.from_dict: expected a dict with kind, version, n and "
                              f"seed, got {got}")
-        if state["kind"] != KIND or _saved_int(state["version"]) != ROTATION_VERSION:
+        if state["kind"] != KIND or saved_int(state["version"]) != ROTATION_VERSION:
             raise ValueError(f"Rotation.from_dict: saved kind {state['kind']!r} version "
                              f"{state['version']!r}; this version reads {KIND!r} version "
                              f"{ROTATION_VERSION}")
-        n, seed = _saved_int(state["n"]), _saved_int(state["seed"])
+        n, seed = saved_int(state["n"]), saved_int(state["seed"])
+        if n is None or seed is None:  # a float or string is refused, never truncated
+            raise ValueError(f"Rotation.from_dict: invalid fields: expected integers n and "
+                             f"seed, got {state['n']!r}, {state['seed']!r}")
         try:
             return cls(n, seed)
         except (TypeError, ValueError) as e:

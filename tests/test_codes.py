@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import hnlq_jax as hq
-from hnlq_jax.codes import index_dtype, pack_t, t_bits, unpack_t
+from hnlq_jax.codes import check_saved_header, index_dtype, pack_t, saved_header, t_bits, unpack_t
 
 D4 = hq.HNLQConfig("D4", 4, 2, beta=0.2016)
 E8 = hq.HNLQConfig("E8", 4, 2, beta=0.2)
@@ -162,3 +162,21 @@ def test_matmul_bad_input_and_empty():
     with pytest.raises(ValueError, match="blocks \\[n, nb\\]"):
         hq.matmul(np.ones((2, 4), np.float32), hq.encode(np.ones((4, 4), np.float32), D4))
     assert hq.matmul(np.ones((0, 8), np.float32), rc).shape == (0, 4)
+
+
+@pytest.mark.parametrize("version", [hq.FORMAT_VERSION, np.int64(hq.FORMAT_VERSION),
+                                     np.asarray(hq.FORMAT_VERSION), jnp.asarray(hq.FORMAT_VERSION)],
+                         ids=["int", "numpy-int", "numpy-0d", "jax-0d"])
+def test_saved_header_reads_integer_versions(version):
+    """A checkpoint may hand the version back as a NumPy scalar or 0-d array: the integer."""
+    cfg = hq.HNLQConfig("D4", 4, 2, dither=(0.1, 0.0, 0.0, 0.0))
+    state = {**saved_header(cfg), "format_version": version}
+    assert check_saved_header(state, cfg, "load", "") == cfg
+
+
+@pytest.mark.parametrize("version", [1.0, "1", True, np.asarray([1])],
+                         ids=["float", "str", "bool", "1d"])
+def test_saved_header_refuses_other_versions(version):
+    cfg = hq.HNLQConfig("D4", 4, 2)
+    with pytest.raises(ValueError, match="load: the codes were saved in format version"):
+        check_saved_header({**saved_header(cfg), "format_version": version}, cfg, "load", "")

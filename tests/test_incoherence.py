@@ -146,10 +146,10 @@ def test_save_and_load():
                        ({"n": 4}, "expected a dict"), ([], "expected a dict"),
                        ({**state, "n": 0}, "invalid"),
                        # never truncated into another rotation
-                       ({**state, "n": 1536.5}, "expected integers, got 1536.5"),
-                       ({**state, "seed": 2.7}, "expected integers, got 2.7"),
-                       ({**state, "n": "1536"}, "expected integers, got '1536'"),
-                       ({**state, "version": True}, "expected integers, got True")]:
+                       ({**state, "n": 1536.5}, "expected integers n and seed, got 1536.5"),
+                       ({**state, "seed": 2.7}, r"expected integers n and seed, got 1536, 2\.7"),
+                       ({**state, "n": "1536"}, "expected integers n and seed, got '1536'"),
+                       ({**state, "version": True}, "version True")]:
         with pytest.raises(ValueError, match=match):
             Rotation.from_dict(bad)
 

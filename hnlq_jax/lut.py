@@ -123,7 +123,7 @@ def two_sided(config: HNLQConfig) -> jax.Array:
 
     Returns:
       ``[q^d, q^d]`` in the smallest integer dtype that holds it exactly (int8 for D4 q <= 6,
-      Z2 and A2 q <= 12, E8 q = 2). For A2 the entries are half-integers and the table holds
+      Z2 q <= 15, A2 q <= 14, E8 q = 2). For A2 the entries are half-integers and the table holds
       ``2 * LUT`` (see :func:`table_den`).
 
     Raises:

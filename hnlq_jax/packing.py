@@ -420,7 +420,10 @@ def _dtype_name(dtype) -> str:
 def _named_dtype(name: str):
     """The floating dtype a header's scale names (inverse of :func:`_dtype_name`)."""
     try:
-        dtype = np.dtype(name) if name[:1] in "<>=|" else jnp.dtype(name)
+        # '<V2' is how the writer named bfloat16 before it wrote names (no other float it
+        # keeps is a 2-byte NumPy void).
+        dtype = (jnp.dtype(jnp.bfloat16) if name == "<V2" else
+                 np.dtype(name) if name[:1] in "<>=|" else jnp.dtype(name))
     except (TypeError, ValueError):
         dtype = None
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):

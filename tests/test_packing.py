@@ -120,6 +120,24 @@ def test_big_endian_scales_read_exactly():
     np.testing.assert_array_equal(hq.decode(back), hq.decode(codes))
 
 
+def test_bfloat16_scales_named_as_numpy_void_read_back():
+    """Before the header named bfloat16, it wrote NumPy's '<V2' for it: such files read too."""
+    codes = hq.encode_rows(np.random.default_rng(4).standard_normal((5, 12)), hq.HNLQConfig())
+    codes = hq.Codes(codes.index, codes.tfield, codes.config,
+                     scale=codes.scale.astype(jnp.bfloat16), n=codes.n)
+    b = hq.pack(codes).to_bytes()
+    (hlen,) = struct.unpack("<I", b[8:12])
+    header = json.loads(b[12:12 + hlen])
+    assert header["scale"] == ["bfloat16", [5]]
+    header["scale"][0] = "<V2"
+    head = json.dumps(header, sort_keys=True).encode()
+    out = b[:8] + struct.pack("<I", len(head)) + head + b[12 + hlen:-4]
+    out += struct.pack("<I", zlib.crc32(out))
+    back = hq.unpack(hq.Packed.from_bytes(out))
+    assert back.scale.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(back.scale, codes.scale)
+
+
 def test_label_bits_known():
     """Little-endian digits: labels (1, 2, 3, 0) at q = 4 pack to 0b00111001 = 57; at q = 3
     the 17-digit chunk (1, 2, 0, ...) is 1 + 2*3 = 7 in 27 bits."""

@@ -145,8 +145,36 @@ def flat_index(b: list, q: int):
 
 
 def _lookup(b: list, config: HNLQConfig) -> list:
-    """Codebook columns ``r(b)`` (P coordinates) for label columns ``b``."""
-    return lookup_index(flat_index(b, config.q), config)
+    """Codebook columns ``r(b)`` (P coordinates) for label columns ``b``.
+
+    A row's d coordinates are packed into one 32-bit word where they fit (E8 q <= 4: 4 bits a
+    coordinate), so one gather and shifts replace d gathers: XLA:CPU gathers element by
+    element, and the packed E8 q=4 table is 256 KiB instead of 2 MiB (E8 encode about 1.1x
+    faster at 10^6 blocks in an interleaved A/B on a 2-core CPU; decode, whose D4 tables are
+    tiny, measured faster with column gathers and keeps them).
+    """
+    k = flat_index(b, config.q)
+    packed = packed_codebook(config.lattice, config.q)
+    if packed is None:
+        return lookup_index(k, config)
+    words, bits, low = packed
+    w = jnp.asarray(words)[k.astype(jnp.int32)]
+    mask = jnp.uint32((1 << bits) - 1)
+    return [((w >> jnp.uint32(bits * i)) & mask).astype(jnp.int32) + low
+            for i in range(config.d)]
+
+
+@functools.lru_cache(maxsize=None)
+def packed_codebook(lattice: str, q: int):
+    """``(words [q^d] uint32, bits, low)``: codebook row k as ``sum_i (r_i - low) 2^(bits i)``,
+    or ``None`` where d coordinates of ``bits`` bits do not fit 32."""
+    table = codebook_table(lattice, q).astype(np.int64)
+    low = int(table.min())
+    bits = max(1, int(table.max() - low).bit_length())
+    if bits * table.shape[1] > 32:
+        return None
+    words = np.sum((table - low) << (bits * np.arange(table.shape[1])), axis=1)
+    return words.astype(np.uint32), bits, low
 
 
 def lookup_index(k, config: HNLQConfig) -> list:

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hnlq_jax as hq
-from hnlq_jax.codec import encode_at, encoder_states, index_from_digits, lattice_sum
+from hnlq_jax.codec import (codebook_table, encode_at, encoder_states, index_from_digits,
+                            lattice_sum, packed_codebook)
 from hnlq_jax.codes import index_from_labels, labels_of_index
 from hnlq_jax.lattices import columns
 
@@ -471,3 +472,20 @@ def test_decode_bad_input():
     # Under jit the values are not known: an out-of-range block decodes to NaN.
     out = jax.jit(hq.decode)(bad)
     assert np.all(np.isnan(out[0])) and np.all(np.isfinite(out[1:]))
+
+
+@pytest.mark.parametrize("lattice, q, bits", [("E8", 2, 3), ("E8", 3, 4), ("E8", 4, 4),
+                                              ("D4", 4, 3), ("D12", 3, None)])
+def test_packed_codebook_holds_the_codebook(lattice, q, bits):
+    """The encoder's packed rows (one uint32 per codebook row) unpack to the codebook exactly;
+    a codebook whose d coordinates need more than 32 bits is not packed."""
+    packed = packed_codebook(lattice, q)
+    table = codebook_table(lattice, q)
+    if bits is None:
+        assert int(table.max() - table.min()).bit_length() * table.shape[1] > 32
+        assert packed is None
+        return
+    words, b, low = packed
+    assert b == bits and words.dtype == np.uint32 and low == table.min()
+    unpacked = (words[:, None].astype(np.int64) >> (b * np.arange(table.shape[1]))) % 2**b + low
+    np.testing.assert_array_equal(unpacked, table)

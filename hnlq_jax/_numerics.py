@@ -2,6 +2,7 @@
 
 * the overload scale ``2^(alpha T)`` of a block, from its T field value ``u = T + 1``;
 * the level weights ``q^m``;
+* the dtype decoded weights are held and products summed in (:func:`wide_dtype`);
 * the straight-through estimator (forward: the quantized value; backward: the incoming
   gradient, optionally masked).
 """
@@ -14,7 +15,7 @@ import numpy as np
 
 from hnlq_jax.config import HNLQConfig, pow2_table
 
-__all__ = ["pow2", "overload_scale", "level_weights", "straight_through"]
+__all__ = ["pow2", "overload_scale", "level_weights", "straight_through", "wide_dtype"]
 
 
 def pow2(config: HNLQConfig, dtype) -> jax.Array:
@@ -57,3 +58,9 @@ def _st_bwd(mask, g):
 
 
 straight_through.defvjp(_st_fwd, _st_bwd)
+
+
+def wide_dtype(dtype):
+    """The dtype a matmul decodes its weight in and sums in, for activations of ``dtype``:
+    float32, or float64 for float64 activations (under x64)."""
+    return jnp.promote_types(dtype, jnp.float32)

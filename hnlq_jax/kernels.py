@@ -496,8 +496,9 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
 
     Returns:
       ``[..., n]`` in ``out_dtype``: the products of the reference's decoded weights (float32,
-      float64 for a float64 ``compute_dtype``), summed in that dtype in another order than :func:`hnlq_jax.matmul`'s ``"xla"`` path (equal bit for
-      bit whenever each sum has one nonzero term, e.g. one-hot rows of x).
+      float64 for a float64 ``compute_dtype``), summed in that dtype in another order than
+      :func:`hnlq_jax.matmul`'s ``"xla"`` path (equal bit for bit whenever each sum has one
+      nonzero term, e.g. one-hot rows of x).
 
     Raises:
       ValueError, TypeError: codes that are not ``[n, nb]`` weight codes, a mismatched ``x``,
@@ -530,7 +531,7 @@ def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, b
     Bp, nbp = pl.cdiv(B, bb) * bb, pl.cdiv(nb, bk) * bk
     # Activations only are re-laid out: coordinate planes [d, Bp, nbp], zero-padded.
     xp = jnp.pad(x, ((0, Bp - B), (0, nbp * d - k))).reshape(Bp, nbp, d).transpose(2, 0, 1)
-    wide = jnp.promote_types(compute, jnp.float32)  # decoded weight and accumulation
+    wide = _numerics.wide_dtype(compute)  # decoded weight and accumulation
     pow2, beta = _tables(config, wide)
     scaled = codes.scale is not None
     extra = ([codes.scale.astype(wide)] if scaled else []) \

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import codec, kernels, lut
-from hnlq_jax._numerics import straight_through
+from hnlq_jax._numerics import straight_through, wide_dtype
 from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes, is_concrete,
                             pack_t, row_length, unpack_t)
 from hnlq_jax.config import HNLQConfig, check_config
@@ -333,7 +333,7 @@ def _dense_weight(codes: Codes, dtype):
 
 
 def _matmul_xla(x, codes: Codes):
-    wide = _wide(x.dtype)
+    wide = wide_dtype(x.dtype)
     w = _dense_weight(codes, wide)
     if codes.scale is not None:
         w = w * codes.scale.astype(wide)[:, None]
@@ -343,19 +343,13 @@ def _matmul_xla(x, codes: Codes):
     return y.astype(out_dtype)
 
 
-def _wide(dtype):
-    """The dtype of the decoded weight and of the accumulation: float32, or float64 for
-    float64 activations (under x64)."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def _compute_dtypes(dtype):
     """``(compute, output)`` dtypes: bfloat16 runs a bfloat16 product with float32
     accumulation; float16 (too narrow a range for the product) a float32 one rounded back to
     float16, as a half-precision layer's output; others at least float32."""
     if dtype == jnp.bfloat16:
         return dtype, dtype
-    wide = _wide(dtype)
+    wide = wide_dtype(dtype)
     return wide, (dtype if dtype == jnp.float16 else wide)
 
 
@@ -375,7 +369,7 @@ def _matmul_fwd(x, codes, impl, interpret):
 
 def _matmul_bwd(impl, interpret, res, g):
     x, codes = res
-    wide = _wide(x.dtype)
+    wide = wide_dtype(x.dtype)
     w = _dense_weight(codes, wide)  # [n, k], unscaled
     g = g.astype(wide)
     gs = g if codes.scale is None else g * codes.scale.astype(wide)

@@ -101,6 +101,13 @@ class BetaSearch(NamedTuple):
     best: int
 
 
+def _top_exponent(x):
+    """``e`` with the largest ``|x|`` in ``[2^(e-1), 2^e)`` (1 for all-zero ``x``): dividing by
+    ``2^e`` is exact and brings the data near 1."""
+    top = jnp.max(jnp.abs(x))
+    return jnp.frexp(jnp.where(top > 0, top, 1))[1]
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _beta_grid(x, config, betas):
     """Per beta: ``(mse, H(T), rate, f, overload rate)``, with mse and f in units of ``4^e``
@@ -108,8 +115,7 @@ def _beta_grid(x, config, betas):
     that brings the largest entry of ``x`` into [0.5, 1): ``x / beta`` is unchanged bit for bit
     (up to entries 2^126 times smaller than the largest, which may flush to zero), and the
     squared errors of tiny or huge data neither underflow nor overflow float32."""
-    top = jnp.max(jnp.abs(x))
-    e = jnp.frexp(jnp.where(top > 0, top, 1))[1]
+    e = _top_exponent(x)
     x, betas = jnp.ldexp(x, -e), jnp.ldexp(betas, -e)
 
     def one(beta):
@@ -219,8 +225,7 @@ def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step
     if isinstance(scale, str):
         # Relative to the power of two of the largest entry (exact: the RMS of ordinary data is
         # unchanged bit for bit), else squares of tiny or huge data under- or overflow float32.
-        top = jnp.max(jnp.abs(x))
-        e = jnp.frexp(jnp.where(top > 0, top, 1))[1]
+        e = _top_exponent(x)
         rms = jnp.ldexp(jnp.sqrt(jnp.mean(jnp.square(jnp.ldexp(x, -e)))), e)
         scale = jnp.where(rms > 0, rms, 1)
     betas = scale * jnp.asarray(grid, x.dtype)

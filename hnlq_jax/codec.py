@@ -365,7 +365,11 @@ def encode_blocks(x, config: HNLQConfig, beta):
     xt = x.T
     unit = norm_unit(thresholds)
     norms = jnp.sqrt(sumsq([jnp.where(finite, xt[j] * unit, 0) for j in range(config.d)]))
-    t0 = jnp.searchsorted(thresholds * unit, norms, method="scan_unrolled").astype(jnp.int32)
+    # The number of thresholds below the norm (searchsorted's left index), as a reduction:
+    # XLA:CPU computes it once, where it fused searchsorted's unrolled scan into every consumer
+    # of t0, the per-coordinate selects of the first attempt included (D4 encode about 1.2x
+    # faster at 10^6 blocks, interleaved A/B on a 2-core CPU; codes unchanged).
+    t0 = jnp.sum(thresholds * unit < norms[:, None], axis=1, dtype=jnp.int32)
     st = _Search(xt, t0, finite & (t0 <= config.max_T),
                  # Built from t0, so that under shard_map they carry x's varying axes.
                  jnp.broadcast_to(jnp.zeros_like(t0), (config.d, N)), jnp.full_like(t0, -1))

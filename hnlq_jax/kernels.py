@@ -261,8 +261,8 @@ def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *, config: HNLQConfig, thre
     for c in x[1:]:
         finite = finite & jnp.isfinite(c)
     norm = jnp.sqrt(sumsq([jnp.where(finite, c * dtype.type(unit), 0) for c in x]))
-    # The reference's searchsorted lower bound on T, against constant thresholds (both in
-    # units of codec.norm_unit).
+    # The reference's lower bound on T, the number of thresholds below the norm, against
+    # constant thresholds (both in units of codec.norm_unit).
     t = jnp.zeros(norm.shape, jnp.int32)
     for th in thresholds:
         t = t + (dtype.type(th) < norm).astype(jnp.int32)

@@ -156,7 +156,8 @@ def test_state_dict_reloads_exactly_and_refuses_other_configs():
     sd = a.state_dict()
     assert {"weight", "bias", "beta", "index", "tfield", "scale", "step", "_extra_state"} == set(sd)
     assert sd["_extra_state"] == {"format_version": hq.FORMAT_VERSION,
-                                  "config": dataclasses.asdict(CFG.replace(beta=1.0))}
+                                  "config": dataclasses.asdict(CFG.replace(beta=1.0)),
+                                  "in_features": 64}
     b = _reload(QLinear(64, 8, CFG), sd).eval()  # another random init, then the saved state
     assert torch.equal(b(x), a(x)) and float(b.beta) == float(a.beta)
     # another config: refused before anything is written, naming both configs
@@ -372,6 +373,20 @@ def test_quantized_state_dict_round_trip_and_errors():
         layer.load_state_dict({**one, "index": one["index"].long()})
     with pytest.raises(ValueError, match="expected saved HNLQ codes with a format_version and a config"):
         layer.load_state_dict({**one, "_extra_state": None})
+    # in_features 13 and 16 have the same block shape: only the saved row length tells them apart
+    # (columns 13-15 would be dropped silently); codes without their header are refused even
+    # under strict=False (nothing says their config), before any buffer is written
+    short = QuantizedLinear(13, 4, CFG, bias=False)
+    before = {k: v.clone() for k, v in short.state_dict().items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match="in_features = 16, the layer has in_features = 13"):
+        short.load_state_dict(one)
+    headless = {k: v for k, v in one.items() if k != "_extra_state"}
+    with pytest.raises(ValueError, match="holds codes but no '_extra_state'"):
+        short.load_state_dict(headless, strict=False)
+    assert all(torch.equal(before[k], v) for k, v in short.state_dict().items()
+               if isinstance(v, torch.Tensor))
+    layer.load_state_dict({**one, "_extra_state": {k: v for k, v in one["_extra_state"].items()
+                                                   if k != "in_features"}})  # written before
     bad = QuantizedLinear(16, 4, CFG.replace(q=3, max_T=6), bias=False)
     with pytest.raises(ValueError, match="codebook index out of range"):  # 3^4 = 81 <= index
         bad.load_state_dict({**one, "index": torch.full_like(one["index"], 200),

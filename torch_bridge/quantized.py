@@ -10,10 +10,12 @@ float32 scale and bias per output.
 
 **State dict** (:class:`CodesLayer`): buffers ``index [out, nb, M]``, ``tfield`` (uint8) and
 ``scale [out]``, the ``bias`` parameter, and an ``_extra_state`` recording
-:data:`hnlq_jax.FORMAT_VERSION` and the codes' config. No float weight is stored. Loading a state
-dict written in another format version or with another config (beta aside: it lives in the
-scales) raises ``ValueError`` naming both, before any buffer is written; corrupted codes (an
-index ``>= q^d``, a T field above ``max_T + 1``) raise too.
+:data:`hnlq_jax.FORMAT_VERSION`, the codes' config and ``in_features``. No float weight is
+stored. Loading a state dict written in another format version, with another config (beta
+aside: it lives in the scales) or another ``in_features``, or codes without their
+``_extra_state`` (also under ``strict=False``) raises ``ValueError`` naming both, before any
+buffer is written; corrupted codes (an index ``>= q^d``, a T field above ``max_T + 1``) raise
+too.
 
 **Forward**: ``torch.ops.hnlq.matmul`` (:func:`hnlq_jax.matmul`, bit for bit) plus the bias,
 also under ``torch.compile(fullgraph=True)``.
@@ -119,9 +121,10 @@ class CodesLayer:
         return torch.ops.hnlq.matmul(x, self.index, self.tfield, self.scale, self.in_features,
                                      self.implementation, *self._op_config)
 
-    # -- state dict: format version and config travel with the codes
+    # -- state dict: format version, config and row length travel with the codes
     def get_extra_state(self) -> dict:
-        return saved_header(self.codes_config)
+        # in_features too: the codes' shape holds it only rounded up to whole d-blocks.
+        return {**saved_header(self.codes_config), "in_features": self.in_features}
 
     def set_extra_state(self, state):
         self._check_saved(state, type(self).__name__)
@@ -129,6 +132,11 @@ class CodesLayer:
     def _check_saved(self, state, where: str):
         check_saved_header(state, self.codes_config, where,
                            "build the layer with the saved config")
+        # Absent from state dicts written before it was recorded: nothing to check there.
+        if "in_features" in state and state["in_features"] != self.in_features:
+            raise ValueError(f"{where}: the codes were saved from a weight with in_features = "
+                             f"{state['in_features']!r}, the layer has in_features = "
+                             f"{self.in_features}; build the layer with the saved shape")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -140,6 +148,11 @@ class CodesLayer:
         extra = prefix + "_extra_state"
         if extra in state_dict:  # checked before any buffer is overwritten
             self._check_saved(state_dict[extra], where)
+        elif any(prefix + name in state_dict for name in _CODES):
+            # Without the header nothing says which config or format the codes are in.
+            raise ValueError(f"{where}: the state dict holds codes but no {extra!r} (their "
+                             "format version and config); load a complete state dict as "
+                             "saved by state_dict()")
         for name in ("index", "tfield"):
             t = state_dict.get(prefix + name)
             if t is not None and t.dtype != getattr(self, name).dtype:

@@ -52,7 +52,7 @@ import numpy as np
 from hnlq_jax import ops, ptq
 from hnlq_jax._numerics import straight_through
 from hnlq_jax.codes import Codes, check_codes, check_saved_header, is_concrete, saved_header
-from hnlq_jax.config import HNLQConfig, check_config
+from hnlq_jax.config import HNLQConfig, check_config, saved_int
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.rows import bucket_rows, calibrate_rows, check_finite_weight, rows_codes, unit
 from hnlq_jax.stats import gaussian_beta
@@ -416,7 +416,7 @@ def _codes_in(collection) -> dict:
 
 
 def _layers(variables, fn: str) -> dict:
-    if not isinstance(variables, dict) or COLLECTION not in variables:
+    if not (isinstance(variables, dict) and isinstance(variables.get(COLLECTION), dict)):
         raise ValueError(f"{fn}: expected variables with a {COLLECTION!r} collection (from "
                          "QDense.init or export_params)")
     layers = _codes_in(variables[COLLECTION])
@@ -514,9 +514,10 @@ def import_params(saved, config: HNLQConfig):
         (the message names both), or corrupted codes.
     """
     check_config(config, "import_params")
+    layers = _layers(saved, "import_params")
     params = saved.get("params", {})
     hnlq = {}
-    for path, record in _layers(saved, "import_params").items():
+    for path, record in layers.items():
         where = f"import_params: layer {_layer_name(path)}"
         if isinstance(record, Codes):
             record = _codes_state(record)
@@ -735,7 +736,10 @@ def _codes_from_state(state, config: HNLQConfig, where: str) -> Codes:
         raise ValueError(f"{where}: expected saved hnlq_jax.Codes with keys {sorted(keys)}, "
                          f"got {sorted(state)}")
     scale = None if state["scale"] is None else jnp.asarray(state["scale"])
-    n = None if state["n"] is None else int(state["n"])
+    n = None if state["n"] is None else saved_int(state["n"])
+    if state["n"] is not None and (n is None or n < 0):
+        raise ValueError(f"{where}: the saved row length n must be an int >= 0 or None, got "
+                         f"{state['n']!r}; save the codes again")
     codes = Codes(jnp.asarray(state["index"]), jnp.asarray(state["tfield"]), saved, scale=scale,
                   n=n)
     return check_codes(codes, where)

@@ -574,6 +574,8 @@ class Packed:
             raise TypeError("Packed.from_bytes: expected the packed data as bytes, bytearray or "
                             "memoryview (for a file, Path(file).read_bytes()), got "
                             f"{type(buf).__name__}")
+        if config is not None:
+            check_config(config, "Packed.from_bytes")
         buf = bytes(buf)
         if not buf.startswith(_MAGIC):
             raise ValueError("Packed.from_bytes: not HNLQ packed data (bad magic bytes)")
@@ -587,8 +589,8 @@ class Packed:
             raise _bad_header(f"its length {hlen} runs past the data ({len(buf)} bytes)")
         try:
             h = json.loads(buf[12:12 + hlen])
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-            raise _bad_header(f"not JSON ({e})") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting
+            raise _bad_header(f"not JSON ({type(e).__name__})") from None
         if not isinstance(h, dict):
             raise _bad_header(f"expected a JSON object, got {type(h).__name__}")
         _check_fields(h, _HEADER, "", keys=("version",))
@@ -604,6 +606,13 @@ class Packed:
             made = HNLQConfig(**cd)
         except (TypeError, ValueError) as e:
             raise _bad_header(f"its config is not valid: {e}") from e
+        # The label bytes follow from the number of blocks: a shape that disagrees (one whose
+        # size overflows an int64 included) is refused here, not by a reshape in unpack.
+        shape, sizes = h["blocks_shape"], h["sizes"]
+        if (max(shape, default=0) >= 2**62
+                or -(-label_bits(made, math.prod(shape)) // 8) != sizes[0]):
+            raise _bad_header(f"blocks_shape {shape} does not match its {sizes[0]} bytes of "
+                              f"labels for {made.lattice} q={made.q} M={made.M}")
         scale_dtype = None if h["scale"] is None else _named_dtype(h["scale"][0])
         # Row codes (those with scales) are made at beta = 1, theirs lives in the row scales:
         # the config they were made from matches whatever its beta.
@@ -612,7 +621,6 @@ class Packed:
             raise ValueError(f"Packed.from_bytes: the data was made with {made}, not {config}"
                              + (" (beta aside: row codes keep it in their scales)" if rows else ""))
         body = memoryview(buf)[12 + hlen:-4]
-        sizes = h["sizes"]
         scale_size = 0 if scale_dtype is None else math.prod(h["scale"][1]) * scale_dtype.itemsize
         if sum(sizes) + scale_size != len(body):
             raise ValueError(f"Packed.from_bytes: the header announces {sum(sizes) + scale_size} "
@@ -725,7 +733,7 @@ def unpack(packed: Packed) -> Codes:
                          f"hnlq_jax reads version {FORMAT_VERSION}")
     config = check_config(packed.config, "unpack", "Packed.config")
     lead = packed.blocks_shape
-    N = int(np.prod(lead, dtype=np.int64))
+    N = math.prod(lead)  # exact: a size beyond int64 fails the labels' size check below
     labels, tcode, rice = (jnp.asarray(a) for a in (packed.labels, packed.tcode, packed.rice))
     expect = -(-label_bits(config, N) // 8)
     for name, a, size in (("labels", labels, expect), ("tcode", tcode, None),

@@ -47,6 +47,7 @@ layout and config from the same arguments (the DDP hook checks that all ranks ag
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -160,7 +161,7 @@ def layout(size: int, config: HNLQConfig, parts: int = 1, *, chunk: int = CHUNK,
     if t_capacity is None:
         t_capacity = default_t_capacity(config)
     if isinstance(t_capacity, bool) or not (isinstance(t_capacity, (int, float))
-                                            and t_capacity > 0):
+                                            and 0 < t_capacity < math.inf):
         raise ValueError(f"wire: t_capacity must be a positive number of bits per block, got "
                          f"{t_capacity!r}")
     blocks = max(1, -(-int(size) // config.d))
@@ -264,6 +265,7 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
       ValueError: ``v`` is not a flat array of ``lay.size`` values.
       TypeError: ``v`` is not floating point.
     """
+    _check_layout(lay, "encode")
     v = jnp.asarray(v)
     if not jnp.issubdtype(v.dtype, jnp.floating):
         raise TypeError(f"wire.encode: expected floating-point values, got dtype {v.dtype}")
@@ -312,6 +314,12 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
     return payload, info
 
 
+def _check_layout(lay, fn: str):
+    if not isinstance(lay, Layout):
+        raise TypeError(f"wire.{fn}: expected a wire.Layout (from wire.layout(size, config, "
+                        f"parts)), got {type(lay).__name__}")
+
+
 def _check_payload(payload, shape: tuple, lay: Layout, fn: str):
     """``payload`` as an array; raises unless it is ``uint8[shape]``."""
     payload = jnp.asarray(payload)
@@ -332,6 +340,7 @@ def decode_part(part, lay: Layout, implementation=None, interpret=None):
     Raises:
       ValueError: ``part`` is not ``uint8 [lay.part_bytes]`` (a part of another layout).
     """
+    _check_layout(lay, "decode_part")
     part = _check_payload(part, (lay.part_bytes,), lay, "decode_part")
     config = lay.config
     impl = ops.resolve(implementation, config, "decode")
@@ -355,6 +364,7 @@ def decode(payload, lay: Layout, implementation=None, interpret=None):
       ValueError: ``payload`` is not ``uint8 [lay.parts, lay.part_bytes]`` (a payload of
         another config or layout, or truncated).
     """
+    _check_layout(lay, "decode")
     payload = _check_payload(payload, (lay.parts, lay.part_bytes), lay, "decode")
     parts = jax.vmap(functools.partial(decode_part, lay=lay, implementation=implementation,
                                        interpret=interpret))(payload)

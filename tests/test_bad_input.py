@@ -104,6 +104,15 @@ def _row_bytes() -> bytes:
     return hq.pack(hq.encode_rows(X.reshape(4, 16), C)).to_bytes()
 
 
+def _renested(depth: int = 100_000) -> bytes:
+    """``_bytes()`` with a header of ``depth`` nested JSON lists and a valid CRC-32."""
+    b = _bytes()
+    (hlen,) = struct.unpack("<I", b[8:12])
+    head = b"[" * depth + b"]" * depth
+    out = b[:8] + struct.pack("<I", len(head)) + head + b[12 + hlen:-4]
+    return out + struct.pack("<I", zlib.crc32(out))
+
+
 def _resigned(change, b: bytes | None = None) -> bytes:
     """``b`` (default ``_bytes()``) with its JSON header changed by ``change(header)`` and a
     valid CRC-32 (what another writer could produce, as opposed to corruption, which the CRC
@@ -445,6 +454,20 @@ CASES = [
                  id="unpack-scale-shape"),
     pytest.param(lambda: Packed.from_bytes("codes.bin"), TypeError,
                  r"from_bytes: .*bytes.*got str", id="bytes-given-a-path"),
+    # a shape whose size overflows int64, or disagrees with the label bytes, fails in from_bytes
+    # (it used to reach unpack: OverflowError, a reshape TypeError, a negative block count)
+    pytest.param(lambda: Packed.from_bytes(_resigned(lambda h: h.update(blocks_shape=[2**64]))),
+                 ValueError, r"from_bytes: .*header: blocks_shape \[18446744073709551616\] does "
+                 r"not match its 32 bytes of labels for D4 q=4 M=2", id="bytes-shape-overflow"),
+    pytest.param(lambda: Packed.from_bytes(_resigned(lambda h: h.update(blocks_shape=[17]))),
+                 ValueError, r"from_bytes: .*header: blocks_shape \[17\] does not match",
+                 id="bytes-shape-one-block-more"),
+    pytest.param(lambda: Packed.from_bytes(_renested()), ValueError,
+                 r"from_bytes: not a valid hnlq_jax packed header: not JSON \(RecursionError\)",
+                 id="bytes-header-nested-too-deep"),
+    pytest.param(lambda: Packed.from_bytes(_bytes(), {"lattice": "D4"}), TypeError,
+                 r"Packed\.from_bytes: config must be an HNLQConfig, got dict",
+                 id="bytes-config-dict"),
     pytest.param(lambda: hq.unpack(_packed_with(version=0)), ValueError,
                  r"unpack: the data is in format version 0, this hnlq_jax reads version 1",
                  id="unpack-another-version"),
@@ -478,6 +501,12 @@ CASES = [
     pytest.param(lambda: wire.encode(jnp.arange(64), wire.layout(64, C)), TypeError,
                  r"wire\.encode: expected floating-point values, got dtype int32",
                  id="wire-encode-int"),
+    pytest.param(lambda: wire.decode(jnp.zeros((1, 46), jnp.uint8), (1, 2, 3)), TypeError,
+                 r"wire\.decode: expected a wire\.Layout \(from wire\.layout\(size, config, "
+                 r"parts\)\), got tuple", id="wire-decode-not-a-layout"),
+    pytest.param(lambda: wire.layout(64, C, t_capacity=float("inf")), ValueError,
+                 r"wire: t_capacity must be a positive number of bits per block, got inf",
+                 id="wire-layout-infinite-t-capacity"),
     pytest.param(lambda: wire.decode(jnp.zeros((1, 46), jnp.uint8), wire.layout(64, C8)),
                  ValueError, r"wire.*payload.*\[1, 54\].*got .*\[1, 46\]",
                  id="wire-decode-payload-of-another-layout"),
@@ -616,9 +645,9 @@ CASES = [
                  r"T field holds values above max_T = 5 \(corrupted codes",
                  id="qlinear-load-corrupted-tfield"),
     pytest.param(lambda: _empty_qlinear(in_features=12).load_state_dict(_qlinear_state()),
-                 RuntimeError, r"size mismatch for index: copying a param with shape "
-                 r"torch\.Size\(\[4, 2, 2\]\).*current model is torch\.Size\(\[4, 3, 2\]\)",
-                 id="qlinear-load-another-shape"),
+                 ValueError, r"QLinear \(root\): the codes were saved from a weight with "
+                 r"in_features = 8, the layer has in_features = 12; build the layer with the "
+                 r"saved shape", id="qlinear-load-another-shape"),
     pytest.param(lambda: _empty_qlinear()(torch.zeros(2, 7)), ValueError,
                  r"QLinear: expected input \[\.\.\., 8\], got \(2, 7\)", id="qlinear-input-width"),
     pytest.param(lambda: _empty_qlinear().set_codes(tb.Codes(

@@ -524,6 +524,15 @@ def test_other_config_or_format_version_refused(variables, exported):
         hf.import_params(corrupted, CFG)
     with pytest.raises(ValueError, match=r"expected row codes of a kernel\^T \[8, 30\]"):
         QDense(8, CFG).apply(inference, X)
+    # the row length is an int as saved: 29.9 is refused, not truncated to 29
+    for n in (29.9, "30", [30]):
+        edited = {**state, "hnlq": {"codes": {**codes_state, "n": n}}}
+        with pytest.raises(ValueError, match=r"saved row length n must be an int >= 0 or None"):
+            hf.import_params(edited, CFG)
+    with pytest.raises(ValueError, match="expected variables with a 'hnlq' collection"):
+        hf.import_params({**state, "hnlq": 3}, CFG)
+    with pytest.raises(ValueError, match="expected variables with a 'hnlq' collection"):
+        hf.import_params(None, CFG)
 
 
 def test_bad_knobs():

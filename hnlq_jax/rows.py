@@ -16,12 +16,12 @@ import numpy as np
 
 from hnlq_jax import ops
 from hnlq_jax.codec import check_x, encode_blocks, to_blocks
-from hnlq_jax.codes import Codes, concrete_all, pack_t
+from hnlq_jax.codes import Codes, concrete_all, is_concrete, pack_t
 from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.stats import search_beta
 
-__all__ = ["CALIBRATION_BLOCKS", "bucket_rows", "calibrate_rows", "encode_rows", "row_rms",
-           "rows_codes", "unit"]
+__all__ = ["CALIBRATION_BLOCKS", "bucket_rows", "calibrate_rows", "check_row_failures",
+           "divide_rows", "encode_rows", "row_rms", "rows_codes", "unit"]
 
 # Blocks the per-layer beta search looks at: a fixed-size sample compiles once for every layer.
 CALIBRATION_BLOCKS = 4096
@@ -45,13 +45,23 @@ def bucket_rows(rows: int, k: int, config: HNLQConfig) -> int:
 def row_rms(w):
     """RMS of each row of ``w[..., k]`` (1 for an all-zero row, which then codes to zeros).
 
-    Computed as ``m sqrt(mean((w/m)^2))`` with ``m = max |w_row|``, so an entry near the float
-    range (1e20 squares to inf in float32) gives a finite scale instead of a NaN row.
+    Computed on the row scaled by the power of two ``2^e`` just above ``max |w_row|`` (exact),
+    so an entry near the float range (1e20 squares to inf in float32) gives a finite scale
+    instead of a NaN row. Dividing by the maximum itself is not safe: XLA:CPU multiplies by its
+    reciprocal, which flushes to zero above about 8.5e37 in float32.
     """
-    m = jnp.max(jnp.abs(w), axis=-1, keepdims=True, initial=0.0)
-    m = jnp.where(m > 0, m, 1.0)
-    rms = m[..., 0] * jnp.sqrt(jnp.mean(jnp.square(w / m), axis=-1))
+    m = jnp.max(jnp.abs(w), axis=-1, initial=0.0)
+    e = jnp.frexp(m)[1]  # 0 for an all-zero row
+    rms = jnp.ldexp(jnp.sqrt(jnp.mean(jnp.square(jnp.ldexp(w, -e[..., None])), axis=-1)), e)
     return jnp.where(rms > 0, rms, 1.0)
+
+
+def divide_rows(w, c):
+    """``w[..., k] / c[...]`` row by row, with both scaled by a power of two first (exact):
+    XLA:CPU divides by multiplying with ``1 / c``, which flushes to zero for ``c`` above about
+    8.5e37 in float32; the quotient is otherwise the same."""
+    e = jnp.frexp(c)[1][..., None]
+    return jnp.ldexp(w, -e) / jnp.ldexp(c[..., None], -e).astype(w.dtype)
 
 
 def check_finite_weight(w, fn: str, what: str = "the weight"):
@@ -87,7 +97,7 @@ def calibrate_rows(w, config: HNLQConfig):
     # row, and the search repeats blocks to its fixed sample size.
     check_finite_weight(w, "calibrate_rows")
     w = w.astype(jnp.promote_types(w.dtype, jnp.float32))
-    blocks = to_blocks(w / row_rms(w)[..., None], config.d).reshape(-1, config.d)
+    blocks = to_blocks(divide_rows(w, row_rms(w)), config.d).reshape(-1, config.d)
     idx = (jnp.arange(CALIBRATION_BLOCKS) * blocks.shape[0]) // CALIBRATION_BLOCKS
     # The search itself is compiled for the fixed sample shape: once per config, not per layer.
     # scale=1: the rows are normalized already, and beta is relative to each row's RMS.
@@ -104,7 +114,7 @@ def rows_codes(w, config: HNLQConfig, beta, implementation: str = "xla") -> Code
     """
     w = w.astype(jnp.promote_types(w.dtype, jnp.float32))  # half precision: code in float32
     c = beta * row_rms(w)
-    blocks = to_blocks(w / c[..., None].astype(w.dtype), config.d)  # [..., nb, d]
+    blocks = to_blocks(divide_rows(w, c), config.d)  # [..., nb, d]
     ucfg = unit(config)
     flat = blocks.reshape(-1, config.d)
     if implementation == "xla":
@@ -116,7 +126,25 @@ def rows_codes(w, config: HNLQConfig, beta, implementation: str = "xla") -> Code
     return codes.with_rows(scale=c, n=w.shape[-1])
 
 
-def encode_rows(w, config: HNLQConfig, *, implementation=None) -> Codes:
+def check_row_failures(codes: Codes, failures: str, fn: str):
+    """Applies ``failures`` to concrete row codes: ``"raise"`` a ``ValueError`` naming the
+    blocks that still overload at ``max_T`` (``T = -1``), ``"mark"`` nothing to do."""
+    if failures not in ops.FAILURES:
+        raise ValueError(f"{fn}: failures must be one of {ops.FAILURES}, got {failures!r}")
+    if failures == "mark" or not is_concrete(codes.tfield):
+        return
+    failed = np.asarray(codes.T) < 0
+    if failed.any():
+        first = [int(i) for i in np.argwhere(failed)[0]]
+        raise ValueError(
+            f"{fn}: {int(failed.sum())} block(s) still overload at max_T = "
+            f"{codes.config.max_T} (the first at block {first}): an entry far above its row's "
+            "RMS for beta (relative to the row RMS). Raise config.beta (see "
+            "hnlq_jax.rows.calibrate_rows) or max_T, clip the outliers, or pass "
+            "failures='mark' to mark such blocks T = -1 (they decode to NaN)")
+
+
+def encode_rows(w, config: HNLQConfig, *, implementation=None, failures: str = "raise") -> Codes:
     """Quantizes the rows of ``w[..., k]`` with a per-row scale ``c = config.beta * rms(row)``.
 
     This is the weight format of the quantized layers: ``beta`` is relative to each row's RMS
@@ -126,13 +154,16 @@ def encode_rows(w, config: HNLQConfig, *, implementation=None) -> Codes:
       w: ``[..., k]`` floating array (e.g. a weight ``[out, in]``).
       config: the quantizer; ``config.beta`` multiplies each row's RMS.
       implementation: ``None``, ``"xla"`` or ``"pallas"`` (the encoder).
+      failures: as for :func:`hnlq_jax.encode`: an eager call raises on blocks that still
+        overload at ``max_T`` (``"raise"``, default) or marks them ``T = -1`` (``"mark"``).
 
     Returns:
       Row :class:`~hnlq_jax.Codes`: ``decode(codes)`` is ``[..., k]``, ``matmul(x, codes)`` is
       ``x @ w_hat^T`` for a 2-D ``w``.
 
     Raises:
-      ValueError, TypeError: as :func:`hnlq_jax.encode` (non-finite or non-floating ``w``).
+      ValueError, TypeError: as :func:`hnlq_jax.encode` (non-finite or non-floating ``w``, an
+        entry too far above its row's RMS for ``beta 2^(alpha max_T)``).
     """
     check_config(config, "encode_rows")  # before w: swapped arguments get this error
     given = getattr(w, "dtype", None)
@@ -141,4 +172,6 @@ def encode_rows(w, config: HNLQConfig, *, implementation=None) -> Codes:
         raise ValueError("encode_rows: expected an array with a row axis [..., k]")
     check_x(to_blocks(w, config.d), config, "encode_rows", given)
     impl = ops.resolve(implementation, config, "encode")
-    return rows_codes(w, config, config.beta, impl)
+    codes = rows_codes(w, config, config.beta, impl)
+    check_row_failures(codes, failures, "encode_rows")
+    return codes

@@ -130,6 +130,38 @@ def test_extreme_entry_does_not_poison_its_row():
     assert "Codes(" in repr(jax.tree.map(jnp.shape, rc))
 
 
+@pytest.mark.parametrize("big", [1e38, 3e38])
+def test_row_near_float32_max_keeps_its_scale(big):
+    """Above about 8.5e37, XLA:CPU's reciprocal of the row maximum or scale flushed to zero: the
+    row's RMS fell back to 1 and its blocks failed (NaN) or coded as zeros."""
+    W = np.zeros((2, 8), np.float32)
+    W[0, 0], W[0, 5], W[1] = big, big / 2, np.linspace(-1, 1, 8)
+    rms = np.sqrt(np.mean(W.astype(np.float64) ** 2, axis=1))
+    np.testing.assert_allclose(hq.rows.row_rms(jnp.asarray(W)), rms, rtol=1e-6)
+    rc = hq.encode_rows(W, D4.replace(beta=hq.gaussian_beta(D4)))
+    out = np.asarray(hq.decode(rc))
+    assert np.all(rc.T >= 0) and np.all(np.isfinite(out))
+    np.testing.assert_allclose(out[0, [0, 5]], W[0, [0, 5]], rtol=0.3)
+
+
+def test_row_overload_raises_eagerly_or_is_marked():
+    """An entry ~60x its row's RMS fails at max_T: an eager call says so (it used to return
+    codes that decode to NaN), failures='mark' and jit mark the block T = -1."""
+    cfg = D4.replace(beta=hq.gaussian_beta(D4))
+    W = np.random.default_rng(0).standard_normal((2, 4096)).astype(np.float32)
+    W[0, 5] = 150.0
+    with pytest.raises(ValueError, match=r"encode_rows: 1 block\(s\) still overload at max_T = 14 "
+                                         r"\(the first at block \[0, 1\]\)"):
+        hq.encode_rows(W, cfg)
+    for rc in (hq.encode_rows(W, cfg, failures="mark"), jax.jit(hq.encode_rows, static_argnums=1)(W, cfg)):
+        T = np.asarray(rc.T)
+        assert T[0, 1] == -1 and np.sum(T < 0) == 1
+    W[0, 5] = 100.0  # within reach: encodes
+    assert np.all(np.asarray(hq.encode_rows(W, cfg).T) >= 0)
+    with pytest.raises(ValueError, match="failures must be one of"):
+        hq.encode_rows(W, cfg, failures="nan")
+
+
 @pytest.mark.parametrize("cfg", [D4, hq.HNLQConfig("E8", 2, 2, beta=0.3),
                                  D4.replace(dither=(0.01, -0.02, 0.03, 0.0))])
 def test_matmul_front_door(cfg):

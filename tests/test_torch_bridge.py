@@ -186,6 +186,12 @@ def test_bad_input():
         tb.encode_rows(torch.zeros(2, 4), "D4")
     with pytest.raises(ValueError, match="NaN or Inf"):
         tb.encode_rows(torch.tensor([[float("inf"), 1.0]]), CFG)
+    spike = torch.randn(2, 4096)
+    spike[0, 5] = 150.0  # ~60x its row's RMS: beyond max_T at the calibrated beta
+    cfg = CFG.replace(beta=hq.gaussian_beta(CFG))
+    with pytest.raises(ValueError, match=r"torch_bridge\.encode_rows: 1 block\(s\) still overload"):
+        tb.encode_rows(spike, cfg)
+    assert int((tb.encode_rows(spike, cfg, failures="mark").T < 0).sum()) == 1
     with pytest.raises(ValueError, match=r"x must be \[\.\.\., k\]"):
         tb.matmul(torch.zeros(2, 7), tb.encode_rows(torch.randn(3, 8), CFG))
     with pytest.raises(TypeError, match="expected torch tensors"):

@@ -19,7 +19,7 @@ from hnlq_jax import HNLQConfig
 from hnlq_jax.codec import check_x, to_blocks
 from hnlq_jax.codes import check_codes, logical_shape
 from hnlq_jax.ops import resolve
-from hnlq_jax.rows import rows_codes
+from hnlq_jax.rows import check_row_failures, rows_codes
 from torch_bridge import ops
 from torch_bridge.interop import to_jax, to_torch, x64_for
 
@@ -191,7 +191,8 @@ def matmul(x: torch.Tensor, codes: Codes, *, implementation=None) -> torch.Tenso
                                  *ops.config_args(codes.config))
 
 
-def encode_rows(w: torch.Tensor, config: HNLQConfig, *, beta=None, implementation=None) -> Codes:
+def encode_rows(w: torch.Tensor, config: HNLQConfig, *, beta=None, implementation=None,
+                failures: str = "raise") -> Codes:
     """Row codes of ``w[..., k]`` with per-row scales ``beta * rms(row)`` (the layers' format).
 
     :func:`hnlq_jax.rows.rows_codes` at ``beta``: with ``beta=None`` (``config.beta``) the codes
@@ -204,6 +205,9 @@ def encode_rows(w: torch.Tensor, config: HNLQConfig, *, beta=None, implementatio
       beta: ``None``, a float or a scalar tensor, relative to each row's RMS (e.g.
         :func:`hnlq_jax.rows.calibrate_rows`).
       implementation: ``None``, ``"xla"`` or ``"pallas"`` (the encoder).
+      failures: ``"raise"`` (default) a ``ValueError`` for blocks that still overload at
+        ``max_T`` (an entry far above its row's RMS for ``beta``), or ``"mark"`` them
+        ``T = -1`` (they decode to NaN), as :func:`hnlq_jax.encode_rows`.
 
     Returns:
       Row :class:`Codes` (config ``config.replace(beta=1.0)``, ``scale`` in w's dtype, at least
@@ -220,4 +224,5 @@ def encode_rows(w: torch.Tensor, config: HNLQConfig, *, beta=None, implementatio
         beta = config.beta if beta is None else to_jax(beta) if isinstance(beta, torch.Tensor) \
             else beta
         codes = rows_codes(wj, config, beta, resolve(implementation, config, "encode"))
+        check_row_failures(codes, failures, fn)
         return Codes.from_jax(codes, copy=True)

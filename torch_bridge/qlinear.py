@@ -150,7 +150,12 @@ class QLinear(CodesLayer, torch.nn.Linear):
     @torch.no_grad()
     def refresh_codes(self):
         """Re-quantizes the weight now at the stored ``beta`` (codes, scales and, with
-        ``quantize_every != 1``, the quantization error)."""
+        ``quantize_every != 1``, the quantization error).
+
+        Raises:
+          ValueError: a weight entry has grown too far above its row's RMS for the stored
+            beta (call :meth:`calibrate_beta` first, or raise ``max_T``).
+        """
         self.set_codes(encode_rows(self.weight.detach(), self.config, beta=self.beta,
                                    implementation=self.implementation))
         if self.quantize_every != 1:
@@ -172,7 +177,9 @@ class QLinear(CodesLayer, torch.nn.Linear):
         padded = torch.nn.functional.pad(flat.detach(),
                                          (0, 0, 0, bucket_rows(rows, k, self.config) - rows))
         beta = gaussian_beta(self.config) if self.calibrate else self.config.beta
-        codes = encode_rows(padded, self.config, beta=beta)
+        # Marked, as under jit in Flax: an activation row too heavy-tailed for beta decodes to
+        # NaN in this forward instead of stopping it.
+        codes = encode_rows(padded, self.config, beta=beta, failures="mark")
         x_hat = decode(codes, dtype=x.dtype)[:rows]
         proxy = flat
         if self.ste == "clipped":

@@ -85,13 +85,18 @@ def demo(args) -> dict:
 
 def rate_distortion(args) -> list:
     """Runs and prints the rate-distortion table; saves the plot and JSON when asked."""
-    print(f"beta grid search on {args.n} iid N(0,1) vectors (seed {args.seed}), float64; "
-          "each row prints when its config is done (the first ones compile)")
-    print(rd.format_table([]), flush=True)
+    shown = []
+
+    def row(p):  # the header with the first row: an invalid option is refused before either
+        if not shown:
+            print(f"beta grid search on {args.n} iid N(0,1) vectors (seed {args.seed}), "
+                  "float64; each row prints when its config is done (the first ones compile)")
+            print(rd.format_table([]))
+            shown.append(True)
+        print(rd.format_table([p]).split("\n")[1], flush=True)
+
     points = rd.rate_distortion(args.lattices, args.q, args.M, n=args.n, seed=args.seed,
-                                voronoi=not args.no_voronoi,
-                                callback=lambda p: print(rd.format_table([p]).split("\n")[1],
-                                                         flush=True))
+                                voronoi=not args.no_voronoi, callback=row)
     if args.json:
         _write_atomic(args.json, lambda t: t.write_text(json.dumps([p._asdict() for p in points],
                                                                   indent=1)))

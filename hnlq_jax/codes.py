@@ -389,10 +389,13 @@ def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
         value above ``max_T + 1`` or a non-finite row scale (corrupted codes).
     """
     if not isinstance(codes, Codes):
-        how = ("unpack packed data first: hnlq_jax.unpack(packed)"
-               if type(codes).__name__ == "Packed" else "build codes with hnlq_jax.encode or "
+        root = type(codes).__module__.split(".")[0]
+        kind = type(codes).__name__ if root == "builtins" else f"{root}.{type(codes).__name__}"
+        how = ("unpack packed data first: hnlq_jax.unpack(packed)" if kind == "hnlq_jax.Packed"
+               else "convert them with codes.to_jax()" if kind == "torch_bridge.Codes"
+               else "build codes with hnlq_jax.encode or "
                "hnlq_jax.Codes.from_labels(labels, T, config)")
-        raise TypeError(f"{fn}: expected hnlq_jax.Codes, got {type(codes).__name__}; {how}")
+        raise TypeError(f"{fn}: expected hnlq_jax.Codes, got {kind}; {how}")
     cfg = codes.config
     if not isinstance(cfg, HNLQConfig):
         raise TypeError(f"{fn}: codes carry no HNLQConfig (got {type(cfg).__name__})")

@@ -7,6 +7,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax.lattices import Lattice, closest_point, lattice
@@ -81,6 +82,12 @@ class HNLQConfig:
             raise ValueError(f"HNLQConfig.max_T must be in 0..{MAX_T_CAP}, got {self.max_T}")
         for name in ("beta", "alpha"):
             v = getattr(self, name)
+            if isinstance(v, jax.core.Tracer):
+                raise TypeError(f"HNLQConfig.{name} must be a concrete number, got a traced "
+                                "value: a config is a static (hashable) argument under jit")
+            if (getattr(v, "shape", None) == () and hasattr(v, "dtype")
+                    and jnp.issubdtype(v.dtype, jnp.floating)):
+                v = float(v)  # a 0-d NumPy or JAX array, e.g. hnlq_jax.rows.calibrate_rows
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
                 raise TypeError(f"HNLQConfig.{name} must be a real number, got {v!r}")
             if not (math.isfinite(v) and v > 0):

@@ -415,7 +415,7 @@ CASES = [
                  r"pack: sizes its output from the data, so it runs outside jit; .*use "
                  r"hnlq_jax\.wire", id="pack-under-jit"),
     pytest.param(lambda: hq.decode(_packed()), TypeError,
-                 r"decode: expected hnlq_jax\.Codes, got Packed; unpack packed data first: "
+                 r"decode: expected hnlq_jax\.Codes, got hnlq_jax\.Packed; unpack packed data first: "
                  r"hnlq_jax\.unpack\(packed\)", id="packed-decoded-without-unpack"),
     pytest.param(lambda: hq.unpack(_bytes()), TypeError,
                  r"unpack: expected hnlq_jax\.Packed, got bytes; read bytes with "
@@ -614,6 +614,13 @@ CASES = [
     pytest.param(lambda: tb.decode(_codes()), TypeError,
                  r"torch_bridge\.decode: expected torch_bridge\.Codes, got Codes \(convert with "
                  r"torch_bridge\.Codes\.from_jax\)", id="torch-decode-jax-codes"),
+    pytest.param(lambda: hq.decode(tb.encode(torch.zeros(3, 4), C)), TypeError,
+                 r"^decode: expected hnlq_jax\.Codes, got torch_bridge\.Codes; convert them with "
+                 r"codes\.to_jax\(\)", id="jax-decode-torch-codes"),
+    pytest.param(lambda: tb.QLinear(8, 4, C, implementation="lut"), ValueError,
+                 r"QLinear: implementation must be None or one of \('xla', 'pallas'\) \(the "
+                 r"layer encodes, decodes and multiplies with it\), got 'lut'",
+                 id="qlinear-lut-implementation"),
     pytest.param(lambda: tb.to_jax(torch.zeros(2, dtype=torch.float64)), TypeError,
                  r"to_jax: a torch\.float64 tensor becomes a 64-bit JAX array only in JAX's x64 "
                  r"mode.*torch_bridge\.x64_for", id="torch-to_jax-float64"),

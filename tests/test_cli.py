@@ -39,9 +39,10 @@ def test_demo_bad_arguments(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert message in err
     assert err.startswith(f"usage: python -m hnlq_jax {argv[0] if argv[0] != '--n' else 'demo'}")
+    assert "beta grid search" not in out  # rd refuses before it prints its table's header
 
 
 def test_readme_examples_run():

@@ -410,6 +410,7 @@ def test_minimal_T_exactly_max_T(max_T):
         (dict(beta=-1.0), ValueError, "beta must be finite and > 0"),
         (dict(beta=float("nan")), ValueError, "beta must be finite"),
         (dict(alpha=0.0), ValueError, "alpha must be finite and > 0"),
+        (dict(beta=np.array([0.2])), TypeError, r"beta must be a real number, got array\(\[0\.2\]\)"),
         (dict(lattice="E7"), ValueError, "unknown lattice"),
         (dict(max_T=-1), ValueError, "max_T must be in 0..127"),
         (dict(max_T=200), ValueError, "max_T must be in 0..127"),
@@ -431,6 +432,12 @@ def test_config_hashable_static():
     assert a.replace(q=3).q == 3
     with pytest.raises(Exception):
         a.q = 5  # frozen
+    # 0-d arrays (calibrate_rows returns one) become the same float, hash included
+    for beta in (np.float32(0.25), np.array(0.25), jnp.asarray(0.25, jnp.float32)):
+        c = a.replace(beta=beta)
+        assert type(c.beta) is float and c == a.replace(beta=0.25) and hash(c) == hash(a.replace(beta=0.25))
+    with pytest.raises(TypeError, match="beta must be a concrete number, got a traced value"):
+        jax.jit(lambda b: a.replace(beta=b))(0.3)
 
 
 def test_encode_bad_input():

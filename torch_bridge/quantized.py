@@ -39,6 +39,7 @@ from hnlq_jax import FORMAT_VERSION, HNLQConfig
 from hnlq_jax import ptq as hptq
 from hnlq_jax.codes import check_saved_header, index_dtype, saved_header, tfield_shape
 from hnlq_jax.incoherence import Rotation
+from hnlq_jax.ops import IMPLEMENTATIONS
 from hnlq_jax.rows import calibrate_rows, check_finite_weight, unit
 from torch_bridge import ops
 from torch_bridge.codec import Codes, decode, encode_rows
@@ -78,6 +79,12 @@ class CodesLayer:
         if not isinstance(config, HNLQConfig):
             raise TypeError(f"{type(self).__name__}: config must be an hnlq_jax.HNLQConfig, got "
                             f"{type(config).__name__}")
+        # The layers encode and decode with it too: "lut" (a matmul only) would fail later.
+        allowed = IMPLEMENTATIONS["encode"]
+        if self.implementation is not None and self.implementation not in allowed:
+            raise ValueError(f"{type(self).__name__}: implementation must be None or one of "
+                             f"{allowed} (the layer encodes, decodes and multiplies with it), "
+                             f"got {self.implementation!r}")
         self.codes_config = unit(config)
         self._op_config = ops.config_args(self.codes_config)
         lead = (self.out_features, -(-self.in_features // config.d))

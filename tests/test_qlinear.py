@@ -424,6 +424,28 @@ def test_compiled_quantized_model_bit_for_bit():
         np.testing.assert_array_equal(model(x).numpy(), _jax_linear(model[2], h))
 
 
+def test_compiled_qlinear_training_steps_match_eager():
+    """A training QLinear (refreshing its codes, quantizing activations) under torch.compile
+    breaks its graph at the JAX encoder instead of failing in Dynamo on the DLPack hand-over;
+    outputs and gradients equal eager ones step for step."""
+    torch.manual_seed(0)
+    eager = QLinear(12, 5, CFG, quantize_activations=True)
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, backend="aot_eager")
+    for step in range(2):
+        x = torch.randn(4, 12)
+        ya, yb = eager(x), compiled(x)
+        assert torch.equal(ya, yb), step
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+        assert torch.equal(eager.weight.grad, twin.weight.grad)
+        with torch.no_grad():  # the same update on both, so the next refresh sees new weights
+            for layer in (eager, twin):
+                layer.weight -= 0.1 * layer.weight.grad
+                layer.weight.grad = None
+        assert torch.equal(eager.index, twin.index) and int(eager.step) == int(twin.step)
+
+
 def test_qlinear_freezes_into_quantized_linear():
     model = torch.nn.Sequential(QLinear(12, 8, CFG), torch.nn.ReLU(),
                                 QLinear(8, 4, CFG, quantize_activations=True))

@@ -191,6 +191,9 @@ def matmul(x: torch.Tensor, codes: Codes, *, implementation=None) -> torch.Tenso
                                  *ops.config_args(codes.config))
 
 
+# Not traceable by torch.compile (DLPack hand-over to JAX): a compiled caller (a QLinear
+# training step) breaks its graph here and runs it eagerly.
+@torch.compiler.disable
 def encode_rows(w: torch.Tensor, config: HNLQConfig, *, beta=None, implementation=None,
                 failures: str = "raise") -> Codes:
     """Row codes of ``w[..., k]`` with per-row scales ``beta * rms(row)`` (the layers' format).

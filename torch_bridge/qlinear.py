@@ -147,6 +147,9 @@ class QLinear(CodesLayer, torch.nn.Linear):
         """Sets ``beta`` from the current weight (``config.beta`` when ``calibrate=False``)."""
         self.beta.fill_(float(calibrated_beta(self.weight, self.config, self.calibrate)))
 
+    # The JAX encoder is not traceable by torch.compile: a compiled training step breaks its
+    # graph here (and in _quantize_rows) and runs the refresh eagerly.
+    @torch.compiler.disable
     @torch.no_grad()
     def refresh_codes(self):
         """Re-quantizes the weight now at the stored ``beta`` (codes, scales and, with
@@ -168,6 +171,7 @@ class QLinear(CodesLayer, torch.nn.Linear):
             w = w * _keep(self.codes().T, self.config.d, self.in_features, w.dtype)
         return torch.nn.functional.linear(x.detach().to(w.dtype), w)
 
+    @torch.compiler.disable
     def _quantize_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Straight-through per-row quantization of the activations ``x[..., k]``."""
         k = x.shape[-1]

@@ -746,6 +746,13 @@ def unpack(packed: Packed) -> Codes:
     if rice.shape[0] > config.max_T + 1:
         raise ValueError(f"unpack: {rice.shape[0]} T planes for max_T = {config.max_T} (at most "
                          f"{config.max_T + 1}): corrupted data or another config")
+    # A plane of n blocks codes at most n + 1 runs, each in at most 2 + MAX_RICE bits, so a
+    # longer stream is corrupted or padded: refused before the decoder allocates per bit.
+    most = -(-rice.shape[0] * (N + 1) * (2 + MAX_RICE) // 8)
+    if tcode.shape[0] > most:
+        raise ValueError(f"unpack: a T stream of {tcode.shape[0]} bytes is longer than any of "
+                         f"{N} blocks in {rice.shape[0]} planes (at most {most}): corrupted or "
+                         "padded data")
     if is_concrete(rice) and rice.size and int(jnp.max(rice)) > MAX_RICE:
         raise ValueError(f"unpack: Rice parameter {int(jnp.max(rice))} > {MAX_RICE}: corrupted "
                          "data")

@@ -477,6 +477,11 @@ CASES = [
     pytest.param(lambda: hq.unpack(_packed_cs(tcode=[0], rice=[0])), ValueError,
                  r"unpack: corrupted T stream \(its runs do not end at the last block",
                  id="unpack-T-stream-corrupted"),
+    # zero padding decoded "successfully" and the decoder allocated per bit (2 GB for 16 MiB)
+    pytest.param(lambda: hq.unpack(_packed_with(tcode=jnp.zeros(1 << 20, jnp.uint8))),
+                 ValueError, r"unpack: a T stream of 1048576 bytes is longer than any of 16 "
+                 r"blocks in \d+ planes \(at most \d+\): corrupted or padded data",
+                 id="unpack-T-stream-padded"),
     pytest.param(lambda: hq.unpack(_packed_cs(labels=[0xFF] * 13)), ValueError,
                  r"unpack: corrupted label bitstream: 16 block\(s\) hold a chunk above the "
                  r"largest value for q=3", id="unpack-label-chunk-corrupted"),

@@ -85,7 +85,7 @@ class HNLQConfig:
             if isinstance(v, jax.core.Tracer):
                 raise TypeError(f"HNLQConfig.{name} must be a concrete number, got a traced "
                                 "value: a config is a static (hashable) argument under jit")
-            if (getattr(v, "shape", None) == () and hasattr(v, "dtype")
+            if (isinstance(v, (np.ndarray, jax.Array)) and v.shape == ()
                     and jnp.issubdtype(v.dtype, jnp.floating)):
                 v = float(v)  # a 0-d NumPy or JAX array, e.g. hnlq_jax.rows.calibrate_rows
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):

@@ -41,8 +41,10 @@ round-trip bit for bit, and restoring codes of another config or format version 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
+import flax.core
 import flax.linen as nn
 from flax import serialization, traverse_util
 import jax
@@ -54,7 +56,8 @@ from hnlq_jax._numerics import straight_through
 from hnlq_jax.codes import Codes, check_codes, check_saved_header, is_concrete, saved_header
 from hnlq_jax.config import HNLQConfig, check_config, saved_int
 from hnlq_jax.incoherence import Rotation
-from hnlq_jax.rows import bucket_rows, calibrate_rows, check_finite_weight, rows_codes, unit
+from hnlq_jax.rows import (bucket_rows, calibrate_rows, check_finite_weight, check_row_failures,
+                           rows_codes, unit)
 from hnlq_jax.stats import gaussian_beta
 
 __all__ = [
@@ -416,7 +419,7 @@ def _codes_in(collection) -> dict:
 
 
 def _layers(variables, fn: str) -> dict:
-    if not (isinstance(variables, dict) and isinstance(variables.get(COLLECTION), dict)):
+    if not (isinstance(variables, Mapping) and isinstance(variables.get(COLLECTION), Mapping)):
         raise ValueError(f"{fn}: expected variables with a {COLLECTION!r} collection (from "
                          "QDense.init or export_params)")
     layers = _codes_in(variables[COLLECTION])
@@ -462,6 +465,8 @@ def _refresh(variables, config: HNLQConfig, fn: str):
         # Codes of a NaN kernel would decode to NaN outputs (a diverged run, exported).
         check_finite_weight(kernel, where, "the kernel [in, out]")
         flat[path + ("codes",)] = _kernel_codes(kernel, config, flat[path + ("beta",)])
+        # Eagerly, as encode_rows: a kernel entry beyond beta's reach raises (jit marks it).
+        check_row_failures(flat[path + ("codes",)], "raise", where)
         if path + ("error",) in flat:
             flat[path + ("error",)] = _decoded(flat[path + ("codes",)], kernel.T)[1]
     return {**variables, COLLECTION: traverse_util.unflatten_dict(flat)}
@@ -514,6 +519,8 @@ def import_params(saved, config: HNLQConfig):
         (the message names both), or corrupted codes.
     """
     check_config(config, "import_params")
+    if isinstance(saved, Mapping):  # a FrozenDict (or one inside) reads as plain dicts
+        saved = flax.core.unfreeze(saved)
     layers = _layers(saved, "import_params")
     params = saved.get("params", {})
     hnlq = {}

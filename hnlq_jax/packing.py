@@ -746,8 +746,10 @@ def unpack(packed: Packed) -> Codes:
     if rice.shape[0] > config.max_T + 1:
         raise ValueError(f"unpack: {rice.shape[0]} T planes for max_T = {config.max_T} (at most "
                          f"{config.max_T + 1}): corrupted data or another config")
-    # A plane of n blocks codes at most n + 1 runs, each in at most 2 + MAX_RICE bits, so a
-    # longer stream is corrupted or padded: refused before the decoder allocates per bit.
+    # A plane of n <= N blocks codes at most n + 1 runs: at most 2 (n + 1) bits of unary parts
+    # and MAX_RICE bits of remainder each, so a longer stream is corrupted or padded: refused
+    # before the decoder allocates per bit. (Loose: a stream of 10^6 blocks may still be padded
+    # to tens of MB.)
     most = -(-rice.shape[0] * (N + 1) * (2 + MAX_RICE) // 8)
     if tcode.shape[0] > most:
         raise ValueError(f"unpack: a T stream of {tcode.shape[0]} bytes is longer than any of "

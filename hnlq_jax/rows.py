@@ -45,14 +45,13 @@ def bucket_rows(rows: int, k: int, config: HNLQConfig) -> int:
 def row_rms(w):
     """RMS of each row of ``w[..., k]`` (1 for an all-zero row, which then codes to zeros).
 
-    Computed on the row scaled by the power of two ``2^e`` just above ``max |w_row|`` (exact),
-    so an entry near the float range (1e20 squares to inf in float32) gives a finite scale
-    instead of a NaN row. Dividing by the maximum itself is not safe: XLA:CPU multiplies by its
-    reciprocal, which flushes to zero above about 8.5e37 in float32.
+    Computed as ``m sqrt(mean((w/m)^2))`` with ``m = max |w_row|``, so an entry near the float
+    range (1e20 squares to inf in float32) gives a finite scale instead of a NaN row; the
+    division is :func:`divide_rows`, safe up to the largest float.
     """
     m = jnp.max(jnp.abs(w), axis=-1, initial=0.0)
-    e = jnp.frexp(m)[1]  # 0 for an all-zero row
-    rms = jnp.ldexp(jnp.sqrt(jnp.mean(jnp.square(jnp.ldexp(w, -e[..., None])), axis=-1)), e)
+    m = jnp.where(m > 0, m, 1.0)
+    rms = m * jnp.sqrt(jnp.mean(jnp.square(divide_rows(w, m)), axis=-1))
     return jnp.where(rms > 0, rms, 1.0)
 
 
@@ -122,7 +121,10 @@ def rows_codes(w, config: HNLQConfig, beta, implementation: str = "xla") -> Code
     else:
         index, T = ops.encode_flat(flat, ucfg, implementation, None)
     lead = blocks.shape[:-1]
-    codes = Codes(index.reshape(lead + (config.M,)), pack_t(T.reshape(lead), ucfg), ucfg)
+    # A scale beyond the float range (beta times a row RMS near the largest float) cannot
+    # decode its row: its blocks fail (T = -1), as blocks beyond the overload reach do.
+    T = jnp.where(jnp.isfinite(c)[..., None], T.reshape(lead), -1)
+    codes = Codes(index.reshape(lead + (config.M,)), pack_t(T, ucfg), ucfg)
     return codes.with_rows(scale=c, n=w.shape[-1])
 
 
@@ -139,7 +141,8 @@ def check_row_failures(codes: Codes, failures: str, fn: str):
         raise ValueError(
             f"{fn}: {int(failed.sum())} block(s) still overload at max_T = "
             f"{codes.config.max_T} (the first at block {first}): an entry far above its row's "
-            "RMS for beta (relative to the row RMS). Raise config.beta (see "
+            "RMS for beta (relative to the row RMS), or a row scale beta * RMS beyond the float "
+            "range. Raise config.beta (see "
             "hnlq_jax.rows.calibrate_rows) or max_T, clip the outliers, or pass "
             "failures='mark' to mark such blocks T = -1 (they decode to NaN)")
 

@@ -241,6 +241,14 @@ def _nan_qdense_variables() -> dict:
     return {**variables, "params": {**variables["params"], "kernel": kernel}}
 
 
+def _drifted_qdense_variables() -> dict:
+    """The QDense training variables of :func:`_flax` with its stored beta 10^-4 of the
+    calibrated one (a kernel grown far beyond it): no block fits at max_T."""
+    variables = _flax()[1]
+    hnlq = {**variables["hnlq"], "beta": 1e-4 * variables["hnlq"]["beta"]}
+    return {**variables, "hnlq": hnlq}
+
+
 def _xfail(reason: str):
     return pytest.mark.xfail(strict=True, reason=reason)
 
@@ -568,6 +576,10 @@ CASES = [
     pytest.param(lambda: hf.export_params(_nan_qdense_variables(), C), ValueError,
                  r"^export_params: layer \(root\): the kernel \[in, out\] has 1 NaN or Inf "
                  r"entries \(the first at \[3, 1\]\)", id="flax-export-nan-kernel"),
+    # eager, as encode_rows: its codes decoded to NaN outputs without an error
+    pytest.param(lambda: hf.export_params(_drifted_qdense_variables(), C), ValueError,
+                 r"^export_params: layer \(root\): \d+ block\(s\) still overload at max_T = 14 "
+                 r"\(the first at block \[0, 0\]\)", id="flax-export-kernel-beyond-beta"),
     pytest.param(lambda: hf.refresh_codes(_nan_qdense_variables(), C), ValueError,
                  r"^refresh_codes: layer \(root\): the kernel \[in, out\] has 1 NaN",
                  id="flax-refresh-nan-kernel"),

@@ -142,6 +142,14 @@ def test_row_near_float32_max_keeps_its_scale(big):
     out = np.asarray(hq.decode(rc))
     assert np.all(rc.T >= 0) and np.all(np.isfinite(out))
     np.testing.assert_allclose(out[0, [0, 5]], W[0, [0, 5]], rtol=0.3)
+    # a row RMS near the float range times beta > 1 has no finite scale: its blocks fail
+    e8 = hq.HNLQConfig("E8", 2, 1)
+    e8 = e8.replace(beta=hq.gaussian_beta(e8))
+    assert e8.beta > 1
+    top = np.full((1, 8), 3e38, np.float32)
+    with pytest.raises(ValueError, match="row scale beta \\* RMS beyond the float range"):
+        hq.encode_rows(top, e8)
+    assert np.all(np.asarray(hq.encode_rows(top, e8, failures="mark").T) == -1)
 
 
 def test_row_overload_raises_eagerly_or_is_marked():

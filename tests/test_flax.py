@@ -531,6 +531,8 @@ def test_other_config_or_format_version_refused(variables, exported):
             hf.import_params(edited, CFG)
     with pytest.raises(ValueError, match="expected variables with a 'hnlq' collection"):
         hf.import_params({**state, "hnlq": 3}, CFG)
+    frozen = hf.import_params({**state, "hnlq": flax.core.freeze(state["hnlq"])}, CFG)
+    np.testing.assert_array_equal(frozen["hnlq"]["codes"].index, codes_state["index"])
     with pytest.raises(ValueError, match="expected variables with a 'hnlq' collection"):
         hf.import_params(None, CFG)
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from hnlq_jax import ops
 from hnlq_jax.codec import check_x, encode_blocks, to_blocks
-from hnlq_jax.codes import Codes, concrete_all, is_concrete, pack_t
+from hnlq_jax.codes import Codes, concrete_all, pack_t
 from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.stats import search_beta
 
@@ -128,12 +128,18 @@ def rows_codes(w, config: HNLQConfig, beta, implementation: str = "xla") -> Code
     return codes.with_rows(scale=c, n=w.shape[-1])
 
 
+def _all_fit(codes: Codes):
+    return codes.T >= 0
+
+
 def check_row_failures(codes: Codes, failures: str, fn: str):
     """Applies ``failures`` to concrete row codes: ``"raise"`` a ``ValueError`` naming the
     blocks that still overload at ``max_T`` (``T = -1``), ``"mark"`` nothing to do."""
     if failures not in ops.FAILURES:
         raise ValueError(f"{fn}: failures must be one of {ops.FAILURES}, got {failures!r}")
-    if failures == "mark" or not is_concrete(codes.tfield):
+    # One compiled reduction in the common case (every block fits): the T array is only
+    # brought to the host to name the failed blocks.
+    if failures == "mark" or concrete_all(codes, _all_fit):
         return
     failed = np.asarray(codes.T) < 0
     if failed.any():

@@ -257,33 +257,36 @@ def _nearest_dn(cols: list, D, u: np.ndarray):
     """``Q_{D_n}(N / D)`` (Conway & Sloane) with the tie rule. Returns ``(f, rho)`` columns."""
     fr = [_round_ties(c, D, float(ui)) for c, ui in zip(cols, u)]
     f, rho = [a for a, _ in fr], [b for _, b in fr]
+    pos = [(r > 0) | ((r == 0) & (ui > 0)) for r, ui in zip(rho, u)]
+    step = _parity_steps(f, [jnp.abs(r) for r in rho], pos, u)
+    return [fi + s for fi, s in zip(f, step)], [ri - D * s for ri, s in zip(rho, step)]
+
+
+def _parity_steps(f: list, mag: list, pos: list, u: np.ndarray) -> list:
+    """The D_n parity fix of the rounded point ``f``: the steps to add to it.
+
+    Where ``sum(f)`` is odd, the coordinate maximizing ``(mag_i, s_i u_i)`` moves one step
+    toward ``s_i`` (+1 where ``pos_i``, else -1): ``mag_i`` orders the coordinates like
+    ``|rho_i|``, the residual's magnitude, and ``s_i`` is the residual's sign, or ``sign(u_i)``
+    where it is 0. The ``|u_i|`` are distinct, so the pick is unique.
+    """
     total = f[0]
     for c in f[1:]:
         total = total + c
     odd = (mod(total, 2) if jnp.issubdtype(total.dtype, jnp.integer)
            else jnp.remainder(total, 2)) != 0
-    # Flip the coordinate maximizing (|rho_i|, s_i u_i), s_i = sign(rho_i) or sign(u_i) if 0.
-    # The |u_i| are distinct, so the pick is unique.
     best_mag = best_score = best_i = None
-    signs = []
-    for i, (r, ui) in enumerate(zip(rho, u)):
-        pos = (r > 0) | ((r == 0) & (ui > 0))
-        signs.append(pos)
-        mag, score = jnp.abs(r), jnp.where(pos, float(ui), -float(ui))
+    for i, (m, p, ui) in enumerate(zip(mag, pos, u)):
+        score = jnp.where(p, float(ui), -float(ui))
         if best_mag is None:
-            best_mag, best_score, best_i = mag, score, jnp.zeros(mag.shape, jnp.int32)
+            best_mag, best_score, best_i = m, score, jnp.zeros(m.shape, jnp.int32)
             continue
-        better = (mag > best_mag) | ((mag == best_mag) & (score > best_score))
-        best_mag = jnp.where(better, mag, best_mag)
+        better = (m > best_mag) | ((m == best_mag) & (score > best_score))
+        best_mag = jnp.where(better, m, best_mag)
         best_score = jnp.where(better, score, best_score)
         best_i = jnp.where(better, i, best_i)
-    out_f, out_rho = [], []
-    for i, (fi, ri, pos) in enumerate(zip(f, rho, signs)):
-        flip = odd & (best_i == i)
-        step = jnp.where(flip, jnp.where(pos, 1, -1), 0).astype(fi.dtype)
-        out_f.append(fi + step)
-        out_rho.append(ri - D * step)
-    return out_f, out_rho
+    return [jnp.where(odd & (best_i == i), jnp.where(p, 1, -1), 0).astype(fi.dtype)
+            for i, (fi, p) in enumerate(zip(f, pos))]
 
 
 def _u_dot(u: np.ndarray, cols: list):
@@ -298,20 +301,119 @@ def _u_dot(u: np.ndarray, cols: list):
 def _nearest_e8(a: list, b: list, D, u: np.ndarray) -> list:
     """E8 = D8 u (D8 + 1/2): the nearer of Q_D8(a/D) and Q_D8(b/D) + 1/2, in P coordinates.
 
-    ``a`` and ``b`` are the numerators of y and y - 1/2 over ``D``. Both cosets go through one
-    D8 search on columns stacked along a new last axis of size 2 (half the code to compile;
-    the one stacking Triton lowers).
+    For integer numerators: ``a`` and ``b`` are those of y and y - 1/2 over ``D``. Both cosets
+    go through one D8 search on columns stacked along a new last axis of size 2 (half the
+    code to compile; the one stacking Triton lowers), and the squared distances are integers.
     """
     axis = a[0].ndim
     f, rho = _nearest_dn([jax.lax.stack([ca, cb], axis) for ca, cb in zip(a, b)], D, u)
     f = [jax.lax.unstack(c, axis) for c in f]
     rho = [jax.lax.unstack(c, axis) for c in rho]
     Pa, Pb = [2 * c[0] for c in f], [2 * c[1] + 1 for c in f]
-    # Residuals are exact: integers, or (float) y - round(y) for y and y - 1/2.
     da, db = sumsq([r[0] for r in rho]), sumsq([r[1] for r in rho])
     tie_b = _u_dot(u, [cb - ca for ca, cb in zip(Pa, Pb)]) > 0
     take_b = (db < da) | ((db == da) & tie_b)
     return [jnp.where(take_b, cb, ca) for ca, cb in zip(Pa, Pb)]
+
+
+def _nearest_e8_float(y: list, u: np.ndarray) -> list:
+    """``Q_E8(y)`` for real columns ``y``, exactly: the nearer of the two coset candidates is
+    decided by the sign of their squared-distance difference, computed without rounding.
+
+    Float arithmetic cannot do what the integer path does: ``y - 1/2`` rounds for small ``|y|``,
+    and sums of squared residuals round differently depending on whether the compiler fuses
+    them into FMAs (XLA:CPU does; other backends may not), so near-equal distances would be
+    decided by rounding and could differ between backends. Here everything derives from the
+    exact residuals ``rho = y - round(y)`` (docs/math.md, "Tie rule"):
+
+    * coset D8 + 1/2: ``y - 1/2`` rounds to ``round(y)`` where ``rho > 0`` (or ``rho = 0`` and
+      the rule says up), else one below; its residual is ``rho -+ 1/2``, of magnitude
+      ``1/2 - |rho|``, so the parity fix orders coordinates by ``-|rho|``.
+    * With ``Pa``, ``Pb`` the two candidates in doubled coordinates and ``k = 2 round(y)``,
+      ``4 (|y - a|^2 - |y - b|^2) = 4 sum_i v_i rho_i + K``, ``v = Pb - Pa`` and
+      ``K = sum_i (Pa_i - k_i)^2 - (Pb_i - k_i)^2`` small integers: the squares of ``rho``
+      cancel, and :func:`_exact_sign` gives the sign of what remains.
+
+    Returns:
+      P-coordinate (doubled Cartesian) columns as integer-valued floats of ``y``'s dtype.
+    """
+    fr = [_round_ties(c, 1, float(ui)) for c, ui in zip(y, u)]
+    fa, rho = [a for a, _ in fr], [b for _, b in fr]
+    mag = [jnp.abs(r) for r in rho]
+    # Coset b, in terms of rho: rounding y - 1/2 goes down one where rho < 0 (or rho = 0 and
+    # the rule takes the lower of the two); its residual is positive where -1/2 < rho < 0,
+    # zero (sign from u_i) where |rho| = 1/2, and +1/2 where rho = 0 and it went down, and its
+    # magnitude is 1/2 - |rho|: the parity fix orders coordinates by -|rho|.
+    down = (rho_i < 0 if ui > 0 else rho_i <= 0 for rho_i, ui in zip(rho, u))
+    fb = [jnp.where(dn, fi - 1, fi) for dn, fi in zip(down, fa)]
+    pos_a = [(r > 0) | ((r == 0) & (ui > 0)) for r, ui in zip(rho, u)]
+    pos_b = [((r < 0) & (m < 0.5)) | (((m == 0.5) if ui > 0 else (r == 0)))
+             for r, m, ui in zip(rho, mag, u)]
+    # Both cosets' parity fixes in one pass on columns stacked along a new last axis.
+    axis = y[0].ndim
+    pair = lambda a, b: [jax.lax.stack([ca, cb], axis) for ca, cb in zip(a, b)]  # noqa: E731
+    steps = _parity_steps(pair(fa, fb), pair(mag, [-m for m in mag]), pair(pos_a, pos_b), u)
+    step_a, step_b = zip(*(jax.lax.unstack(c, axis) for c in steps))
+    # Offsets from k = 2 fa in doubled coordinates: Pa - k in {0, +-2}, Pb - k in {+-1, +-3}.
+    da = [2 * s.astype(jnp.int32) for s in step_a]
+    db = [2 * (b - a + s).astype(jnp.int32) + 1 for a, b, s in zip(fa, fb, step_b)]
+    v = [q - p for p, q in zip(da, db)]
+    tie = jnp.where(_u_dot(u, v) > 0, 1, -1)
+    take_b = _exact_sign(rho, [4 * c for c in v], sumsq(da) - sumsq(db), tie, 4 * 5 * len(y)) > 0
+    return [jnp.where(take_b, 2 * (b + s) + 1, 2 * (a + s0))
+            for a, b, s0, s in zip(fa, fb, step_a, step_b)]
+
+
+def _exact_sign(x: list, w: list, K, tie, bound: int):
+    """``sign(sum_i w_i x_i + K)`` exactly, and ``tie`` where that sum is 0.
+
+    The x are read ``G`` bits at a time as fixed-point digits (``h = trunc(x 2^G)``, ``x <-
+    x 2^G - h``, both exact) into an integer ``R <- R 2^G + sum_i w_i h_i``. What is still
+    unread is below ``bound`` in magnitude (in units of the last digit), so the sign is settled
+    once ``|R| >= bound`` (R then stays as it is), or after the last digit of the smallest
+    float, where R is the exact sum. One digit settles all but about ``bound 2^-G`` of random
+    inputs, and the loop stops when every entry is settled.
+
+    XLA:CPU fuses elementwise producers into every consumer: the loop (rather than unrolled
+    digits) and the tie applied inside it keep the whole computation behind the result from
+    being recomputed by each of its consumers (unrolled, or with the tie applied after the
+    loop, E8's level 0 was 5-40x slower).
+
+    Args:
+      x: float columns with ``|x_i| <= 1/2``.
+      w: int32 columns (small integer weights) with ``sum_i |w_i| <= bound``.
+      K: int32 column.
+      tie: int32 column of +-1.
+      bound: a static bound on ``sum_i |w_i|`` (below 2^8).
+
+    Returns:
+      A nonzero integer column (int32 or int64) with the sign of the sum, or ``tie``'s.
+    """
+    dtype = x[0].dtype
+    fi = jnp.finfo(dtype)
+    itype = jnp.int32 if fi.bits == 32 else jnp.int64
+    G = jnp.iinfo(itype).bits - 2 - bound.bit_length()  # |R 2^G + sum w h| < 2 bound 2^G
+    levels = -(-(fi.nmant - fi.minexp) // G)  # digits down to the least subnormal bit
+    w = [c.astype(itype) for c in w]
+    scale = dtype.type(2.0**G)
+
+    def digit(carry):
+        n, xs, R = carry
+        xs = [c * scale for c in xs]
+        h = [jnp.where(c < 0, -jnp.floor(-c), jnp.floor(c)) for c in xs]
+        acc = R * (1 << G)
+        for wi, hi in zip(w, h):
+            acc = acc + wi * hi.astype(itype)
+        R = jnp.where(jnp.abs(R) < bound, acc, R)
+        # After the last digit R is exact: 0 only for an exact tie.
+        R = jnp.where((n + 1 == levels) & (R == 0), tie.astype(itype), R)
+        return n + 1, [c - hc for c, hc in zip(xs, h)], R
+
+    def unsettled(carry):
+        # max, not any: Triton lowers no reduce_or.
+        return (carry[0] < levels) & (jnp.max((jnp.abs(carry[2]) < bound).astype(jnp.int32)) > 0)
+
+    return jax.lax.while_loop(unsettled, digit, (0, list(x), K.astype(itype)))[2]
 
 
 def nearest_int(cols: list, D: int, lat: Lattice) -> list:
@@ -362,7 +464,7 @@ def _a2_pick(dists: list, lat: Lattice) -> list:
 
 
 def nearest_float(cols: list, lat: Lattice) -> list:
-    """Level-0 nearest point in the columns' floating dtype.
+    """Level-0 nearest point in the columns' floating dtype, exactly.
 
     float64: ``Q_L(y + eps)``, bit for bit the reference; exact ties that survive the addition
     are resolved by the rule. float32: ``Q_L(y)`` with the rule applied to exact ties.
@@ -386,7 +488,7 @@ def nearest_float(cols: list, lat: Lattice) -> list:
     if lat.kind == "D":
         return _nearest_dn(y, 1, u)[0]
     if lat.kind == "E8":
-        return _nearest_e8(y, [c - 0.5 for c in y], 1, u)
+        return _nearest_e8_float(y, u)
     base = [jnp.floor(c) for c in matvec(np.linalg.inv(lat.G), y)]
     dists = []
     for o0, o1 in _A2_OFFSETS:

@@ -9,6 +9,7 @@ import functools
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -394,7 +395,12 @@ def test_lowers_for_cuda_triton(cfg):
 def test_lowers_for_cuda_mosaic_gpu():
     cm = hq.encode(jnp.zeros((3, 1000, 4)), D4)
     f = functools.partial(K.modq_sum, interpret=False, gpu_backend="mosaic_gpu")
-    text = jax.jit(f).trace(cm).lower(lowering_platforms=("cuda",)).as_text()
+    with warnings.catch_warnings():
+        # JAX deprecates pl.pallas_call for Mosaic GPU (plgpu.kernel replaces it); the warning
+        # comes only from a lowering that is not cached yet, so it is filtered, not expected.
+        warnings.filterwarnings("ignore", "Using ``pl.pallas_call`` for Mosaic GPU",
+                                DeprecationWarning)
+        text = jax.jit(f).trace(cm).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @mosaic_gpu" in text
 
 

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hnlq_jax import closest_point, lattice
-from hnlq_jax.lattices import columns, nearest_int
+from hnlq_jax.lattices import columns, nearest_float, nearest_int
 
 ALL = ["Z2", "A2", "D4", "E8", "Z3", "D3", "D5"]
 
@@ -89,6 +90,73 @@ def test_closest_point_exact_ties(name, dtype, D):
     with jax.enable_x64(dtype == "float64"):
         got = np.asarray(closest_point(jnp.asarray(y, dtype), lat))
     np.testing.assert_array_equal(got, to_cart(brute_P(N, D, lat), lat))
+
+
+def exact_e8(y):
+    """Q_E8(y) of one float vector, exactly: every candidate of both cosets within one of
+    round(y) compared in integers (y scaled by its common power-of-two denominator), ties by
+    max <u, x>. Returns P coordinates (doubled Cartesian)."""
+    lat = lattice("E8")
+    fr = [Fraction(float(v)) for v in y]
+    k = max(f.denominator for f in fr).bit_length() - 1
+    Y = np.array([int(f * 2**k) for f in fr], dtype=object)  # y = Y / 2^k
+    offs = np.array(list(itertools.product((-1, 0, 1), repeat=8)), dtype=object)
+    best = None
+    for half in (0, 1):  # D8, D8 + 1/2: P = 2c + half
+        base = np.array([round(f - Fraction(half, 2)) for f in fr], dtype=object)
+        c = base[None] + offs
+        c = c[np.sum(c, axis=1) % 2 == 0]
+        P = 2 * c + half
+        dist = np.sum((2 * Y[None] - P * 2**k) ** 2, axis=1)
+        for Pi, di in zip(P, dist):
+            key = (-di, float(np.asarray(Pi, np.float64) @ lat.u))
+            if best is None or key > best[0]:
+                best = (key, Pi)
+    return np.asarray(best[1], np.int64)
+
+
+def e8_coset_ties(rng, n, dtype):
+    """Points y = (a, 1/2 - a, b, 1/2 - b, 1/4, 1/4, 1/4, 1/4) with many-bit a, b in
+    [1/4, 1/2) (1/2 - a exact): equidistant from 0 and the all-1/2 point, and farther from the
+    rest of E8. Permuted."""
+    a = rng.uniform(0.25, 0.49, n).astype(dtype)
+    b = rng.uniform(0.25, 0.49, n).astype(dtype)
+    y = np.stack([a, dtype(0.5) - a, b, dtype(0.5) - b] + [np.full(n, 0.25, dtype)] * 4, 1)
+    return np.take_along_axis(y, np.argsort(rng.random((n, 8)), axis=1), axis=1)
+
+
+def test_e8_float32_coset_ties_follow_the_rule():
+    """Exact ties between E8's cosets whose squared distances are not representable: a float
+    comparison of sums of squares decided 630 of 5000 of these by rounding (FMA or not)."""
+    y = e8_coset_ties(np.random.default_rng(0), 2000, np.float32)
+    # |y|^2 = |y - 1/2|^2 exactly: sum(y) = 2.
+    assert all(sum(map(Fraction, map(float, row))) == 2 for row in y)
+    got = np.asarray(closest_point(jnp.asarray(y), "E8"))
+    u = lattice("E8").u
+    want = np.zeros(8) if u @ np.zeros(8) > u @ np.full(8, 0.5) else np.full(8, 0.5)
+    np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_e8_level0_exact_on_near_ties(dtype):
+    """Coset ties nudged by one ulp, by a tiny coordinate (2^-30 .. 2^-100: the decision needs
+    up to six digits of the exact sign), or moved by a lattice vector; nearest_float (and so
+    every encoder's level 0) equals an exact brute force. float64 adds the reference's eps
+    first, so the brute force sees y + eps."""
+    rng = np.random.default_rng([8, len(dtype)])
+    np_dtype = np.dtype(dtype).type
+    y = e8_coset_ties(rng, 48, np_dtype)
+    y[:16, 0] = np.nextafter(y[:16, 0], rng.choice([-1, 1], 16).astype(np_dtype))
+    tiny = 2.0 ** -rng.choice([30, 60, 100], 16) * rng.choice([-1, 1], 16)
+    y[16:32] = np.concatenate([y[16:32, :7], tiny[:, None].astype(np_dtype)], 1)
+    y[16:32, 6] = 0.5  # the 7 others sum to 2: the tiny coordinate decides
+    y[32:] += np.where(np.arange(8) < 2, 2, 0) * rng.choice([-1, 1], (16, 1))
+    with jax.enable_x64(dtype == "float64"):
+        got = np.stack(nearest_float(columns(jnp.asarray(y)), lattice("E8")), -1)
+    if dtype == "float64":
+        y = y + lattice("E8").u * 2.0**-41
+    want = np.stack([exact_e8(v) for v in y])
+    np.testing.assert_array_equal(np.asarray(got, np.int64), want)
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -257,9 +257,14 @@ def _nearest_dn(cols: list, D, u: np.ndarray):
     """``Q_{D_n}(N / D)`` (Conway & Sloane) with the tie rule. Returns ``(f, rho)`` columns."""
     fr = [_round_ties(c, D, float(ui)) for c, ui in zip(cols, u)]
     f, rho = [a for a, _ in fr], [b for _, b in fr]
-    pos = [(r > 0) | ((r == 0) & (ui > 0)) for r, ui in zip(rho, u)]
-    step = _parity_steps(f, [jnp.abs(r) for r in rho], pos, u)
+    step = _parity_steps(f, [jnp.abs(r) for r in rho], _residual_signs(rho, u), u)
     return [fi + s for fi, s in zip(f, step)], [ri - D * s for ri, s in zip(rho, step)]
+
+
+def _residual_signs(rho: list, u: np.ndarray) -> list:
+    """Where each residual counts as positive for the parity fix: ``rho_i > 0``, or
+    ``rho_i = 0`` and ``u_i > 0``."""
+    return [(r > 0) | ((r == 0) & (ui > 0)) for r, ui in zip(rho, u)]
 
 
 def _parity_steps(f: list, mag: list, pos: list, u: np.ndarray) -> list:
@@ -350,12 +355,12 @@ def _nearest_e8_float(y: list, u: np.ndarray) -> list:
     # magnitude is 1/2 - |rho|: the parity fix orders coordinates by -|rho|.
     down = (rho_i < 0 if ui > 0 else rho_i <= 0 for rho_i, ui in zip(rho, u))
     fb = [jnp.where(dn, fi - 1, fi) for dn, fi in zip(down, fa)]
-    pos_a = [(r > 0) | ((r == 0) & (ui > 0)) for r, ui in zip(rho, u)]
     pos_b = [((r < 0) & (m < 0.5)) | (((m == 0.5) if ui > 0 else (r == 0)))
              for r, m, ui in zip(rho, mag, u)]
     # Both cosets' parity fixes in one pass on columns stacked along a new last axis.
     axis = y[0].ndim
     pair = lambda a, b: [jax.lax.stack([ca, cb], axis) for ca, cb in zip(a, b)]  # noqa: E731
+    pos_a = _residual_signs(rho, u)
     steps = _parity_steps(pair(fa, fb), pair(mag, [-m for m in mag]), pair(pos_a, pos_b), u)
     step_a, step_b = zip(*(jax.lax.unstack(c, axis) for c in steps))
     # Offsets from k = 2 fa in doubled coordinates: Pa - k in {0, +-2}, Pb - k in {+-1, +-3}.

@@ -75,6 +75,10 @@ STE_MODES = ("identity", "clipped")
 # compute mode -> hnlq_jax.matmul implementation (None: the backend's default).
 COMPUTE_MODES = {"decode": None, "kernel": "pallas", "lut": "lut"}
 COLLECTION = "hnlq"
+# A rotated layer's codes (of W R, applied to x R) sit under their own key, beside its
+# "rotation": restoring a rotated export into a target without rotations (or the reverse) then
+# fails on the missing key, where a shared "codes" key would restore and compute garbage.
+CODES_KEYS = {False: "codes", True: "rotated_codes"}
 # QDense's default refresh interval: a training step then costs <= 2x a float step on the
 # digits MLP at the accuracy of refreshing every step (experiments/qat_digits.py, 3 seeds;
 # docs/flax.md, "Refresh schedule"). Encoding the kernel every step costs 6-7x on CPU there.
@@ -322,17 +326,23 @@ class QDense(nn.Module):
         """The inference form: ``matmul(x, codes) + bias`` (no kernel exists), or
         ``matmul(rotation.apply(x), codes) + bias`` when it holds a rotation
         (:func:`quantize_params` with ``rotate=True``)."""
-        if not self.has_variable(COLLECTION, "codes"):
+        rotated = self.has_variable(COLLECTION, CODES_KEYS[True])
+        if not (rotated or self.has_variable(COLLECTION, "codes")):
             raise ValueError(f"{self._where()}: neither params/kernel nor {COLLECTION}/codes "
                              "found; apply the variables of QDense.init or export_params")
-        codes = self.get_variable(COLLECTION, "codes")
+        if rotated != self.has_variable(COLLECTION, "rotation"):
+            raise ValueError(
+                f"{self._where()}: {COLLECTION}/rotated_codes (codes of W R) and "
+                f"{COLLECTION}/rotation come together, got only one; restore rotated exports "
+                "with hnlq_jax.flax.import_params")
+        codes = self.get_variable(COLLECTION, CODES_KEYS[rotated])
         if isinstance(codes, Codes) and codes.n is not None and (x.ndim == 0
                                                                  or x.shape[-1] != codes.n):
             raise ValueError(f"{self._where()}: expected inputs [..., {codes.n}] "
                              f"(the layer's codes hold a [{self.features}, {codes.n}] kernel^T), "
                              f"got shape {tuple(x.shape)}")
         _check_layer_codes(codes, self.config, x.shape[-1], self.features, self._where())
-        if self.has_variable(COLLECTION, "rotation"):  # codes of W R: compute with x R
+        if rotated:  # codes of W R: compute with x R
             rotation = self.get_variable(COLLECTION, "rotation")
             if not isinstance(rotation, Rotation) or rotation.n != x.shape[-1]:
                 raise ValueError(f"{self._where()}: {COLLECTION}/rotation must be an "
@@ -415,7 +425,7 @@ def _codes_in(collection) -> dict:
     """``{layer path: codes}`` of a ``hnlq`` collection (Codes, or their saved state dicts)."""
     flat = traverse_util.flatten_dict(
         collection, is_leaf=lambda _, v: isinstance(v, dict) and "format_version" in v)
-    return {path[:-1]: v for path, v in flat.items() if path[-1] == "codes"}
+    return {path[:-1]: v for path, v in flat.items() if path[-1] in CODES_KEYS.values()}
 
 
 def _layers(variables, fn: str) -> dict:
@@ -512,11 +522,15 @@ def import_params(saved, config: HNLQConfig):
         scales).
 
     Returns:
-      ``{"params": ..., "hnlq": {layer path: {"codes": Codes}}}`` for ``model.apply``.
+      ``{"params": ..., "hnlq": {layer path: {"codes": Codes}}}`` for ``model.apply``;
+      a rotated layer (:func:`quantize_params` with ``rotate=True``) holds
+      ``{"rotated_codes": Codes, "rotation": Rotation}``. Rotated layers saved before they
+      had their own key (``"codes"`` beside ``"rotation"``) are read as rotated.
 
     Raises:
       ValueError: no codes, codes saved in another format version or with another config
-        (the message names both), or corrupted codes.
+        (the message names both), corrupted codes, or a layer with both kinds of codes or
+        rotated codes without their rotation.
     """
     check_config(config, "import_params")
     if isinstance(saved, Mapping):  # a FrozenDict (or one inside) reads as plain dicts
@@ -526,10 +540,17 @@ def import_params(saved, config: HNLQConfig):
     hnlq = {}
     for path, record in layers.items():
         where = f"import_params: layer {_layer_name(path)}"
+        node = _layer_record(saved[COLLECTION], path)
+        if set(CODES_KEYS.values()) <= set(node):
+            raise ValueError(f"{where} holds both 'codes' and 'rotated_codes'; export it again")
+        rotation = node.get("rotation")
+        if CODES_KEYS[True] in node and rotation is None:
+            raise ValueError(f"{where}: rotated codes (of W R) without their 'rotation'; the "
+                             "layer cannot be applied without it: export it again")
         if isinstance(record, Codes):
             record = _codes_state(record)
-        hnlq[path + ("codes",)] = _codes_from_state(record, unit(config), where)
-        rotation = _rotation_record(saved[COLLECTION], path)
+        hnlq[path + (CODES_KEYS[rotation is not None],)] = _codes_from_state(
+            record, unit(config), where)
         if rotation is not None:
             hnlq[path + ("rotation",)] = (rotation if isinstance(rotation, Rotation)
                                           else Rotation.from_dict(rotation))
@@ -537,12 +558,12 @@ def import_params(saved, config: HNLQConfig):
             COLLECTION: traverse_util.unflatten_dict(hnlq)}
 
 
-def _rotation_record(collection, path: tuple):
-    """The rotation saved beside a layer's codes (a Rotation or its ``to_dict()``), or None."""
+def _layer_record(collection, path: tuple) -> Mapping:
+    """A layer's entries in a ``hnlq`` collection: its codes and, when rotated, rotation."""
     node = collection
     for key in path:
         node = node[key]
-    return node.get("rotation")
+    return node
 
 
 # ------------------------------------------------------------- post-training quantization
@@ -614,8 +635,8 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
       calibrate: beta from :func:`hnlq_jax.rows.calibrate_rows` (with ``calibration``, the
         search of :func:`~hnlq_jax.ptq.gptq_rows` around it); ``False``: ``config.beta``.
       rotate: incoherence processing: layer ``k`` (in sorted path order) gets
-        ``Rotation(in, seed + k)``, stored as ``hnlq/<path>/rotation`` and applied by
-        ``QDense`` to its input.
+        ``Rotation(in, seed + k)``, stored as ``hnlq/<path>/rotation`` beside the codes of
+        ``W R`` (``hnlq/<path>/rotated_codes``) and applied by ``QDense`` to its input.
       act_order, damp, criterion, grid, t_budget: as :func:`~hnlq_jax.ptq.gptq_rows` (with
         ``calibration``).
       sequential: collect one layer's H at a time (above).
@@ -624,7 +645,8 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
 
     Returns:
       ``(inference, report)``: ``inference = {"params": params without the quantized kernels,
-      "hnlq": {path: {"codes": Codes[, "rotation": Rotation]}}}`` and ``report`` with the
+      "hnlq": {path: {"codes": Codes}}}`` (rotated: ``{"rotated_codes": Codes, "rotation":
+      Rotation}``) and ``report`` with the
       byte counts of :func:`export_params` plus ``layers`` (the paths quantized) and, with
       ``calibration``, ``proxy_loss``, ``clipped`` and ``t_bits`` (the entropy of T per weight)
       per layer.
@@ -689,7 +711,7 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
                 codes = result.codes
                 report["proxy_loss"][name] = result.loss
                 report["clipped"][name], report["t_bits"][name] = result.clipped, result.t_bits
-        hnlq[path + ("codes",)] = codes
+        hnlq[path + (CODES_KEYS[rotation is not None],)] = codes
         if rotation is not None:
             hnlq[path + ("rotation",)] = rotation
         if sequential:  # later layers calibrate through this one's quantized weight
@@ -703,7 +725,7 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
             if k[:-1] not in layers or k[-1] != "kernel"}
     inference = {"params": traverse_util.unflatten_dict(kept),
                  COLLECTION: traverse_util.unflatten_dict(hnlq)}
-    report.update(_bytes_report(float_bytes, [v for k, v in hnlq.items() if k[-1] == "codes"],
+    report.update(_bytes_report(float_bytes, [v for k, v in hnlq.items() if k[-1] != "rotation"],
                                 kept.values(), sum(int(np.size(k)) for k in layers.values())))
     return inference, report
 

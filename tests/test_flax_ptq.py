@@ -91,8 +91,10 @@ def test_codes_equal_gptq_rows(rotate, kwargs):
             free = ptq.gptq_rows(p[name]["kernel"].T, _hessian(xs), CFG, damp=0.02,
                                  criterion="f", grid=kwargs["grid"])
             assert want.t_bits <= kwargs["t_budget"] < free.t_bits
-        _same_codes(inference["hnlq"][name]["codes"], want.codes)
-        assert inference["hnlq"][name].get("rotation") == rotation
+        layer = inference["hnlq"][name]
+        _same_codes(layer["rotated_codes" if rotate else "codes"], want.codes)
+        assert set(layer) == ({"rotated_codes", "rotation"} if rotate else {"codes"})
+        assert layer.get("rotation") == rotation
         assert report["proxy_loss"][name] == pytest.approx(want.loss, rel=1e-6)
         assert report["t_bits"][name] == want.t_bits
     assert "kernel" not in inference["params"]["a"] and "bias" in inference["params"]["a"]
@@ -139,6 +141,43 @@ def test_rotated_form_saves_and_loads_bit_exact(tmp_path):
     other, _ = quantize_params(VARS, CFG, _run, rotate=True, seed=1)
     with pytest.raises(ValueError, match="Rotation"):
         serialization.from_bytes(other, path.read_bytes())
+    # Into a target without rotations (or the reverse): the codes of W R must not restore
+    # where they would be applied to unrotated inputs.
+    plain, _ = quantize_params(VARS, CFG, _run)
+    with pytest.raises(ValueError, match="codes"):
+        serialization.from_bytes(plain, path.read_bytes())
+    with pytest.raises(ValueError, match="rotated_codes"):
+        serialization.from_bytes(inference, serialization.to_bytes(plain))
+
+
+def _old_layout(state):
+    """A rotated export as saved before rotated codes had their own key."""
+    return {"params": state["params"], "hnlq": {
+        name: {"codes": layer["rotated_codes"], "rotation": layer["rotation"]}
+        for name, layer in state["hnlq"].items()}}
+
+
+def test_rotated_layouts_read_by_import_params():
+    inference, _ = quantize_params(VARS, CFG, _run, rotate=True)
+    y = np.asarray(QUANT.apply(inference, TEST))
+    state = serialization.msgpack_restore(serialization.to_bytes(inference))
+    old = import_params(_old_layout(state), CFG)
+    assert set(old["hnlq"]["a"]) == {"rotated_codes", "rotation"}
+    np.testing.assert_array_equal(np.asarray(QUANT.apply(old, TEST)), y)
+    both = {**state, "hnlq": {**state["hnlq"], "a": {**state["hnlq"]["a"],
+                                                       "codes": state["hnlq"]["a"]["rotated_codes"]}}}
+    with pytest.raises(ValueError, match="both"):
+        import_params(both, CFG)
+    lost = {**state, "hnlq": {**state["hnlq"], "b": {
+        "rotated_codes": state["hnlq"]["b"]["rotated_codes"]}}}
+    with pytest.raises(ValueError, match="without their 'rotation'"):
+        import_params(lost, CFG)
+    # The model refuses rotated codes without their rotation, and a rotation beside plain codes.
+    for layer in ({"rotated_codes": inference["hnlq"]["a"]["rotated_codes"]},
+                  {"codes": inference["hnlq"]["a"]["rotated_codes"],
+                   "rotation": inference["hnlq"]["a"]["rotation"]}):
+        with pytest.raises(ValueError, match="come together"):
+            QUANT.apply({**inference, "hnlq": {**inference["hnlq"], "a": layer}}, TEST)
 
 
 def test_filter_fn_keeps_layers_in_float():

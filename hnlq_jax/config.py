@@ -169,6 +169,21 @@ def check_config(config, fn: str, name: str = "config") -> HNLQConfig:
     return config
 
 
+def check_beta(beta, fn: str, shapes: tuple = ((),), what: str = "a positive number"
+               ) -> np.ndarray:
+    """A concrete beta argument (a number, array or CPU tensor) as float64, checked.
+
+    Raises:
+      ValueError: ``beta`` is not of one of ``shapes``, or not finite and > 0 everywhere
+        (NaN, 0, negative or Inf would code every block as failed, or at a flipped scale):
+        ``"{fn}: beta must be {what}, got ..."``.
+    """
+    b = np.asarray(beta, dtype=np.float64)
+    if b.shape not in shapes or not np.all(np.isfinite(b) & (b > 0)):
+        raise ValueError(f"{fn}: beta must be {what}, got {beta!r}")
+    return b
+
+
 @functools.lru_cache(maxsize=None)
 def beta_min(name: str, q: int, M: int) -> float:
     lat = lattice(name)

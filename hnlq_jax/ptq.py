@@ -35,7 +35,7 @@ import numpy as np
 from hnlq_jax import ops
 from hnlq_jax.codec import decode_blocks, default_float, from_blocks
 from hnlq_jax.codes import Codes, index_dtype, pack_t
-from hnlq_jax.config import HNLQConfig, check_config, pow2_table
+from hnlq_jax.config import HNLQConfig, check_beta, check_config, pow2_table
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.rows import calibrate_rows, check_finite_weight, row_rms, unit
 from hnlq_jax.stats import entropy_bits, t_counts
@@ -519,11 +519,8 @@ def gptq_rows(w, H, config: HNLQConfig, *, damp: float = DAMP, act_order: bool =
                          "entropy); use per_row=False")
     out, n = w.shape
     if beta is not None:
-        b = np.asarray(beta, dtype=np.float64)
-        if b.shape not in ((), (out,)) or not np.all(np.isfinite(b) & (b > 0)):
-            raise ValueError(f"{fn}: beta must be None, a positive number or a positive [out] = "
-                             f"[{out}] array, got {beta!r}")
-        b = jnp.asarray(b, w.dtype)
+        b = jnp.asarray(check_beta(beta, fn, ((), (out,)), "None, a positive number or a "
+                                   f"positive [out] = [{out}] array"), w.dtype)
     if rotation is not None:
         if not isinstance(rotation, Rotation) or rotation.n != n:
             raise ValueError(f"{fn}: rotation must be an incoherence.Rotation of size in = {n}, "

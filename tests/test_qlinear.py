@@ -172,6 +172,13 @@ def test_state_dict_reloads_exactly_and_refuses_other_configs():
                                                                     "format_version": 0}})
     with pytest.raises(ValueError, match="earlier unversioned format"):
         QLinear(64, 8, CFG).load_state_dict({**sd, "labels": torch.zeros(1), "T": torch.zeros(1)})
+    # a corrupted beta: refused on loading (training would code at it), nothing written
+    for bad in (float("nan"), float("inf"), 0.0, -0.25):
+        fresh = QLinear(64, 8, CFG)
+        kept = fresh.beta.clone()
+        with pytest.raises(RuntimeError, match=r"loading beta\): beta must be a positive finite"):
+            fresh.load_state_dict({**sd, "beta": torch.tensor(bad)})
+        assert torch.equal(fresh.beta, kept)
     # a float nn.Linear checkpoint (strict=False): the codes are made from the loaded weight
     lin = _linear(3, 64, 8)
     c = QLinear(64, 8, CFG)

@@ -103,6 +103,9 @@ def test_rows_and_matmul_bit_for_bit():
     # an explicit beta is the rows_codes of that beta
     _same_codes(tb.encode_rows(torch.from_numpy(w), CFG, beta=torch.tensor(0.3)),
                 hq.rows.rows_codes(w, CFG, jnp.float32(0.3)))
+    for bad in (float("nan"), 0.0, -0.3, torch.tensor(float("inf")), torch.tensor([0.3, 0.3])):
+        with pytest.raises(ValueError, match="encode_rows: beta must be None, a positive number"):
+            tb.encode_rows(torch.from_numpy(w), CFG, beta=bad)
     # E8 q=4: uint16 indices cross DLPack too
     e8 = hq.HNLQConfig("E8", 4, 2, beta=0.3)
     ce8 = tb.encode_rows(torch.from_numpy(w[:, :16]), e8)

@@ -18,6 +18,7 @@ import hnlq_jax as hq
 from hnlq_jax import HNLQConfig
 from hnlq_jax.codec import check_x, to_blocks
 from hnlq_jax.codes import check_codes, logical_shape
+from hnlq_jax.config import check_beta
 from hnlq_jax.ops import resolve
 from hnlq_jax.rows import check_row_failures, rows_codes
 from torch_bridge import ops
@@ -221,6 +222,9 @@ def encode_rows(w: torch.Tensor, config: HNLQConfig, *, beta=None, implementatio
     if w.ndim == 0:
         raise ValueError(f"{fn}: expected a tensor with a row axis [..., k]")
     ops.config_args(config)  # a clear TypeError for a config that is not an HNLQConfig
+    if beta is not None:
+        check_beta(beta.detach().cpu() if isinstance(beta, torch.Tensor) else beta, fn,
+                   what="None, a positive number or a positive scalar tensor")
     with x64_for(w, beta):
         wj = to_jax(w)
         check_x(to_blocks(wj, config.d), config, fn)  # config, dtype, NaN/Inf: as encode_rows

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from hnlq_jax.config import HNLQConfig
+from hnlq_jax.config import HNLQConfig, check_beta
 from hnlq_jax.rows import bucket_rows
 from hnlq_jax.stats import gaussian_beta
 from torch_bridge.codec import decode, encode_rows
@@ -214,6 +214,14 @@ class QLinear(CodesLayer, torch.nn.Linear):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        key = prefix + "beta"
+        if key in state_dict:  # checked before loading: a corrupted beta codes garbage
+            try:
+                check_beta(torch.as_tensor(state_dict[key]).detach().cpu(), f"QLinear (loading {key})",
+                           what="a positive finite scalar (a corrupted checkpoint?)")
+            except ValueError as e:
+                error_msgs.append(str(e))
+                return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         if (self.quantize_weights and prefix + "weight" in state_dict

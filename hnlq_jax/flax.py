@@ -54,7 +54,7 @@ import numpy as np
 from hnlq_jax import ops, ptq
 from hnlq_jax._numerics import straight_through
 from hnlq_jax.codes import Codes, check_codes, check_saved_header, is_concrete, saved_header
-from hnlq_jax.config import HNLQConfig, check_config, saved_int
+from hnlq_jax.config import HNLQConfig, check_beta, check_config, saved_int
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.rows import (bucket_rows, calibrate_rows, check_finite_weight, check_row_failures,
                            rows_codes, unit)
@@ -368,6 +368,9 @@ class QDense(nn.Module):
                 f"model.apply(variables, x, mutable=[{COLLECTION!r}]), and merge the returned "
                 f"{COLLECTION!r} collection into the variables")
         beta = self.variable(COLLECTION, "beta", _weight_beta, kernel, cfg, self.calibrate)
+        if is_concrete(beta.value):  # under jit a bad beta marks every block (NaN outputs)
+            check_beta(beta.value, f"{self._where()}: {COLLECTION}/beta",
+                       what="a positive finite scalar (a corrupted checkpoint?)")
         cache = self.variable(COLLECTION, "codes", _kernel_codes, kernel, cfg, beta.value)
         # With cached codes the forward weight is kernel^T plus the quantization error of the
         # last refresh, W_hat - kernel^T then ([out, in]): the weight follows the optimizer

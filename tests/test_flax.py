@@ -555,3 +555,15 @@ def test_bad_knobs():
         QDense(4, CFG).apply({"params": {}}, X)
     with pytest.raises(TypeError, match="config must be an HNLQConfig"):
         hf.import_params({}, dataclasses.asdict(CFG))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -0.5])
+def test_corrupted_beta_refused(bad):
+    # A restored training form with a bad beta: every eager call refuses it, the training
+    # call included (it would code the kernel at that beta).
+    module = QDense(4, CFG)
+    variables = module.init(jax.random.key(0), X)
+    broken = {**variables, "hnlq": {**variables["hnlq"], "beta": jnp.float32(bad)}}
+    for kw in ({}, {"mutable": ["hnlq"]}):
+        with pytest.raises(ValueError, match=r"hnlq/beta: beta must be a positive finite"):
+            module.apply(broken, X, **kw)

@@ -335,7 +335,8 @@ def decode_part(part, lay: Layout, implementation=None, interpret=None):
     """The values ``[lay.part_values]`` float32 of one part ``uint8 [lay.part_bytes]``.
 
     Chunks marked failed, or whose labels or T stream are inconsistent (corrupted), decode to
-    NaN. Traceable.
+    NaN. Values are saturated at the float32 maximum (a value near it can decode just beyond).
+    Traceable.
 
     Raises:
       ValueError: ``part`` is not ``uint8 [lay.part_bytes]`` (a part of another layout).
@@ -352,7 +353,10 @@ def decode_part(part, lay: Layout, implementation=None, interpret=None):
     u = u.reshape(-1)
     codes = Codes(index.reshape(-1, config.M), pack_t(u - 1, config), config)
     x = ops.decode(codes, dtype=jnp.float32, implementation=impl, interpret=interpret)
-    x = jnp.ldexp(x.reshape(lay.chunks, -1), e[:, None])
+    # Saturated: a value within a quantization step of the float32 maximum can decode just
+    # beyond it, and an Inf would poison error feedback (x - Inf) for good.
+    big = float(jnp.finfo(jnp.float32).max)
+    x = jnp.clip(jnp.ldexp(x.reshape(lay.chunks, -1), e[:, None]), -big, big)
     good = ok & ~jnp.any(bad, axis=1) & (e != FAILED)
     return jnp.where(good[:, None], x, jnp.nan).reshape(-1)
 

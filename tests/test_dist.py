@@ -290,6 +290,19 @@ _wire_encode = jax.jit(wire.encode, static_argnums=1)
 _wire_decode = jax.jit(wire.decode, static_argnums=1)
 
 
+def test_wire_values_near_float32_max_decode_finite():
+    """Values up to the float32 maximum decode finite (saturated), within the chunk's usual
+    relative error: an Inf would make error feedback's residual infinite from then on."""
+    big = np.finfo(np.float32).max
+    v = np.random.default_rng(9).standard_normal(1024).astype(np.float32)
+    v = (v / np.abs(v).max() * big).astype(np.float32)  # the largest entry is the maximum
+    lay = wire.layout(v.size, CFG)
+    payload, info = _wire_encode(jnp.asarray(v), lay)
+    out = np.asarray(_wire_decode(payload, lay), np.float64)
+    assert int(info.failed) == 0 and np.all(np.isfinite(out))
+    assert np.linalg.norm(out - v) / np.linalg.norm(v.astype(np.float64)) < 0.12
+
+
 def test_rate_control_and_failed_chunks():
     """Chunks whose T stream overflows a small capacity are coded at a larger scale (never
     dropped); a chunk with a NaN is marked and decodes to NaN, its neighbours do not."""

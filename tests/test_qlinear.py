@@ -188,6 +188,25 @@ def test_state_dict_reloads_exactly_and_refuses_other_configs():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_layers_train_save_and_load_exactly(dtype):
+    # A refresh makes float32 scales in a half-precision layer; a fresh layer of that dtype
+    # must load them as saved (copied into its own half-precision buffer they rounded).
+    x = torch.randn(5, 30, dtype=dtype)
+    a = QLinear.from_linear(_linear(4), CFG).to(dtype)
+    a.train()(x)  # a training step: refresh at the stored beta
+    b = _reload(QLinear(30, 16, CFG).to(dtype), a.state_dict())
+    a.eval(), b.eval()
+    with torch.no_grad():
+        assert torch.equal(b(x), a(x))
+    assert b.scale.dtype == a.scale.dtype == torch.float32
+    # Frozen codes: float32 scales loaded into a layer built for half-precision ones stay as
+    # saved (they are part of the codes; the bias follows torch's rule and takes the dtype).
+    frozen = QuantizedLinear.from_linear(_linear(4), CFG)
+    c = _reload(QuantizedLinear(30, 16, CFG, dtype=dtype), frozen.state_dict())
+    assert c.scale.dtype == torch.float32 and torch.equal(c.scale, frozen.scale)
+
+
 def test_high_rate_approaches_linear_and_activations():
     lin = _linear(2)
     x = torch.randn(4, 30)

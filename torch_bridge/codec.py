@@ -223,8 +223,9 @@ def encode_rows(w: torch.Tensor, config: HNLQConfig, *, beta=None, implementatio
         raise ValueError(f"{fn}: expected a tensor with a row axis [..., k]")
     ops.config_args(config)  # a clear TypeError for a config that is not an HNLQConfig
     if beta is not None:
-        check_beta(beta.detach().cpu() if isinstance(beta, torch.Tensor) else beta, fn,
-                   what="None, a positive number or a positive scalar tensor")
+        # float64 on the host: NumPy reads no bfloat16 tensor.
+        check_beta(beta.detach().to("cpu", torch.float64) if isinstance(beta, torch.Tensor)
+                   else beta, fn, what="None, a positive number or a positive scalar tensor")
     with x64_for(w, beta):
         wj = to_jax(w)
         check_x(to_blocks(wj, config.d), config, fn)  # config, dtype, NaN/Inf: as encode_rows

@@ -217,7 +217,8 @@ class QLinear(CodesLayer, torch.nn.Linear):
         key = prefix + "beta"
         if key in state_dict:  # checked before loading: a corrupted beta codes garbage
             try:
-                check_beta(torch.as_tensor(state_dict[key]).detach().cpu(), f"QLinear (loading {key})",
+                check_beta(torch.as_tensor(state_dict[key]).detach().to("cpu", torch.float64),
+                           f"QLinear (loading {key})",
                            what="a positive finite scalar (a corrupted checkpoint?)")
             except ValueError as e:
                 error_msgs.append(str(e))

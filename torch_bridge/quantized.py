@@ -173,6 +173,10 @@ class CodesLayer:
             codes = Codes(*saved[:2], self.codes_config, saved[2], self.in_features)
             with x64_for(*codes.op_args()):
                 codes.to_jax()  # raises on corrupted codes (index, T or scale out of range)
+            if saved[2].dtype != self.scale.dtype:
+                # The scales load in their saved dtype (a refresh makes them at least float32):
+                # copied into this layer's, they would round, and the layer compute otherwise.
+                self.scale = self.scale.to(saved[2].dtype)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 

@@ -34,8 +34,9 @@ between refreshes training computes with ``kernel^T + error``). Inference form (
 
 **Saving.** ``Codes`` are registered with :mod:`flax.serialization`: their state dict records
 :data:`hnlq_jax.FORMAT_VERSION` and the config next to the arrays, so
-``flax.serialization.to_bytes`` / ``from_bytes`` and orbax checkpoints of ``to_state_dict``
-round-trip bit for bit, and restoring codes of another config or format version raises.
+``flax.serialization.to_bytes`` / ``from_bytes`` and orbax ``PyTreeCheckpointer`` checkpoints
+of ``to_state_dict`` round-trip bit for bit, and restoring codes of another config or format
+version raises.
 """
 
 from __future__ import annotations

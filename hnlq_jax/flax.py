@@ -190,6 +190,9 @@ def _check_layer_codes(codes, config: HNLQConfig, k: int, features: int, where: 
     if codes.n != k or len(codes.blocks_shape) != 2 or codes.blocks_shape[0] != features:
         raise ValueError(f"{where}: expected row codes of a kernel^T [{features}, {k}], got "
                          f"codes of shape {list(codes.shape)} (blocks {list(codes.blocks_shape)})")
+    if codes.scale is None:  # unit-beta codes without their row scales decode to W / c
+        raise ValueError(f"{where}: the layer's codes have no row scales (a layer's codes are "
+                         "hnlq_jax.rows codes with scale [features]); export the model again")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,8 +536,8 @@ def import_params(saved, config: HNLQConfig):
 
     Raises:
       ValueError: no codes, codes saved in another format version or with another config
-        (the message names both), corrupted codes, or a layer with both kinds of codes or
-        rotated codes without their rotation.
+        (the message names both), corrupted codes, a layer with both kinds of codes or
+        rotated codes without their rotation, or the training form.
     """
     check_config(config, "import_params")
     if isinstance(saved, Mapping):  # a FrozenDict (or one inside) reads as plain dicts
@@ -545,6 +548,10 @@ def import_params(saved, config: HNLQConfig):
     for path, record in layers.items():
         where = f"import_params: layer {_layer_name(path)}"
         node = _layer_record(saved[COLLECTION], path)
+        if "beta" in node:  # the training form would come out half converted
+            raise ValueError(f"{where} holds training state (beta, step): the training form; "
+                             "restore it into QDense.init variables, or make the inference "
+                             "form with export_params(variables, config)")
         if set(CODES_KEYS.values()) <= set(node):
             raise ValueError(f"{where} holds both 'codes' and 'rotated_codes'; export it again")
         rotation = node.get("rotation")

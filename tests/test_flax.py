@@ -524,6 +524,14 @@ def test_other_config_or_format_version_refused(variables, exported):
         hf.import_params(corrupted, CFG)
     with pytest.raises(ValueError, match=r"expected row codes of a kernel\^T \[8, 30\]"):
         QDense(8, CFG).apply(inference, X)
+    with pytest.raises(ValueError, match="holds training state.*export_params"):
+        hf.import_params(flax.serialization.to_state_dict(variables), CFG)
+    # Codes without their row scales would decode W / c: refused however they arrive.
+    unscaled = {**state, "hnlq": {"codes": {**codes_state, "scale": None}}}
+    for restored in (hf.import_params(unscaled, CFG),
+                     flax.serialization.from_state_dict(inference, unscaled)):
+        with pytest.raises(ValueError, match="codes have no row scales"):
+            QDense(16, CFG).apply(restored, X)
     # the row length is an int as saved: 29.9 is refused, not truncated to 29
     for n in (29.9, "30", [30]):
         edited = {**state, "hnlq": {"codes": {**codes_state, "n": n}}}

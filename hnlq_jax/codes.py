@@ -354,6 +354,9 @@ def check_rows(lead: tuple, config: HNLQConfig, scale, n, fn: str):
 def check_labels(labels, T, config: HNLQConfig, fn: str):
     """Validates a digit view ``(labels[..., M, d], T[...])`` against ``config``."""
     check_config(config, fn)
+    # Host values are range-checked as given: JAX (without x64) would wrap int64 into int32,
+    # and T = 2^32 + 3 would pass as 3.
+    host = [None if isinstance(v, jax.Array) else np.asarray(v) for v in (labels, T)]
     labels, T = jnp.asarray(labels), jnp.asarray(T)
     M, d = config.M, config.d
     if labels.shape[-2:] != (M, d) or labels.shape[:-2] != T.shape:
@@ -362,10 +365,17 @@ def check_labels(labels, T, config: HNLQConfig, fn: str):
             f"got labels {labels.shape} and T {T.shape}")
     if not (jnp.issubdtype(labels.dtype, jnp.integer) and jnp.issubdtype(T.dtype, jnp.integer)):
         raise TypeError(f"{fn}: labels and T must be integer arrays, got {labels.dtype}, {T.dtype}")
-    if concrete_all((labels, T), _digit_view_ok, config):
+    if host[0] is None and host[1] is None:  # JAX arrays: one compiled reduction (True for tracers)
+        if concrete_all((labels, T), _digit_view_ok, config):
+            return labels, T
+        host = [np.asarray(labels), np.asarray(T)]
+    # A traced operand is checked or marked at run time; the host one is checked here.
+    b, t = (np.zeros(0, np.int64) if h is None and not is_concrete(v) else
+            np.asarray(v) if h is None else h for h, v in zip(host, (labels, T)))
+    labels_ok = not b.size or (0 <= b.min() and b.max() < config.q)
+    if labels_ok and (not t.size or (-1 <= t.min() and t.max() <= config.max_T)):
         return labels, T
-    b, t = np.asarray(labels), np.asarray(T)
-    if b.size and not (0 <= b.min() and b.max() < config.q):
+    if not labels_ok:
         raise ValueError(f"{fn}: labels must be in 0..q-1 = 0..{config.q - 1}, got values in "
                          f"{b.min()}..{b.max()}")
     raise ValueError(f"{fn}: T must be in -1..max_T = -1..{config.max_T}, got values in "

@@ -356,6 +356,15 @@ CASES = [
                                            np.full(3, 300, np.int16), C), ValueError,
                  r"from_labels: T must be in -1\.\.max_T = -1\.\.14, got values in 300\.\.300",
                  id="from_labels-T-int16-300"),
+    # int64 beyond int32: checked as given, not after JAX's wrap to int32 (2^32 + 3 -> 3)
+    pytest.param(lambda: Codes.from_labels(np.zeros((2, 2, 4), np.int64),
+                                           np.array([2**32 + 3, 0]), C), ValueError,
+                 r"from_labels: T must be in -1\.\.max_T = -1\.\.14, got values in "
+                 r"0\.\.4294967299", id="from_labels-T-int64-wraps"),
+    pytest.param(lambda: Codes.from_labels(np.full((2, 2, 4), 2**32 + 1, np.int64),
+                                           np.zeros(2, np.int64), C), ValueError,
+                 r"from_labels: labels must be in 0\.\.q-1 = 0\.\.3, got values in "
+                 r"4294967297\.\.4294967297", id="from_labels-label-int64-wraps"),
     pytest.param(lambda: Codes.from_labels(np.zeros((3, 2, 4), np.int32),
                                            np.full(3, 0.7, np.float32), C), TypeError,
                  r"from_labels: labels and T must be integer arrays, got int32, float32",

@@ -390,6 +390,13 @@ class QDense(nn.Module):
         step = self.variable(COLLECTION, "step", jnp.zeros, (), jnp.int32)
         _check_layer_codes(cache.value, cfg, kernel.shape[0], self.features,
                            self._where())
+        if error is not None:  # a restored training cache: the forward weight adds it
+            if jnp.shape(error.value) != now.shape:
+                raise ValueError(f"{self._where()}: {COLLECTION}/error must be [{self.features}, "
+                                 f"{kernel.shape[0]}] (W_hat - kernel^T), got shape "
+                                 f"{jnp.shape(error.value)}; restore the layer's own checkpoint")
+            check_finite_weight(error.value, f"{self._where()}: {COLLECTION}/error",
+                                "the cached quantization error (a corrupted checkpoint?)")
 
         def fresh():  # (codes, their error, the forward weight: exactly W_hat)
             codes = _kernel_codes(kernel, cfg, beta.value)

@@ -565,6 +565,19 @@ def test_bad_knobs():
         hf.import_params({}, dataclasses.asdict(CFG))
 
 
+def test_corrupted_error_cache_refused():
+    # The training forward adds hnlq/error to the kernel: a NaN made NaN outputs, another
+    # shape a NumPy broadcasting error.
+    module = QDense(4, CFG, quantize_every=4)
+    variables = module.init(jax.random.key(0), X)
+    error = variables["hnlq"]["error"]
+    for bad, msg in ((error.at[1, 2].set(jnp.nan), r"hnlq/error: the cached quantization error"),
+                     (jnp.zeros((3, 3)), r"hnlq/error must be \[4, 30\]")):
+        broken = {**variables, "hnlq": {**variables["hnlq"], "error": bad, "step": 1}}
+        with pytest.raises(ValueError, match=msg):
+            module.apply(broken, X, mutable=["hnlq"])
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -0.5])
 def test_corrupted_beta_refused(bad):
     # A restored training form with a bad beta: every eager call refuses it, the training

@@ -148,6 +148,13 @@ def test_state_dict_moves_between_refresh_intervals():
     again.load_state_dict(every1.state_dict())  # strict: no missing 'error'
     assert torch.equal(again.error, tb.decode(again.codes()) - again.weight.detach())
     assert not torch.equal(again.error, torch.zeros_like(again.error))
+    # A corrupted cache would make every cached training step NaN: refused, nothing written.
+    state = every4.state_dict()
+    state["error"][2, 3] = float("nan")
+    kept = again.error.clone()
+    with pytest.raises(RuntimeError, match=r"loading error\): the cached quantization error"):
+        again.load_state_dict(state)
+    assert torch.equal(again.error, kept)
 
 
 def test_state_dict_reloads_exactly_and_refuses_other_configs():
@@ -207,6 +214,7 @@ def test_half_precision_layers_train_save_and_load_exactly(dtype):
     assert c.scale.dtype == torch.float32 and torch.equal(c.scale, frozen.scale)
 
 
+@torch.no_grad()  # float() of an output that requires grad warns (once per process)
 def test_high_rate_approaches_linear_and_activations():
     lin = _linear(2)
     x = torch.randn(4, 30)

@@ -223,6 +223,12 @@ class QLinear(CodesLayer, torch.nn.Linear):
             except ValueError as e:
                 error_msgs.append(str(e))
                 return
+        error = state_dict.get(prefix + "error")
+        if isinstance(error, torch.Tensor) and not bool(torch.isfinite(error.detach()).all()):
+            # The training forward adds it to the weight: NaN outputs, without a word.
+            error_msgs.append(f"QLinear (loading {prefix}error): the cached quantization error "
+                              "holds NaN or Inf (a corrupted checkpoint?)")
+            return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         if (self.quantize_weights and prefix + "weight" in state_dict

@@ -311,6 +311,9 @@ class QDense(nn.Module):
         if deterministic is None:
             deterministic = bool(self.deterministic)
         x = jnp.asarray(inputs)
+        if self.features < 1 or x.ndim == 0 or x.shape[-1] < 1:
+            raise ValueError(f"{self._where()}: expected features >= 1 and inputs [..., in >= 1], "
+                             f"got features={self.features} and inputs of shape {x.shape}")
         if (self.quantize_weights and not self.is_initializing()
                 and not self.has_variable("params", "kernel")):
             return self._inference(x)

@@ -90,8 +90,12 @@ def calibrate_rows(w, config: HNLQConfig):
       ``[]`` float32 beta, relative to each row's RMS.
 
     Raises:
-      ValueError: a concrete ``w`` with NaN or Inf (the message names the first bad block).
+      ValueError: an empty ``w`` (nothing to calibrate on), or a concrete ``w`` with NaN or
+        Inf (the message names the first bad block).
     """
+    if jnp.size(w) == 0:
+        raise ValueError(f"calibrate_rows: the weight is empty (shape {tuple(jnp.shape(w))}); "
+                         "a layer needs at least one input and one output feature")
     # The raw weight's NaN/Inf: after row normalization one bad entry would spoil its whole
     # row, and the search repeats blocks to its fixed sample size.
     check_finite_weight(w, "calibrate_rows")

@@ -347,6 +347,18 @@ CASES = [
     pytest.param(lambda: calibrate_rows(np.asarray(_nan_linear().weight.detach()), C),
                  ValueError, r"calibrate_rows: the weight has 1 NaN or Inf entries \(the first at "
                  r"\[2, 5\]\); expected finite values", id="calibrate_rows-nan"),
+    # -- empty layers: nothing to calibrate on (an XLA gather error, a ZeroDivisionError)
+    pytest.param(lambda: calibrate_rows(np.ones((3, 0), np.float32), C), ValueError,
+                 r"calibrate_rows: the weight is empty \(shape \(3, 0\)\)",
+                 id="calibrate_rows-empty"),
+    pytest.param(lambda: tb.QLinear(0, 6, C), ValueError,
+                 r"QLinear: in_features and out_features must be >= 1, got 0 and 6",
+                 id="qlinear-empty"),
+    pytest.param(lambda: hf.QDense(0, C).init(jax.random.key(0), np.ones((2, 8))), ValueError,
+                 r"QDense \(root\): expected features >= 1 and inputs \[\.\.\., in >= 1\], got "
+                 r"features=0", id="qdense-no-features"),
+    pytest.param(lambda: hf.QDense(4, C).init(jax.random.key(0), np.ones((2, 0))), ValueError,
+                 r"inputs of shape \(2, 0\)", id="qdense-no-inputs"),
     pytest.param(lambda: hq.calibrate_beta(X, C, scale=-1.0), ValueError,
                  r"calibrate_beta: scale must be 'rms' or a positive finite number, got -1\.0",
                  id="calibrate_beta-scale"),

@@ -79,6 +79,9 @@ class QLinear(CodesLayer, torch.nn.Linear):
                  *, quantize_weights: bool = True, quantize_activations: bool = False,
                  ste: str = "identity", quantize_every: int = 1, calibrate: bool = True,
                  implementation=None, device=None, dtype=None):
+        if in_features < 1 or out_features < 1:  # nothing to code or calibrate on
+            raise ValueError(f"QLinear: in_features and out_features must be >= 1, got "
+                             f"{in_features} and {out_features}")
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         if not isinstance(config, HNLQConfig):
             raise TypeError(f"QLinear: config must be an hnlq_jax.HNLQConfig, got "

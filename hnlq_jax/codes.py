@@ -340,7 +340,9 @@ def check_rows(lead: tuple, config: HNLQConfig, scale, n, fn: str):
     if not lead:
         raise ValueError(f"{fn}: row codes need a block axis [..., nb, M]")
     nb, d = lead[-1], config.d
-    n = nb * d if n is None else int(n)
+    if n is not None and saved_int(n) is None:  # int(10.7) would truncate
+        raise ValueError(f"{fn}: the row length n must be an int or None, got {n!r}")
+    n = nb * d if n is None else saved_int(n)
     if not (nb * d - d < n <= nb * d or (n == 0 and nb == 0)):
         raise ValueError(f"{fn}: n={n} does not split into {nb} blocks of d={d}")
     if scale is not None:

@@ -368,6 +368,10 @@ CASES = [
                                            np.full(3, 300, np.int16), C), ValueError,
                  r"from_labels: T must be in -1\.\.max_T = -1\.\.14, got values in 300\.\.300",
                  id="from_labels-T-int16-300"),
+    # a row length that is not an int: refused, not truncated (int(15.7) = 15 fits the blocks)
+    pytest.param(lambda: WEIGHT_CODES.with_rows(n=15.7), ValueError,
+                 r"with_rows: the row length n must be an int or None, got 15\.7",
+                 id="with_rows-n-float"),
     # int64 beyond int32: checked as given, not after JAX's wrap to int32 (2^32 + 3 -> 3)
     pytest.param(lambda: Codes.from_labels(np.zeros((2, 2, 4), np.int64),
                                            np.array([2**32 + 3, 0]), C), ValueError,

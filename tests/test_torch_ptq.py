@@ -181,8 +181,8 @@ def test_rotated_state_dict_round_trip_and_mismatch():
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("index", 200, "codebook index out of range"),
-    ("scale", float("nan"), "row scales hold NaN or Inf")])
+    ("index", 200, r"QuantizedLinear \(root\): .*codebook index out of range"),
+    ("scale", float("nan"), r"QuantizedLinear \(root\): .*row scales hold NaN or Inf")])
 def test_corrupted_state_dict_refused_before_anything_is_written(field, value, match):
     cfg = hq.HNLQConfig("D4", 3, 2, beta=0.3)  # q^d = 81: index 200 is out of range
     layer = QuantizedLinear.from_linear(torch.nn.Linear(24, 4), cfg)

@@ -171,8 +171,11 @@ class CodesLayer:
             # Checked before the buffers are overwritten: a refused state dict leaves the layer
             # as it was. (Other shapes are reported by torch's own size check.)
             codes = Codes(*saved[:2], self.codes_config, saved[2], self.in_features)
-            with x64_for(*codes.op_args()):
-                codes.to_jax()  # raises on corrupted codes (index, T or scale out of range)
+            try:
+                with x64_for(*codes.op_args()):
+                    codes.to_jax()  # raises on corrupted codes (index, T or scale out of range)
+            except ValueError as e:  # named by the layer, as the other loading errors
+                raise ValueError(f"{where}: {e}") from None
             if saved[2].dtype != self.scale.dtype:
                 # The scales load in their saved dtype (a refresh makes them at least float32):
                 # copied into this layer's, they would round, and the layer compute otherwise.

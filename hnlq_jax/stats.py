@@ -241,8 +241,15 @@ def gaussian_beta(config: HNLQConfig) -> float:
 
     Raises:
       TypeError: ``config`` is not an :class:`~hnlq_jax.HNLQConfig` (e.g. a lattice name).
+      ValueError: no beta of the grid encodes every sample within ``config.max_T``.
     """
-    return _gaussian_beta(check_config(config, "gaussian_beta"))
+    config = check_config(config, "gaussian_beta")
+    try:
+        return _gaussian_beta(config)
+    except ValueError as e:  # calibrate_beta's advice (its scale and grid) is not ours to give
+        raise ValueError(f"gaussian_beta: no beta of the paper's grid encodes all 4000 Gaussian "
+                         f"samples with {config.lattice} q={config.q} M={config.M} within max_T "
+                         f"= {config.max_T}; raise max_T (the default is 14)") from e
 
 
 @functools.lru_cache(maxsize=None)  # after the check: the cache needs a hashable config

@@ -340,6 +340,9 @@ CASES = [
                  id="calibrate-criterion"),
     pytest.param(lambda: hq.gaussian_beta("D4"), TypeError,
                  r"gaussian_beta: config must be an HNLQConfig, got str", id="gaussian_beta-str"),
+    pytest.param(lambda: hq.gaussian_beta(HNLQConfig("D4", 4, 1, max_T=0)), ValueError,
+                 r"gaussian_beta: no beta of the paper's grid encodes all 4000 Gaussian samples "
+                 r"with D4 q=4 M=1 within max_T = 0; raise max_T", id="gaussian_beta-max_T-0"),
     pytest.param(lambda: hq.gaussian_beta({"lattice": "D4"}), TypeError,
                  r"gaussian_beta: config must be an HNLQConfig, got dict",
                  id="gaussian_beta-dict"),

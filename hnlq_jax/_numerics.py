@@ -60,6 +60,16 @@ def _st_bwd(mask, g):
 straight_through.defvjp(_st_fwd, _st_bwd)
 
 
+def saturating_cast(x, dtype):
+    """``x`` in ``dtype``, values beyond a narrower dtype's range clipped to its largest finite
+    value (NaN stays NaN): a block near a half-precision input's maximum can decode just beyond
+    it, where a plain cast gives Inf."""
+    if jnp.finfo(dtype).bits < jnp.finfo(x.dtype).bits:
+        big = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -big, big)
+    return x.astype(dtype)
+
+
 def wide_dtype(dtype):
     """The dtype a matmul decodes its weight in and sums in, for activations of ``dtype``:
     float32, or float64 for float64 activations (under x64)."""

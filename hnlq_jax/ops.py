@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import codec, kernels, lut
-from hnlq_jax._numerics import straight_through, wide_dtype
+from hnlq_jax._numerics import saturating_cast, straight_through, wide_dtype
 from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes, is_concrete,
                             pack_t, row_length, unpack_t)
 from hnlq_jax.config import HNLQConfig, check_config
@@ -190,7 +190,8 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
       codes: :class:`Codes` (block or row codes).
       levels: keep only the ``levels`` coarsest levels (successive refinement): the result is
         the input quantized on ``q^(M - levels) L``. Default: all.
-      dtype: output dtype; default float64 under x64, float32 otherwise.
+      dtype: output dtype; default float64 under x64, float32 otherwise (half precision is
+        computed in float32 and rounded, saturating at the dtype's largest value).
       implementation: ``None``, ``"xla"`` or ``"pallas"``.
       interpret: Pallas interpret mode (default: on a CPU).
 
@@ -215,7 +216,7 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
     if N == 0:
         impl = "xla"
     if not is_concrete(codes.index):
-        return _decode(codes, levels, compute, impl, interpret).astype(dtype)
+        return saturating_cast(_decode(codes, levels, compute, impl, interpret), dtype)
     # Eager: one flat, bucket-padded batch, so a new batch size reuses the compiled decoder.
     out = _decode(_codes_to_bucket(codes), levels, compute, impl, interpret)
     return _decoded_from_bucket(out, codes, compute, dtype)
@@ -237,7 +238,7 @@ def _decoded_from_bucket(out, codes: Codes, compute, dtype):
     """The first blocks of a bucket's decoded values, in the shape and dtype of ``codes``."""
     lead = codes.blocks_shape
     out = out[:int(np.prod(lead, dtype=np.int64))].reshape(lead + (codes.config.d,))
-    return _finish_rows(out, codes, compute).astype(dtype)
+    return saturating_cast(_finish_rows(out, codes, compute), dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
@@ -285,7 +286,8 @@ def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None,
         (``"raise"``) or returns NaN there (``"mark"``); under ``jit`` they are NaN.
 
     Returns:
-      ``[..., d]`` in ``x``'s dtype (half precision is computed in float32 and rounded back).
+      ``[..., d]`` in ``x``'s dtype (half precision is computed in float32 and rounded back,
+      saturating at the dtype's largest value: a block near it can decode just beyond).
 
     Raises:
       ValueError, TypeError: as :func:`encode`.
@@ -299,7 +301,7 @@ def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None,
     if x.size == 0:
         return x.astype(dtype)
     if not is_concrete(x):
-        return _quantize_jit(x, config, impl, interpret).astype(dtype)
+        return saturating_cast(_quantize_jit(x, config, impl, interpret), dtype)
     # Eager: a bucket-padded flat batch (see bucket).
     out = _quantize_jit(_to_bucket(x), config, impl, interpret)
     out, failed, any_failed = _values_from_bucket(out, x.shape, dtype)
@@ -314,7 +316,7 @@ def _values_from_bucket(out, shape: tuple, dtype):
     the input is finite (checked), so a NaN marks a block that could not be encoded."""
     out = out[:int(np.prod(shape[:-1], dtype=np.int64))].reshape(shape)
     failed = jnp.any(jnp.isnan(out), axis=-1)
-    return out.astype(dtype), failed, jnp.any(failed)
+    return saturating_cast(out, dtype), failed, jnp.any(failed)
 
 
 _quantize_jit = jax.jit(_quantize, static_argnums=(1, 2, 3))

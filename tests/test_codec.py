@@ -329,6 +329,21 @@ def test_quantize_dtypes():
     assert hq.decode(hq.encode(x, cfg), dtype=jnp.float16).dtype == jnp.float16
 
 
+def test_half_precision_output_saturates():
+    # float16 inputs up to its maximum: a block there can decode just beyond 65504, which a
+    # plain cast turns into Inf; the output saturates instead, eagerly and under jit.
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=hq.gaussian_beta(hq.HNLQConfig("D4", 4, 2)) * 2e4)
+    x = np.random.default_rng(0).uniform(-65504, 65504, (2000, 4)).astype(np.float16)
+    wide = np.asarray(hq.quantize(x.astype(np.float32), cfg))
+    assert np.abs(wide).max() > 65504  # the case: some block decodes beyond float16's range
+    want = np.clip(wide, -65504, 65504).astype(np.float16)
+    codes = hq.encode(x, cfg)
+    for out in (hq.quantize(x, cfg), jax.jit(lambda v: hq.quantize(v, cfg))(x),
+                hq.decode(codes, dtype=jnp.float16),
+                jax.jit(lambda c: hq.decode(c, dtype=jnp.float16))(codes)):
+        np.testing.assert_array_equal(np.asarray(out), want)
+
+
 def test_dither_roundtrip(x64):
     g = load_golden("D4_q4_M2_dither.npz")
     cfg = golden_config(g)

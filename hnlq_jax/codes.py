@@ -367,13 +367,11 @@ def check_labels(labels, T, config: HNLQConfig, fn: str):
             f"got labels {labels.shape} and T {T.shape}")
     if not (jnp.issubdtype(labels.dtype, jnp.integer) and jnp.issubdtype(T.dtype, jnp.integer)):
         raise TypeError(f"{fn}: labels and T must be integer arrays, got {labels.dtype}, {T.dtype}")
-    if host[0] is None and host[1] is None:  # JAX arrays: one compiled reduction (True for tracers)
-        if concrete_all((labels, T), _digit_view_ok, config):
-            return labels, T
-        host = [np.asarray(labels), np.asarray(T)]
-    # A traced operand is checked or marked at run time; the host one is checked here.
-    b, t = (np.zeros(0, np.int64) if h is None and not is_concrete(v) else
-            np.asarray(v) if h is None else h for h, v in zip(host, (labels, T)))
+    # JAX arrays: one compiled reduction (True for tracers, checked or marked at run time).
+    if host[0] is None and host[1] is None and concrete_all((labels, T), _digit_view_ok, config):
+        return labels, T
+    b, t = (h if h is not None else np.asarray(v) if is_concrete(v) else np.zeros(0, np.int64)
+            for h, v in zip(host, (labels, T)))
     labels_ok = not b.size or (0 <= b.min() and b.max() < config.q)
     if labels_ok and (not t.size or (-1 <= t.min() and t.max() <= config.max_T)):
         return labels, T

@@ -114,7 +114,13 @@ def rows_codes(w, config: HNLQConfig, beta, implementation: str = "xla") -> Code
     Returns:
       Row :class:`Codes` with blocks ``[..., ceil(k/d)]``, ``scale = c`` (float32 or wider) and
       config ``unit(config)``.
+
+    Raises:
+      ValueError: ``beta`` is not a scalar.
     """
+    if jnp.ndim(beta) != 0:  # an array would broadcast against the rows, or fail in XLA
+        raise ValueError(f"rows_codes: beta must be a scalar (one beta per layer), got shape "
+                         f"{jnp.shape(beta)}")
     w = w.astype(jnp.promote_types(w.dtype, jnp.float32))  # half precision: code in float32
     c = beta * row_rms(w)
     blocks = to_blocks(divide_rows(w, c), config.d)  # [..., nb, d]

@@ -350,6 +350,9 @@ CASES = [
     pytest.param(lambda: calibrate_rows(np.asarray(_nan_linear().weight.detach()), C),
                  ValueError, r"calibrate_rows: the weight has 1 NaN or Inf entries \(the first at "
                  r"\[2, 5\]\); expected finite values", id="calibrate_rows-nan"),
+    pytest.param(lambda: hq.rows.rows_codes(np.ones((4, 8), np.float32), C, np.ones(3)),
+                 ValueError, r"rows_codes: beta must be a scalar \(one beta per layer\), got "
+                 r"shape \(3,\)", id="rows_codes-beta-array"),
     # -- empty layers: nothing to calibrate on (an XLA gather error, a ZeroDivisionError)
     pytest.param(lambda: calibrate_rows(np.ones((3, 0), np.float32), C), ValueError,
                  r"calibrate_rows: the weight is empty \(shape \(3, 0\)\)",

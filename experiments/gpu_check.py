@@ -1,7 +1,8 @@
 """The kernels on a real GPU: native tests, then the benchmarks the kernels are built for.
 
-1. ``pytest tests/test_kernels.py``: on a GPU the kernels run natively (``interpret=None``
-   means compiled there), so the bit-exactness tests compare compiled Triton kernels with XLA.
+1. ``pytest tests/test_kernels.py`` (or the files ``--tests`` names): on a GPU the kernels run
+   natively (``interpret=None`` means compiled there), so the bit-exactness tests compare
+   compiled Triton kernels with XLA, and the golden tests hold XLA on the GPU to the reference.
 2. encode and decode of N D4 vectors (q=4, M=2) through the front doors: effective bandwidth
    (bytes in + bytes out, the codes as stored, over time) against the device's HBM peak.
 3. the codebook in the decode kernel, a gathered table against computing it from the digits
@@ -12,11 +13,13 @@
    dot at batch 1, 8192^2.
 5. every op of ``bench_kernels.py`` (XLA versus the kernel) at GPU sizes.
 
-Prints a Markdown table and writes ``results/gpu_check.json`` and ``results/gpu_check.md``
-(copy the latter into ``docs/gpu.md``). Without a GPU it stops with exit status 2 unless
+Prints a Markdown table and writes ``results/gpu_check.json`` (after every part, so a run cut
+off keeps what it measured) and ``results/gpu_check.md`` (copy it into ``docs/gpu.md``). A part
+that fails is recorded and the run goes on; the exit status is then 1. Without a GPU it stops with exit status 2 unless
 ``--allow-cpu`` (a smoke run at tiny sizes, interpret mode).
 
-Usage: ``python experiments/gpu_check.py [--n 100000000] [--allow-cpu] [--skip-tests]``
+Usage: ``python experiments/gpu_check.py [--n 100000000] [--allow-cpu] [--skip-tests]
+[--tests FILE ...]``
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -58,10 +62,23 @@ def pytest_command(*targets: str) -> list:
             *(targets or ("tests/test_kernels.py",))]
 
 
-def run_tests():
-    r = subprocess.run(pytest_command(), cwd=ROOT, capture_output=True, text=True)
-    tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
-    return {"returncode": r.returncode, "summary": tail}
+def run_tests(targets):
+    r = subprocess.run(pytest_command(*targets), cwd=ROOT, capture_output=True, text=True)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    # the failures' short summary (pytest's last lines) says what broke
+    return {"targets": list(targets), "returncode": r.returncode, "summary": lines[-15:]}
+
+
+def section(out, name, f, *args):
+    """Runs one part of the check into ``out[name]``. A part that raises is recorded under
+    ``out["errors"]`` (and its traceback printed) so that it does not lose the parts after it:
+    a lease on a GPU is short, and a first run on a new device is when parts break."""
+    try:
+        out[name] = f(*args)
+    except Exception as e:  # noqa: BLE001  (reported, not handled)
+        traceback.print_exc()
+        out[name] = None
+        out.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
 
 
 def codec_bandwidth(cfg, n, repeat):
@@ -121,30 +138,33 @@ def matmul_table(cfg, sizes, batches, repeat):
     return rows
 
 
-def markdown(env, tests, bw, books, mm, ops, peak):
+def markdown(env, tests, bw, books, mm, ops, peak, errors):
     lines = [f"Device: {env['device']} ({env['backend']}); jax {env['jax']}; "
              f"Python {env['python']}.", ""]
     if tests:
-        lines += [f"`pytest tests/test_kernels.py` natively: {' '.join(tests['summary'])}", ""]
+        lines += [f"`pytest {' '.join(tests['targets'])}` natively: {tests['summary'][-1]}", ""]
+    for name, err in errors.items():
+        lines += [f"**{name} failed**: `{err.splitlines()[0][:300]}`", ""]
     lines += ["| op | implementation | N | time | GB/s | % of HBM peak |",
               "|---|---|---|---|---|---|"]
-    for r in bw:
+    for r in bw or ():
         pct = f"{100 * r['GBps'] * 1e9 / peak:.0f} %" if peak else "n/a"
         lines.append(f"| {r['op']} | {r['implementation']} | {r['N']:.0e} | "
                      f"{r['seconds'] * 1e3:.2f} ms | {r['GBps']:.1f} | {pct} |")
     lines += ["", "Decode kernel, codebook gathered (`use_table=True`) or from the digits "
               "(the default: a table for D4 q=4, digits for E8 q=4):", "",
               "| lattice | N blocks | use_table | time |", "|---|---|---|---|"]
-    for r in books:
+    for r in books or ():
         lines.append(f"| {r['lattice']} q={r['q']} | {r['N']:.0e} | {r['use_table']} | "
                      f"{r['seconds'] * 1e3:.2f} ms |")
     lines += ["", "| matmul | batch | fused (codes) | bf16 dot (dense) | decode then dot | "
               "fused vs bf16 | rel. diff |", "|---|---|---|---|---|---|---|"]
-    for r in mm:
+    for r in mm or ():
         lines.append(f"| {r['size']}² | {r['batch']} | {r['fused_s'] * 1e6:.0f} µs | "
                      f"{r['bf16_dot_s'] * 1e6:.0f} µs | {r['decode_then_dot_s'] * 1e6:.0f} µs | "
                      f"{r['speedup_vs_bf16']:.2f}x | {r['rel_diff']:.1e} |")
-    lines += ["", bench_kernels.table(ops)]
+    if ops:
+        lines += ["", bench_kernels.table(ops)]
     return "\n".join(lines)
 
 
@@ -156,6 +176,8 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--allow-cpu", action="store_true", help="smoke run without a GPU")
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--tests", nargs="+", default=["tests/test_kernels.py"],
+                   help="test files (or node ids) to run natively first")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         if not args.allow_cpu:
@@ -166,22 +188,28 @@ def main(argv=None):
     env = bench_kernels.environment()
     peak = peak_bandwidth(env["device"])
     cfg = bench_kernels.config()
-    tests = None if args.skip_tests else run_tests()
-    bw = codec_bandwidth(cfg, args.n, args.repeat)
-    books = codebook_choice(args.n // 10, args.repeat)
-    mm = matmul_table(cfg, args.sizes, (1, 8, 32), args.repeat)
     scale = 1 if args.allow_cpu else 16
-    ops = [bench_kernels.measure(c, args.repeat, cfg)
-           for c in bench_kernels.cases(cfg, 2**16 * scale, 512 * scale, (1, 16), jnp.bfloat16)]
-    out = {"environment": {**env, "hbm_peak_Bps": peak}, "tests": tests, "bandwidth": bw,
-           "codebook": books, "matmul": mm, "ops": ops}
-    RESULTS.mkdir(exist_ok=True)
+    out = {"environment": {**env, "hbm_peak_Bps": peak}, "tests": None}
     suffix = "" if jax.default_backend() == "gpu" else "_cpu_smoke"
-    (RESULTS / f"gpu_check{suffix}.json").write_text(json.dumps(out, indent=1))
-    md = markdown(env, tests, bw, books, mm, ops, peak)
+    RESULTS.mkdir(exist_ok=True)
+    steps = [("bandwidth", codec_bandwidth, cfg, args.n, args.repeat),
+             ("codebook", codebook_choice, args.n // 10, args.repeat),
+             ("matmul", matmul_table, cfg, args.sizes, (1, 8, 32), args.repeat),
+             ("ops", lambda: [bench_kernels.measure(c, args.repeat, cfg) for c in
+                              bench_kernels.cases(cfg, 2**16 * scale, 512 * scale, (1, 16),
+                                                  jnp.bfloat16)])]
+    if not args.skip_tests:
+        steps.insert(0, ("tests", run_tests, args.tests))
+    for name, f, *f_args in steps:
+        section(out, name, f, *f_args)
+        # written after every part, so a run cut off at its time limit keeps what it measured
+        (RESULTS / f"gpu_check{suffix}.json").write_text(json.dumps(out, indent=1))
+    md = markdown(env, out["tests"], out["bandwidth"], out["codebook"], out["matmul"],
+                  out["ops"], peak, out.get("errors", {}))
     (RESULTS / f"gpu_check{suffix}.md").write_text(md + "\n")
     print(md)
-    return 0 if tests is None or tests["returncode"] == 0 else 1
+    tests_ok = out["tests"] is None or out["tests"]["returncode"] == 0
+    return 0 if tests_ok and not out.get("errors") else 1
 
 
 if __name__ == "__main__":

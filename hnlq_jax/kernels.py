@@ -51,8 +51,9 @@ are the reference's by construction. That code is written in the subset Triton l
 floor-based rounding, per-column loads (no value slicing), no captured array constants,
 power-of-two tiles, gathers as ``ref[index]``.
 
-``interpret=None`` runs a kernel in interpret mode on a CPU (the kernel body as XLA ops, slower
-than the XLA path); ``False`` forces the real lowering. ``gpu_backend``: ``"triton"`` (every
+``interpret=None`` runs a kernel in interpret mode where its inputs live on a CPU (the kernel
+body as XLA ops, slower than the XLA path; :func:`platform`, so a CPU array on a GPU machine too);
+``False`` forces the real lowering. ``gpu_backend``: ``"triton"`` (every
 kernel) or ``"mosaic_gpu"`` (:data:`MOSAIC_GPU_OPS`).
 """
 
@@ -82,11 +83,14 @@ __all__ = [
     "encode",
     "lut_gemv",
     "modq_sum",
+    "platform",
     "unsupported",
 ]
 
 GPU_BACKENDS = ("triton", "mosaic_gpu")
-MOSAIC_GPU_OPS = ("modq_sum",)
+# JAX 0.11 no longer lowers pl.pallas_call through Mosaic GPU (0.10 deprecated that path for
+# plgpu.kernel; seen with jax 0.11.2 on an H200): there no kernel has a Mosaic GPU version.
+MOSAIC_GPU_OPS = ("modq_sum",) if jax.__version_info__ < (0, 11) else ()
 _HIGHEST = jax.lax.Precision.HIGHEST
 # The codebook is a kernel input (one gather per level) up to this many int32 entries (64 KiB).
 _TABLE_ENTRIES = 2**14
@@ -113,8 +117,29 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _interpret(interpret) -> bool:
-    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+def platform(*arrays) -> str:
+    """The platform (``"cpu"``, ``"gpu"``, ...) a computation on ``arrays`` runs on.
+
+    That of the first concrete array committed to a device (a DLPack import of a CPU tensor,
+    ``jax.device_put(x, device)``), else that of ``jax.default_device`` where it is set, else
+    JAX's default backend. On a GPU machine a CPU array must take the CPU's path: a kernel
+    compiled for the GPU cannot run on it.
+
+    Args:
+      *arrays: the operation's inputs (pytrees such as :class:`~hnlq_jax.Codes` too); tracers
+        and other leaves are skipped.
+    """
+    for v in jax.tree_util.tree_leaves(arrays):
+        if isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer) and v.committed:
+            return next(iter(v.devices())).platform
+    device = jax.config.jax_default_device
+    if device is not None:
+        return device if isinstance(device, str) else device.platform
+    return jax.default_backend()
+
+
+def _interpret(interpret, *arrays) -> bool:
+    return platform(*arrays) == "cpu" if interpret is None else bool(interpret)
 
 
 def _check_config(config: HNLQConfig, fn: str):
@@ -131,8 +156,11 @@ def _compiler_params(gpu_backend: str, fn: str):
     if gpu_backend == "mosaic_gpu" and fn in MOSAIC_GPU_OPS:
         return plgpu.CompilerParams()
     if gpu_backend == "mosaic_gpu":
-        raise ValueError(f"{fn}: no Mosaic GPU kernel (it needs gathers or vector while loops, "
-                         f"which Mosaic GPU lacks); Mosaic GPU kernels: {MOSAIC_GPU_OPS}")
+        why = (f"jax {jax.__version__} no longer lowers pl.pallas_call through Mosaic GPU"
+               if fn == "modq_sum" else
+               "it needs gathers or vector while loops, which Mosaic GPU lacks")
+        raise ValueError(f"{fn}: no Mosaic GPU kernel ({why}); use gpu_backend='triton'. "
+                         f"Mosaic GPU kernels: {MOSAIC_GPU_OPS}")
     raise ValueError(f"{fn}: gpu_backend must be one of {GPU_BACKENDS}, got {gpu_backend!r}")
 
 
@@ -319,7 +347,7 @@ def encode(x, config: HNLQConfig, *, interpret=None, block: int = 256,
     Args:
       x: ``[N, d]`` float32 or float64 blocks (the front door has validated them).
       config: the quantizer.
-      interpret: Pallas interpret mode; ``None``: on a CPU.
+      interpret: Pallas interpret mode; ``None``: where ``x`` lives on a CPU (:func:`platform`).
       block: blocks per program (a power of two >= 16).
       gpu_backend: ``"triton"``.
 
@@ -339,7 +367,7 @@ def encode(x, config: HNLQConfig, *, interpret=None, block: int = 256,
                          f"got {x.dtype}{list(x.shape)}; hnlq_jax.encode takes any shape")
     if x.shape[0] == 0:
         return (jnp.zeros((0, config.M), index_dtype(config)), jnp.zeros((0,), jnp.int32))
-    return _encode_pallas(x, config, _interpret(interpret), block, gpu_backend)
+    return _encode_pallas(x, config, _interpret(interpret, x), block, gpu_backend)
 
 
 # ----------------------------------------------------------------------------------- decode
@@ -421,7 +449,7 @@ def decode(codes: Codes, levels: int | None, dtype, *, interpret=None, block: in
         return jnp.zeros(lead + (config.d,), dtype)
     out = _decode_pallas(codes.index.reshape(N, config.M), codes.tfield.reshape(-1), config,
                          config.M if levels is None else levels, dtype, lead[-1] if lead else 1,
-                         table, _interpret(interpret), block, gpu_backend)
+                         table, _interpret(interpret, codes), block, gpu_backend)
     return out.reshape(lead + (config.d,))
 
 
@@ -449,6 +477,16 @@ def _weight_codes_tile(idx_ref, t_ref, rows, k0, bk: int, config: HNLQConfig, n:
     return ks, u
 
 
+def _tile_product(a, b, wide):
+    """``a [bb, bk] @ b [bn, bk]^T`` in ``wide``. Float64 takes the products and a sum over k
+    instead of a ``dot``: Triton's float64 dot gave wrong sums on an H200 (Triton 3.6: 70 % of a
+    64 x 24 product wrong, from the 9th column on; docs/gpu.md)."""
+    if wide == jnp.float64:
+        return jnp.sum(a[:, None, :] * b[None, :, :], axis=2)
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HIGHEST,
+                               preferred_element_type=wide)
+
+
 def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
                           batch: int, bk: int, compute, wide, scaled: bool, table: bool,
                           interpret: bool):
@@ -466,9 +504,8 @@ def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: i
         for j, wj in enumerate(w):
             if scaled:  # the reference's rounding: the decoded weight times its row scale
                 wj = wj * s
-            acc = acc + jax.lax.dot_general(
-                x_ref[j, :, pl.ds(k0, bk)].astype(compute), wj.astype(compute),
-                (((1,), (1,)), ((), ())), precision=_HIGHEST, preferred_element_type=wide)
+            acc = acc + _tile_product(x_ref[j, :, pl.ds(k0, bk)].astype(compute),
+                                      wj.astype(compute), wide)
         return acc
 
     acc = jax.lax.fori_loop(0, pl.cdiv(nb, bk), tile, jnp.zeros((bb, bn), wide))
@@ -514,7 +551,8 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
     if B == 0 or n == 0 or nb == 0:
         return jnp.zeros(lead + (n,), out_dtype)
     out = _decode_matmul_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(compute_dtype),
-                              jnp.dtype(out_dtype), table, _interpret(interpret), block_n,
+                              jnp.dtype(out_dtype), table, _interpret(interpret, x, codes),
+                              block_n,
                               block_k, gpu_backend)
     return out.reshape(lead + (n,))
 
@@ -637,9 +675,9 @@ def lut_gemv(codes_W: Codes, x, *, interpret=None, block_n: int = 32, block_k: i
     dtype = jnp.promote_types(x.dtype, jnp.float32)
     if x.size == 0 or n == 0:
         return jnp.zeros(x.shape[:-1] + (n,), dtype)
-    gemv = functools.partial(_lut_gemv_call, codes=codes_W, interpret=_interpret(interpret),
-                             block_n=block_n, block_k=block_k, gpu_backend=gpu_backend,
-                             dtype=dtype)
+    gemv = functools.partial(_lut_gemv_call, codes=codes_W,
+                             interpret=_interpret(interpret, x, codes_W), block_n=block_n,
+                             block_k=block_k, gpu_backend=gpu_backend, dtype=dtype)
     out = jax.vmap(gemv)(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1] + (n,))
     return out if codes_W.scale is None else out * codes_W.scale.astype(dtype)
 
@@ -706,7 +744,8 @@ def modq_sum(codes: Codes, axis: int = 0, *, interpret=None, block: int = 256,
       codes: block codes of a config without dither, no row scales.
       axis: the leading (block) axis summed over.
       interpret, block: see :func:`encode`.
-      gpu_backend: ``"triton"`` or ``"mosaic_gpu"``.
+      gpu_backend: ``"triton"``, or ``"mosaic_gpu"`` with jax < 0.11
+        (:data:`MOSAIC_GPU_OPS`).
 
     Returns:
       Block ``Codes`` with ``axis`` removed, identical to :func:`hnlq_jax.modq.accumulate`:
@@ -728,4 +767,4 @@ def modq_sum(codes: Codes, axis: int = 0, *, interpret=None, block: int = 256,
         return Codes(jnp.zeros(rest + (config.M,), index_dtype(config)),
                      pack_t(jnp.zeros(rest, jnp.int32), config), config)
     _compiler_params(gpu_backend, "modq_sum")  # a bad backend raises here, not in the trace
-    return _modq_call(codes, axis, _interpret(interpret), block, gpu_backend)
+    return _modq_call(codes, axis, _interpret(interpret, codes), block, gpu_backend)

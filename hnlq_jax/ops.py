@@ -38,11 +38,17 @@ IMPLEMENTATIONS = {
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def default_implementation(op: str, config: HNLQConfig) -> str:
-    """What ``implementation=None`` runs for ``op`` on the default backend.
+def default_implementation(op: str, config: HNLQConfig, *arrays) -> str:
+    """What ``implementation=None`` runs for ``op`` on the inputs ``arrays``.
 
     On a GPU, the kernel when one supports ``config``. Elsewhere XLA: Pallas only runs in
-    interpret mode there, which is slower (``experiments/bench_kernels.py``).
+    interpret mode there, which is slower (``experiments/bench_kernels.py``). Where the inputs
+    live decides (:func:`hnlq_jax.kernels.platform`): a CPU array on a GPU machine takes XLA.
+
+    Args:
+      op: one of ``IMPLEMENTATIONS``.
+      config: the codec's configuration.
+      *arrays: the operation's inputs (none: the default device's platform).
 
     Raises:
       ValueError: an unknown op.
@@ -52,16 +58,17 @@ def default_implementation(op: str, config: HNLQConfig) -> str:
                          f"got {op!r}")
     if kernels.unsupported(config):
         return "xla"
-    if jax.default_backend() == "gpu":
+    if kernels.platform(*arrays) == "gpu":
         return "pallas"
     return "xla"
 
 
-def resolve(implementation, config: HNLQConfig, op: str) -> str:
-    """``implementation`` checked for ``op`` (``None``: :func:`default_implementation`)."""
+def resolve(implementation, config: HNLQConfig, op: str, *arrays) -> str:
+    """``implementation`` checked for ``op`` (``None``: :func:`default_implementation` for the
+    inputs ``arrays``)."""
     allowed = IMPLEMENTATIONS[op]
     if implementation is None:
-        return default_implementation(op, config)
+        return default_implementation(op, config, *arrays)
     if implementation not in allowed:
         raise ValueError(f"{op}: implementation must be one of {allowed} or None, got "
                          f"{implementation!r}")
@@ -92,7 +99,7 @@ def encode(x, config: HNLQConfig, *, implementation=None, interpret=None,
       x: ``[..., d]`` floating array (half precision is computed in float32).
       config: the quantizer.
       implementation: ``None``, ``"xla"`` or ``"pallas"``.
-      interpret: Pallas interpret mode (default: on a CPU).
+      interpret: Pallas interpret mode (default: where the inputs live on a CPU).
       failures: what an eager call does with blocks that still overload at ``max_T``:
         ``"raise"`` (default) a ``ValueError``, or ``"mark"`` them ``T = -1`` (they decode to
         NaN). Under ``jit`` they are always marked (the values are not known at trace time).
@@ -108,7 +115,7 @@ def encode(x, config: HNLQConfig, *, implementation=None, interpret=None,
     x = codec.check_x(x, config, "encode")
     if failures not in FAILURES:
         raise ValueError(f"encode: failures must be one of {FAILURES}, got {failures!r}")
-    impl = resolve(implementation, config, "encode")
+    impl = resolve(implementation, config, "encode", x)
     if x.size == 0:
         impl = "xla"
     if not is_concrete(x):
@@ -193,7 +200,7 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
       dtype: output dtype; default float64 under x64, float32 otherwise (half precision is
         computed in float32 and rounded, saturating at the dtype's largest value).
       implementation: ``None``, ``"xla"`` or ``"pallas"``.
-      interpret: Pallas interpret mode (default: on a CPU).
+      interpret: Pallas interpret mode (default: where the inputs live on a CPU).
 
     Returns:
       ``codes.shape``: ``[..., d]`` for block codes, ``[..., n]`` (times the row scale) for row
@@ -211,7 +218,7 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
         raise ValueError(f"decode: levels must be an int in 1..M={config.M}, got {levels!r}")
     dtype = _out_dtype(dtype, "decode")
     compute = jnp.promote_types(dtype, jnp.float32)  # half precision: float32, then round
-    impl = resolve(implementation, config, "decode")
+    impl = resolve(implementation, config, "decode", codes)
     N = int(np.prod(codes.blocks_shape, dtype=np.int64))
     if N == 0:
         impl = "xla"
@@ -281,7 +288,7 @@ def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None,
       x: ``[..., d]`` floating array.
       config: the quantizer.
       implementation: ``None``, ``"xla"`` or ``"pallas"``.
-      interpret: Pallas interpret mode (default: on a CPU).
+      interpret: Pallas interpret mode (default: where the inputs live on a CPU).
       failures: as :func:`encode`: an eager call raises on blocks beyond ``max_T``
         (``"raise"``) or returns NaN there (``"mark"``); under ``jit`` they are NaN.
 
@@ -297,7 +304,7 @@ def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None,
     x = codec.check_x(x, config, "quantize")
     if failures not in FAILURES:
         raise ValueError(f"quantize: failures must be one of {FAILURES}, got {failures!r}")
-    impl = resolve(implementation, config, "quantize")
+    impl = resolve(implementation, config, "quantize", x)
     if x.size == 0:
         return x.astype(dtype)
     if not is_concrete(x):
@@ -400,7 +407,7 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
       implementation: ``None``, ``"xla"`` (decode, then ``dot``), ``"pallas"`` (the fused
         decode-matmul kernel: the dense weight never exists in memory) or ``"lut"`` (x's
         one-sided tables gathered by the codes' indices).
-      interpret: Pallas interpret mode (default: on a CPU).
+      interpret: Pallas interpret mode (default: where the inputs live on a CPU).
 
     Returns:
       ``[..., n]`` in x's dtype. Differentiable in x and in
@@ -409,7 +416,7 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
     codes = check_weight_codes(codes, "matmul")
     x = check_activations(x, codes, "matmul")
     batch = int(np.prod(x.shape[:-1], dtype=np.int64))
-    impl = resolve(implementation, codes.config, "matmul")
+    impl = resolve(implementation, codes.config, "matmul", x, codes)
     if impl == "lut":
         lut.check_one_sided(codes.config, "matmul")
     if batch == 0 or codes.blocks_shape[0] == 0:

@@ -542,7 +542,7 @@ def gptq_rows(w, H, config: HNLQConfig, *, damp: float = DAMP, act_order: bool =
     else:
         betas = jnp.broadcast_to(b, (1, out))
     ucfg = unit(config)
-    impl = ops.resolve(implementation, config, "encode")
+    impl = ops.resolve(implementation, config, "encode", w)
     mode = jnp.asarray(0 if per_row else (2 if criterion == "f" else 1), jnp.int32)
     budget_arr = jnp.asarray(budget, w.dtype)  # compared as _search compares it
     index, T, beta, c, losses, shrunk, t_bits, chosen = _search(

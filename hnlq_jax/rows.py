@@ -190,7 +190,7 @@ def encode_rows(w, config: HNLQConfig, *, implementation=None, failures: str = "
     if w.ndim == 0:
         raise ValueError("encode_rows: expected an array with a row axis [..., k]")
     check_x(to_blocks(w, config.d), config, "encode_rows", given)
-    impl = ops.resolve(implementation, config, "encode")
+    impl = ops.resolve(implementation, config, "encode", w)
     codes = rows_codes(w, config, config.beta, impl)
     check_row_failures(codes, failures, "encode_rows")
     return codes

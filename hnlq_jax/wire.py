@@ -274,7 +274,7 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
                          f"size), got shape {tuple(v.shape)}; make the layout with "
                          "wire.layout(v.size, ...)")
     config = lay.config
-    impl = ops.resolve(implementation, config, "encode")
+    impl = ops.resolve(implementation, config, "encode", v)
     C = lay.parts * lay.chunks
     x = jnp.pad(v.astype(jnp.float32), (0, lay.parts * lay.part_values - v.shape[0]))
     x = x.reshape(C, lay.chunk * config.d)
@@ -344,7 +344,7 @@ def decode_part(part, lay: Layout, implementation=None, interpret=None):
     _check_layout(lay, "decode_part")
     part = _check_payload(part, (lay.part_bytes,), lay, "decode_part")
     config = lay.config
-    impl = ops.resolve(implementation, config, "decode")
+    impl = ops.resolve(implementation, config, "decode", part)
     records = part.reshape(lay.chunks, lay.record_bytes)
     lb, tb = lay.label_bytes, lay.t_bytes
     index, bad = jax.vmap(lambda r: packing.unpack_labels(r, config, lay.chunk))(records[:, :lb])

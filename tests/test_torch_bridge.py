@@ -10,6 +10,9 @@ import torch
 import hnlq_jax as hq
 import torch_bridge as tb
 
+# CPU tensors: the JAX references run on the CPU too (conftest.jax_on_cpu)
+pytestmark = pytest.mark.usefixtures("jax_on_cpu")
+
 CFG = hq.HNLQConfig("D4", 4, 2, beta=0.2)
 
 
@@ -111,6 +114,26 @@ def test_rows_and_matmul_bit_for_bit():
     ce8 = tb.encode_rows(torch.from_numpy(w[:, :16]), e8)
     assert ce8.index.dtype == torch.uint16
     _same_codes(ce8, hq.encode_rows(w[:, :16], e8))
+
+
+def test_cpu_tensors_on_a_gpu_machine(monkeypatch):
+    """CPU tensors where JAX's default backend is a GPU: their DLPack imports live on the CPU,
+    so every operation takes the CPU's path (on an H200 they reached a GPU kernel and failed)."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, 8, 4)).astype(np.float32)
+    w = rng.standard_normal((16, 24)).astype(np.float32)
+    a = rng.standard_normal((2, 24)).astype(np.float32)
+    ref, ref_w = hq.encode(x, CFG), hq.encode_rows(w, CFG)
+    want = (hq.decode(ref), hq.quantize(x, CFG), hq.matmul(a, ref_w))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with jax.default_device(None):  # where the tensors live decides, not jax_on_cpu
+        codes = tb.encode(torch.from_numpy(x), CFG)
+        _same_codes(codes, ref)
+        np.testing.assert_array_equal(tb.decode(codes).numpy(), want[0])
+        np.testing.assert_array_equal(tb.quantize(torch.from_numpy(x), CFG).numpy(), want[1])
+        rows = tb.encode_rows(torch.from_numpy(w), CFG)
+        _same_codes(rows, ref_w)
+        np.testing.assert_array_equal(tb.matmul(torch.from_numpy(a), rows).numpy(), want[2])
 
 
 def test_float64_and_int64():

@@ -231,6 +231,6 @@ def encode_rows(w: torch.Tensor, config: HNLQConfig, *, beta=None, implementatio
         check_x(to_blocks(wj, config.d), config, fn)  # config, dtype, NaN/Inf: as encode_rows
         beta = config.beta if beta is None else to_jax(beta) if isinstance(beta, torch.Tensor) \
             else beta
-        codes = rows_codes(wj, config, beta, resolve(implementation, config, "encode"))
+        codes = rows_codes(wj, config, beta, resolve(implementation, config, "encode", wj))
         check_row_failures(codes, failures, fn)
         return Codes.from_jax(codes, copy=True)

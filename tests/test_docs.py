@@ -7,6 +7,8 @@ several processes) and is only compiled, so that a syntax error still fails.
 
 import pathlib
 import re
+import sys
+import types
 
 import pytest
 
@@ -35,4 +37,11 @@ def test_docs_have_runnable_examples():
 def test_docs_example(fragment, code, request):
     program = compile(code, f"docs example {request.node.callspec.id}", "exec")
     if not fragment:
-        exec(program, {"__name__": "docs_example"})
+        # A real module in sys.modules: torch.compile (torch 2.11) imports a frame's module by
+        # its __name__ to read its globals.
+        module = types.ModuleType("docs_example")
+        sys.modules["docs_example"] = module
+        try:
+            exec(program, module.__dict__)
+        finally:
+            del sys.modules["docs_example"]

@@ -32,6 +32,9 @@ from torch_bridge.interop import to_jax, to_torch
 __all__ = ["METHODS", "HNLQHookState", "hnlq_hook"]
 
 METHODS = ("all_gather", "reduce_scatter")
+# One flat all-gather into a preallocated tensor: all_gather_single where torch has it (2.13
+# deprecates all_gather_into_tensor in its favour), all_gather_into_tensor before (torch 2.11).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @functools.partial(jax.jit, static_argnames=("lay", "implementation"))
@@ -229,7 +232,7 @@ def hnlq_hook(state: HNLQHookState,
     def gather(part: torch.Tensor):
         """``[world, part_bytes]``: every rank's part (all-gather of bytes)."""
         out = torch.empty(world * part.numel(), dtype=torch.uint8, device=buffer.device)
-        return dist.all_gather_single(out, part.reshape(-1), group=group, async_op=True), out
+        return _all_gather(out, part.reshape(-1), group=group, async_op=True), out
 
     if lay.parts == 1:
         work, out = gather(mine)

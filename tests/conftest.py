@@ -49,6 +49,15 @@ def x64():
 
 
 @pytest.fixture
+def jax_on_cpu():
+    """JAX computes on the CPU (``jax.default_device``). The torch tests hold CPU tensors, so
+    their JAX references must run there too: on a GPU machine a reference computed on the GPU
+    sums floats (row scales, products) in another order than the CPU, and differs in last bits."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.fixture
 def free_port():
     """A free TCP port on the loopback interface (for multi-process tests)."""
     with socket.socket() as s:

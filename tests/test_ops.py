@@ -8,6 +8,9 @@ import hnlq_jax as hq
 import torch_bridge as tb
 from torch_bridge.ops import config_args
 
+# CPU tensors: the JAX references run on the CPU too (conftest.jax_on_cpu)
+pytestmark = pytest.mark.usefixtures("jax_on_cpu")
+
 CFG = hq.HNLQConfig("D4", 4, 2, beta=0.2016)
 DITHERED = hq.HNLQConfig("D4", 4, 2, beta=0.2016, dither=(0.01, -0.02, 0.03, 0.0))
 CHECKS = ("test_schema", "test_faketensor", "test_autograd_registration")

@@ -17,6 +17,9 @@ import hnlq_jax.flax as hf
 import torch_bridge as tb
 from torch_bridge import QLinear, QuantizedLinear, quantize_model
 
+# CPU tensors: the JAX references run on the CPU too (conftest.jax_on_cpu)
+pytestmark = pytest.mark.usefixtures("jax_on_cpu")
+
 CFG = hq.HNLQConfig("D4", 4, 2, beta=0.2)
 
 

@@ -12,6 +12,9 @@ import hnlq_jax as hq
 from hnlq_jax.incoherence import Rotation
 from torch_bridge import QuantizedLinear, quantize_model
 
+# CPU tensors: the JAX references run on the CPU too (conftest.jax_on_cpu)
+pytestmark = pytest.mark.usefixtures("jax_on_cpu")
+
 CFG = hq.HNLQConfig("D4", 4, 2, beta=0.2)
 
 

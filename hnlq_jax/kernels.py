@@ -53,8 +53,8 @@ power-of-two tiles, gathers as ``ref[index]``.
 
 ``interpret=None`` runs a kernel in interpret mode where its inputs live on a CPU (the kernel
 body as XLA ops, slower than the XLA path; :func:`platform`, so a CPU array on a GPU machine too);
-``False`` forces the real lowering. ``gpu_backend``: ``"triton"`` (every
-kernel) or ``"mosaic_gpu"`` (:data:`MOSAIC_GPU_OPS`).
+``False`` forces the real lowering. ``gpu_backend``: ``"triton"`` (every kernel) or
+``"mosaic_gpu"`` (:data:`MOSAIC_GPU_OPS`, empty on jax >= 0.11).
 """
 
 from __future__ import annotations
@@ -552,8 +552,7 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
         return jnp.zeros(lead + (n,), out_dtype)
     out = _decode_matmul_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(compute_dtype),
                               jnp.dtype(out_dtype), table, _interpret(interpret, x, codes),
-                              block_n,
-                              block_k, gpu_backend)
+                              block_n, block_k, gpu_backend)
     return out.reshape(lead + (n,))
 
 

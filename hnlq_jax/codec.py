@@ -238,11 +238,12 @@ def _search(st: _Search, config: HNLQConfig, scales, z) -> _Search:
     """Resolves T for every active block.
 
     One attempt over all n blocks; the blocks still active (a quarter to a half for Gaussian
-    data at a calibrated beta) are gathered into the smallest buffer of n/8, n/4 or n/2 that
-    holds them and solved there recursively, so each rescaling step costs work in proportion
-    to the blocks that still overload: about 1.5 passes over the data in all, against one full
-    pass per step for a plain loop (which runs when even n/2 is too small, and below
-    ``_COMPACT_MIN`` blocks). The sub-buffer carries only what an unresolved block needs
+    data at a calibrated beta) are gathered into the smaller buffer of n/4 or n/2 that holds
+    them and solved there recursively, so each rescaling step costs work in proportion to the
+    blocks that still overload: about 1.5 passes over the data in all, against one full pass
+    per step for a plain loop (which runs when even n/2 is too small, and below
+    ``_COMPACT_MIN`` blocks). Every buffer size is another compiled copy of the attempt: a
+    third size, n/8, ran no faster and made the compile 1.3x longer (docs/performance.md). The sub-buffer carries only what an unresolved block needs
     (x, t); a block's result depends on its own data only, so codes do not depend on batching.
     """
     n = st.x.shape[1]
@@ -270,10 +271,9 @@ def _search(st: _Search, config: HNLQConfig, scales, z) -> _Search:
 
     count = jnp.sum(st.active)
     # One switch rather than nested conds: each conditional boundary costs copies on XLA:CPU.
-    branch = jnp.where(count == 0, 0, 1 + (count > n // 8).astype(jnp.int32)
-                       + (count > n // 4) + (count > n // 2))
-    return jax.lax.switch(branch, [lambda s: s, functools.partial(compact, n // 8),
-                                   functools.partial(compact, n // 4),
+    branch = jnp.where(count == 0, 0, 1 + (count > n // 4).astype(jnp.int32)
+                       + (count > n // 2))
+    return jax.lax.switch(branch, [lambda s: s, functools.partial(compact, n // 4),
                                    functools.partial(compact, n // 2), loop], st)
 
 

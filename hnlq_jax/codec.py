@@ -243,8 +243,9 @@ def _search(st: _Search, config: HNLQConfig, scales, z) -> _Search:
     blocks that still overload: about 1.5 passes over the data in all, against one full pass
     per step for a plain loop (which runs when even n/2 is too small, and below
     ``_COMPACT_MIN`` blocks). Every buffer size is another compiled copy of the attempt: a
-    third size, n/8, ran no faster and made the compile 1.3x longer (docs/performance.md). The sub-buffer carries only what an unresolved block needs
-    (x, t); a block's result depends on its own data only, so codes do not depend on batching.
+    third size, n/8, ran no faster and made the compile 1.2-1.3x longer (docs/performance.md).
+    The sub-buffer carries only what an unresolved block needs (x, t); a block's result
+    depends on its own data only, so codes do not depend on batching.
     """
     n = st.x.shape[1]
 

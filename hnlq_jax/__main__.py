@@ -122,6 +122,12 @@ def info(args) -> None:
     print(f"backend  {jax.default_backend()}")
     print(f"devices  {', '.join(str(d) for d in jax.devices())}")
     print(f"x64      {bool(jax.config.jax_enable_x64)}")
+    native = hq.kernels.cpu
+    print("paths (implementation=): xla (always); pallas (GPU; interpret mode on a CPU); lut; "
+          f"native: {'built' if native.available() else native.why_unavailable()}")
+    print(f"matmul with implementation=None on this backend: "
+          f"{hq.ops.default_implementation('matmul', hq.HNLQConfig('D4', 4, 2))} "
+          "(D4 q=4 M=2)")
     print("lattices (also Z{n}, D{n} for n >= 2):")
     print(f"  {'name':5s} {'d':>2s} {'r_cov':>7s} {'sigma^2':>9s} {'G(L)':>9s}")
     for name in LATTICE_NAMES:

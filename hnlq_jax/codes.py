@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +113,12 @@ def logical_shape(blocks_shape: tuple, config: HNLQConfig, n: int | None) -> tup
     block codes (``n`` None), ``blocks[:-1] + (n,)`` for row codes."""
     blocks_shape = tuple(blocks_shape)
     return blocks_shape + (config.d,) if n is None else blocks_shape[:-1] + (n,)
+
+
+def as_array(v):
+    """``jnp.asarray(v)``, skipped for a JAX array or tracer (where it is a no-op that costs
+    ~25 us: the checks of an eager call would spend more than the call's kernel)."""
+    return v if isinstance(v, jax.Array) else jnp.asarray(v)
 
 
 def is_concrete(x) -> bool:
@@ -346,7 +353,7 @@ def check_rows(lead: tuple, config: HNLQConfig, scale, n, fn: str):
     if not (nb * d - d < n <= nb * d or (n == 0 and nb == 0)):
         raise ValueError(f"{fn}: n={n} does not split into {nb} blocks of d={d}")
     if scale is not None:
-        scale = jnp.asarray(scale)
+        scale = as_array(scale)
         if scale.shape != lead[:-1] or not jnp.issubdtype(scale.dtype, jnp.floating):
             raise ValueError(f"{fn}: scale must be a real array of shape {lead[:-1]}, got "
                              f"{scale.dtype}{list(scale.shape)}")
@@ -411,7 +418,9 @@ def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
         raise TypeError(f"{fn}: codes carry no HNLQConfig (got {type(cfg).__name__})")
     if config is not None and config != cfg:
         raise ValueError(f"{fn}: the codes were made with {cfg}, not {config}")
-    index, tfield = jnp.asarray(codes.index), jnp.asarray(codes.tfield)
+    if _verified(codes):
+        return codes
+    index, tfield = as_array(codes.index), as_array(codes.tfield)
     idt = index_dtype(cfg)
     if index.dtype != idt or index.ndim < 1 or index.shape[-1] != cfg.M:
         raise ValueError(f"{fn}: expected index {idt}[..., M={cfg.M}] for {cfg.lattice} "
@@ -434,9 +443,33 @@ def check_codes(codes, fn: str, config: HNLQConfig | None = None) -> Codes:
         # Block codes would decode without the scale and pack would make row codes of them.
         raise ValueError(f"{fn}: the codes have a row scale but no row length n; make row "
                          "codes with Codes.with_rows(scale=..., n=...) or encode_rows")
-    if codes.scale is not None and not concrete_all(jnp.asarray(codes.scale), jnp.isfinite):
+    if codes.scale is not None and not concrete_all(as_array(codes.scale), jnp.isfinite):
         raise ValueError(f"{fn}: the row scales hold NaN or Inf (corrupted codes?)")
+    _remember_verified(codes)
     return codes
+
+
+# Arrays whose ranges check_codes has verified, by identity: JAX arrays are immutable, so a
+# layer calling matmul on the same codes does not scan them again (a full pass over the
+# weight). The weak references drop an entry when its arrays go.
+_VERIFIED: dict = {}
+
+
+def _verified(codes: Codes) -> bool:
+    """Whether ``check_codes`` passed these very arrays with this config and n."""
+    arrays = tuple(a for a in (codes.index, codes.tfield, codes.scale) if a is not None)
+    entry = _VERIFIED.get(tuple(map(id, arrays)))
+    return (entry is not None and entry[0] == (codes.config, codes.n)
+            and len(entry[1]) == len(arrays) and all(r() is a for r, a in zip(entry[1], arrays)))
+
+
+def _remember_verified(codes: Codes):
+    arrays = tuple(a for a in (codes.index, codes.tfield, codes.scale) if a is not None)
+    if not all(isinstance(a, jax.Array) and is_concrete(a) for a in arrays):
+        return  # tracers are checked at run time; NumPy arrays are mutable
+    key = tuple(map(id, arrays))
+    refs = tuple(weakref.ref(a, lambda _, key=key: _VERIFIED.pop(key, None)) for a in arrays)
+    _VERIFIED[key] = ((codes.config, codes.n), refs)
 
 
 def _codes_ok(arrays, cfg: HNLQConfig):
@@ -484,7 +517,7 @@ def check_weight_codes(codes, fn: str) -> Codes:
 
 def check_activations(x, codes: Codes, fn: str):
     """Validated real activations ``x[..., k]`` for weight codes of row length ``k``."""
-    x = jnp.asarray(x)
+    x = x if isinstance(x, np.ndarray) else as_array(x)  # NumPy stays on the host (no copy)
     k = row_length(codes)
     if x.ndim == 0 or x.shape[-1] != k:
         raise ValueError(f"{fn}: x must be [..., k] with k = {k} (the codes' row length), got "

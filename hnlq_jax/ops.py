@@ -5,7 +5,9 @@ Each takes ``implementation=``:
 * ``None``: the best measured choice on the default backend (:func:`default_implementation`);
 * ``"xla"``: the pure-JAX reference (:mod:`hnlq_jax.codec`);
 * ``"pallas"``: the Pallas kernels (:mod:`hnlq_jax.kernels`), interpret mode on a CPU;
-* ``"lut"`` (``matmul`` only): the one-sided lookup-table product (:mod:`hnlq_jax.lut`).
+* ``"lut"`` (``matmul`` only): the one-sided lookup-table product (:mod:`hnlq_jax.lut`);
+* ``"native"`` (``matmul`` only): the native CPU kernel (:mod:`hnlq_jax.kernels.cpu`), where
+  the package was built with it.
 
 Every implementation gives the same codes and the same decoded values bit for bit (matmul: the
 same up to float summation order, except ``"xla"`` and ``"pallas"`` which agree exactly in the
@@ -15,6 +17,7 @@ decoded weights).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +30,13 @@ from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_
 from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = ["IMPLEMENTATIONS", "FAILURES", "encode", "decode", "quantize", "matmul",
-           "default_implementation", "resolve", "bucket"]
+           "default_implementation", "resolve", "bucket", "row_bucket"]
 
 IMPLEMENTATIONS = {
     "encode": ("xla", "pallas"),
     "decode": ("xla", "pallas"),
     "quantize": ("xla", "pallas"),
-    "matmul": ("xla", "pallas", "lut"),
+    "matmul": ("xla", "pallas", "lut", "native"),
 }
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -41,9 +44,11 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 def default_implementation(op: str, config: HNLQConfig, *arrays) -> str:
     """What ``implementation=None`` runs for ``op`` on the inputs ``arrays``.
 
-    On a GPU, the kernel when one supports ``config``. Elsewhere XLA: Pallas only runs in
-    interpret mode there, which is slower (``experiments/bench_kernels.py``). Where the inputs
-    live decides (:func:`hnlq_jax.kernels.platform`): a CPU array on a GPU machine takes XLA.
+    On a GPU, the kernel when one supports ``config``. On a CPU, ``matmul`` takes the native
+    kernel where it is built and supports ``config`` (``experiments/bench_cpu_matmul.py``:
+    3-13x the XLA path), everything else XLA: Pallas only runs in interpret mode there,
+    which is slower (``experiments/bench_kernels.py``). Where the inputs live decides
+    (:func:`hnlq_jax.kernels.platform`): a CPU array on a GPU machine takes the CPU's path.
 
     Args:
       op: one of ``IMPLEMENTATIONS``.
@@ -56,9 +61,12 @@ def default_implementation(op: str, config: HNLQConfig, *arrays) -> str:
     if op not in IMPLEMENTATIONS:
         raise ValueError(f"default_implementation: op must be one of {tuple(IMPLEMENTATIONS)}, "
                          f"got {op!r}")
+    where = kernels.platform(*arrays)
+    if op == "matmul" and where == "cpu" and not kernels.cpu.unsupported(config):
+        return "native"
     if kernels.unsupported(config):
         return "xla"
-    if kernels.platform(*arrays) == "gpu":
+    if where == "gpu":
         return "pallas"
     return "xla"
 
@@ -76,6 +84,14 @@ def resolve(implementation, config: HNLQConfig, op: str, *arrays) -> str:
     if implementation == "pallas" and why:
         raise ValueError(f"{op}: no Pallas kernel for {config.lattice}: {why}; use "
                          "implementation='xla'")
+    if implementation == "native":
+        why = kernels.cpu.unsupported(config)
+        if why:
+            raise ValueError(f"{op}: no native kernel for {config.lattice} q={config.q}: {why};"
+                             " use implementation='xla'")
+        if kernels.platform(*arrays) != "cpu":
+            raise ValueError(f"{op}: the native kernel runs on the CPU, the inputs live on "
+                             f"{kernels.platform(*arrays)}; use implementation='pallas' or 'xla'")
     return implementation
 
 
@@ -369,6 +385,10 @@ def _matmul(x, codes, impl, interpret):
     if impl == "lut":
         return lut.matmul_one_sided(codes, x).astype(_compute_dtypes(x.dtype)[1])
     compute, out_dtype = _compute_dtypes(x.dtype)
+    if impl == "native":  # float32 sums of the reference's (bfloat16-rounded) weights
+        flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        y = kernels.cpu.decode_matmul(flat, codes, bf16_weights=compute == jnp.bfloat16)
+        return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(out_dtype)
     return kernels.decode_matmul(x, codes, compute, out_dtype, interpret=interpret)
 
 
@@ -405,21 +425,67 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
         :func:`hnlq_jax.encode_rows`, whose row scales are applied, or block codes with
         ``k = nb d``).
       implementation: ``None``, ``"xla"`` (decode, then ``dot``), ``"pallas"`` (the fused
-        decode-matmul kernel: the dense weight never exists in memory) or ``"lut"`` (x's
-        one-sided tables gathered by the codes' indices).
+        decode-matmul kernel: the dense weight never exists in memory), ``"lut"`` (x's
+        one-sided tables gathered by the codes' indices) or ``"native"`` (the native CPU
+        kernel: decodes weight tiles in cache next to the product; float32 activations and
+        sums, bfloat16 and float16 ones as ``"xla"`` rounds them).
       interpret: Pallas interpret mode (default: where the inputs live on a CPU).
 
     Returns:
       ``[..., n]`` in x's dtype. Differentiable in x and in
       the row scale; the integer code arrays get no gradient.
+
+    Outside ``jit`` the call runs one cached compiled program per row bucket of x
+    (:func:`row_bucket`: rows are zero-padded, so a new batch size in a bucket compiles
+    nothing new) and the codes' ranges are checked once per codes object, not on every call.
     """
     codes = check_weight_codes(codes, "matmul")
     x = check_activations(x, codes, "matmul")
-    batch = int(np.prod(x.shape[:-1], dtype=np.int64))
+    batch = math.prod(x.shape[:-1])
     impl = resolve(implementation, codes.config, "matmul", x, codes)
+    if impl == "native" and x.dtype == jnp.float64:
+        if implementation == "native":
+            raise ValueError("matmul: the native kernel computes in float32; use "
+                             "implementation='xla' for float64 activations")
+        impl = "xla"
     if impl == "lut":
         lut.check_one_sided(codes.config, "matmul")
     if batch == 0 or codes.blocks_shape[0] == 0:
         return jnp.zeros(x.shape[:-1] + (codes.blocks_shape[0],), _compute_dtypes(x.dtype)[1])
-    return _matmul(x, codes, impl, interpret)
+    if not (is_concrete(x) and all(map(is_concrete, jax.tree.leaves(codes)))):
+        return _matmul(x, codes, impl, interpret)
+    pad = row_bucket(batch) - batch
+    if not pad and x.ndim == 2:  # the common case: one compiled call, no glue
+        return _matmul_jit(x, codes, impl, interpret)
+    if kernels.platform(x) != "cpu":  # padding and slicing as small programs on the device
+        rows = _pad_rows(x.reshape(batch, x.shape[-1]), pad)
+        return _rows_out(_matmul_jit(rows, codes, impl, interpret), x.shape[:-1])
+    # On the CPU the glue runs in NumPy on the same memory: it compiles nothing per shape
+    rows = np.pad(np.asarray(x).reshape(batch, x.shape[-1]), ((0, pad), (0, 0)))
+    y = np.asarray(_matmul_jit(rows, codes, impl, interpret))
+    return jax.device_put(y[:batch].reshape(x.shape[:-1] + y.shape[-1:]))
+
+
+def row_bucket(rows: int) -> int:
+    """Rows an eager :func:`matmul` pads ``rows`` activation rows to: exact up to 8, then four
+    sizes per octave (10, 12, 14, 16, 20, 24, ...), so at most 25 % of padding and O(log n)
+    compiled programs for any stream of batch sizes."""
+    if rows <= 8:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
+
+
+_matmul_jit = jax.jit(_matmul, static_argnums=(2, 3))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pad_rows(rows, pad: int):
+    return jnp.pad(rows, ((0, pad), (0, 0)))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _rows_out(y, lead: tuple):
+    """The first ``prod(lead)`` rows of a bucket's product, shaped ``lead + (n,)``."""
+    return y[:int(np.prod(lead, dtype=np.int64))].reshape(lead + (y.shape[-1],))
 

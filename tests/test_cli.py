@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+import hnlq_jax as hq
 from hnlq_jax import __main__ as cli
 from hnlq_jax.__main__ import main
 
@@ -15,6 +16,8 @@ def test_info(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "jax" in out and "backend" in out and "E8" in out
+    native = "native: built" if hq.kernels.cpu.available() else "native: the extension"
+    assert native in out and "implementation=None on this backend: " in out
 
 
 def test_demo_small(capsys):

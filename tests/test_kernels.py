@@ -429,7 +429,7 @@ def test_lowers_for_cuda_mosaic_gpu(monkeypatch):
     cm = hq.encode(jnp.zeros((3, 1000, 4)), D4)
     f = functools.partial(K.modq_sum, interpret=False, gpu_backend="mosaic_gpu")
     with monkeypatch.context() as m:  # jax >= 0.11: refused before any lowering
-        m.setattr(K, "MOSAIC_GPU_OPS", ())
+        m.setattr(K.pallas, "MOSAIC_GPU_OPS", ())
         with pytest.raises(ValueError, match="modq_sum: no Mosaic GPU kernel .jax .* no longer"):
             f(cm)
     if "modq_sum" not in K.MOSAIC_GPU_OPS:

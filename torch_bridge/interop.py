@@ -23,6 +23,7 @@ to the caller.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +84,25 @@ def to_jax(t: torch.Tensor) -> jax.Array:
         raise ValueError("to_jax: a CUDA tensor needs JAX with a GPU backend "
                          f"(JAX has {jax.default_backend()!r}); move the tensor with .cpu()")
     return jnp.from_dlpack(t)
+
+
+# JAX views of tensors that stay put between calls (a layer's codes), by identity: a new view per
+# call would cost a DLPack import each and defeat the check-once cache of hnlq_jax.Codes.
+_VIEWS: dict = {}
+
+
+def cached_jax(t: torch.Tensor) -> jax.Array:
+    """:func:`to_jax` of ``t``, the same JAX array again while ``t`` is the same tensor with the
+    same memory and no in-place write since (torch's version counter)."""
+    state = (t.data_ptr(), t._version, t.shape, t.dtype, t.device)
+    entry = _VIEWS.get(id(t))
+    if entry is not None and entry[0]() is t and entry[1] == state:
+        return entry[2]
+    a = to_jax(t)
+    if t.is_contiguous():  # else to_jax viewed a temporary copy
+        key = id(t)
+        _VIEWS[key] = (weakref.ref(t, lambda _: _VIEWS.pop(key, None)), state, a)
+    return a
 
 
 def to_torch(a, copy: bool = False) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 
 import hnlq_jax as hq
 from hnlq_jax import HNLQConfig
-from torch_bridge.interop import to_jax, to_torch, x64_for
+from torch_bridge.interop import cached_jax, to_jax, to_torch, x64_for
 
 __all__ = ["config_args", "config_of"]
 
@@ -183,9 +183,17 @@ def matmul(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,
            dither: Optional[list[float]]) -> torch.Tensor:
     config = config_of(lattice, q, M, beta, alpha, max_T, dither)
     with x64_for(x, index, tfield, scale):
-        codes = _codes(to_jax(index), to_jax(tfield), None if scale is None else to_jax(scale),
-                       n, config)
-        return _own(to_torch(hq.matmul(to_jax(x), codes, implementation=implementation)), x)
+        # The weight's arrays are viewed once per tensor state, so its ranges are checked once
+        codes = _codes(cached_jax(index), cached_jax(tfield),
+                       None if scale is None else cached_jax(scale), n, config)
+        # Rows padded here to hq.matmul's bucket (and the padding cut off after), so a new
+        # batch size compiles nothing in JAX, not even the padding
+        rows = x.reshape(-1, x.shape[-1])
+        pad = hq.ops.row_bucket(rows.shape[0]) - rows.shape[0]
+        if pad:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
+        y = to_torch(hq.matmul(to_jax(rows), codes, implementation=implementation))
+        return _own(y[:y.shape[0] - pad].reshape(x.shape[:-1] + y.shape[-1:]), x)
 
 
 @matmul.register_fake

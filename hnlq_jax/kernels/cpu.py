@@ -1,0 +1,141 @@
+"""Native CPU kernels: C++ registered with XLA as typed FFI custom calls (``jax.ffi``).
+
+The sources are ``hnlq_jax/kernels/csrc`` (one kernel per file), compiled by the package's own
+build (``setup.py``: a setuptools extension, the machine's C++ compiler, the XLA FFI headers
+of jaxlib). They run inside ``jit`` and ``vmap`` like any XLA operation, with no Python on the
+hot path, on XLA's intra-op thread pool. Where the extension was not built the library works
+as before and :func:`available` says why (``python -m hnlq_jax info`` prints it).
+
+=================  ===========================================  ================================
+kernel             what it does                                 reference
+=================  ===========================================  ================================
+``decode_matmul``  ``x @ W_hat^T``: each task decodes a tile of  ``hq.matmul(...,
+                   8 weight rows, straight into the sums for    implementation="xla"``
+                   up to 4 rows of x, else 512 weights at a     (identical decoded weights;
+                   time into an L1 buffer multiplied into       sums in another order)
+                   every row of x (AVX2 + FMA where the CPU
+                   has them, chosen at run time)
+=================  ===========================================  ================================
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hnlq_jax.codec import codebook_table
+from hnlq_jax.codes import Codes, index_dtype, t_bits
+from hnlq_jax.config import HNLQConfig, pow2_table
+
+__all__ = ["available", "decode_matmul", "unsupported", "why_unavailable"]
+
+try:
+    from hnlq_jax.kernels import _cpu
+except ImportError as e:  # not built (no compiler at install time) or a broken build
+    _cpu, _WHY = None, f"the extension hnlq_jax.kernels._cpu is not built ({e})"
+else:
+    _WHY = None
+    for _name, _capsule in _cpu.handlers.items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+_MAX_ROWS = 2**16  # codebook rows (the uint16 index range): the table must stay in cache
+
+
+def available() -> bool:
+    """Whether the native kernels are built and registered."""
+    return _cpu is not None
+
+
+def why_unavailable() -> str | None:
+    """Why the native kernels are missing (``None`` when :func:`available`)."""
+    return _WHY
+
+
+@functools.lru_cache(maxsize=None)
+def unsupported(config: HNLQConfig) -> str | None:
+    """Why the native kernels do not apply to ``config`` (``None`` when they do)."""
+    if _cpu is None:
+        return _WHY
+    if config.lat.kind == "A2":
+        return "A2's Cartesian coordinates are not a power-of-two multiple of its integer ones"
+    if config.q**config.d > _MAX_ROWS:
+        return f"q^d = {config.q ** config.d} codebook rows exceed {_MAX_ROWS}"
+    if config.d > 8 or 512 % config.d:
+        return f"d = {config.d}: the kernel takes d in 1, 2, 4, 8"
+    table = codebook_table(config.lattice, config.q)
+    if np.abs(table).max() > 127:
+        return "the codebook's coordinates do not fit int8"
+    return None
+
+
+# The codebook argument's layouts (the kernel's Mode): r itself; the two-level table of
+# a 16-bit key k0 + 256 k1; r with int8 Horner sums.
+_GENERIC, _PAIRS, _HORNER = 0, 1, 2
+
+
+def _mode(config: HNLQConfig, table) -> int:
+    """The fastest layout whose int8 sums cannot wrap for ``config``."""
+    q, M, top = config.q, config.M, int(np.abs(table).max())
+    fits = top * sum(q**m for m in range(M)) <= 127  # |sum_m q^m r_m| in every partial sum
+    if fits and config.d == 4 and M == 2 and q**4 == 256:
+        return _PAIRS
+    if fits and config.d == 8 and not q & (q - 1):
+        return _HORNER
+    return _GENERIC
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(config: HNLQConfig):
+    """``(mode, codebook s8[rows, d], pow2 f32[256], dither f32[d])``, numpy.
+
+    The codebook is padded to the index dtype's whole range so that any stored index reads in
+    bounds (the kernel marks indices >= q^d failed); in the pair layout it is the table of
+    ``r(k0) + q r(k1)`` over all 65,536 keys. ``pow2[u]`` is ``2^(alpha (u - 1))`` for a valid
+    T field value u and NaN otherwise (u = 0: a failed block; u > max_T + 1: corrupted).
+    """
+    table = codebook_table(config.lattice, config.q)
+    mode = _mode(config, table)
+    rows = np.iinfo(index_dtype(config)).max + 1
+    codebook = np.zeros((rows, config.d), np.int8)
+    codebook[:len(table)] = table
+    if mode == _PAIRS:  # key = k0 + 256 k1 (little-endian uint16 of the two index bytes)
+        codebook = (table[:, None, :] * config.q + table[None, :, :]).reshape(-1, 4)
+        codebook = codebook.astype(np.int8)
+    steps = pow2_table(config.alpha, config.max_T).astype(np.float32)  # as _numerics.pow2
+    pow2 = np.full(256, np.nan, np.float32)
+    pow2[1:config.max_T + 2] = steps
+    return mode, codebook, pow2, np.asarray(config.dither_array, np.float32)
+
+
+def decode_matmul(x, codes: Codes, bf16_weights: bool = False):
+    """``y = x @ W_hat^T`` with the weight read as codes (no dense weight in memory).
+
+    The caller (:func:`hnlq_jax.matmul`) has validated the arguments and checked
+    :func:`unsupported`.
+
+    Args:
+      x: ``[B, k]`` float32 activations.
+      codes: the weight as codes with blocks ``[n, nb]`` (row codes, whose scale is applied
+        to the decoded weight as the reference does, or block codes with ``k = nb d``).
+      bf16_weights: round the decoded weights to bfloat16 (the reference's bfloat16 product).
+
+    Returns:
+      ``[B, n]`` float32: the reference's decoded weights times x, summed in float32.
+    """
+    config = codes.config
+    n, nb = codes.blocks_shape
+    mode, codebook, pow2, dither = _tables(config)
+    scale = (jnp.zeros((0,), jnp.float32) if codes.scale is None
+             else codes.scale.astype(jnp.float32))
+    tfield = codes.tfield.reshape(n, -1)
+    call = jax.ffi.ffi_call("hnlq_decode_matmul",
+                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, codes.index, tfield, scale, codebook, pow2, dither,
+                beta=np.float32(config.beta), cart=np.float32(0.5 if config.lat.kind == "E8"
+                                                             else 1.0),
+                q=np.int64(config.q), qd=np.int64(config.q**config.d),
+                t4=bool(t_bits(config) == 4), bf16=bool(bf16_weights), mode=np.int64(mode))

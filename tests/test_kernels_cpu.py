@@ -1,0 +1,168 @@
+"""hnlq_jax.kernels.cpu: the native CPU kernel against the XLA path, through hq.matmul."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hnlq_jax as hq
+from hnlq_jax import ops
+from hnlq_jax.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"{cpu.why_unavailable()}")
+
+# Every layout the kernel has (pairs: D4 q4 M2; int8 Horner: E8 q2/q4; generic: the rest),
+# both T field widths, dithers, a lattice of each dimension the kernel takes
+CONFIGS = {
+    "D4-q4-M2": hq.HNLQConfig("D4", 4, 2, beta=0.2016),
+    "D4-q3-M3": hq.HNLQConfig("D4", 3, 3, beta=0.3),
+    "D4-q5-M2-T64": hq.HNLQConfig("D4", 5, 2, beta=0.15, max_T=64),
+    "E8-q4-M2": hq.HNLQConfig("E8", 4, 2, beta=0.25),
+    "E8-q2-M3-dither": hq.HNLQConfig("E8", 2, 3, beta=0.4, dither=tuple(np.linspace(-.2, .2, 8))),
+    "E8-q4-M3": hq.HNLQConfig("E8", 4, 3, beta=0.1),
+    "Z2-q8-M2": hq.HNLQConfig("Z2", 8, 2, beta=0.2),
+    "D4-q4-M2-dither": hq.HNLQConfig("D4", 4, 2, beta=0.2016, dither=(0.01, -0.02, 0.03, 0.0)),
+}
+
+
+def _weight(cfg, n_out, k, seed=0):
+    w = np.random.default_rng(seed).standard_normal((n_out, k)).astype(np.float32)
+    return hq.encode_rows(w, cfg)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_decoded_weights_bit_for_bit(name):
+    """One-hot rows of x read single decoded weights: equal to hq.decode exactly (row scale
+    applied, the padded tail of a ragged row dropped), on both of the kernel's product paths
+    (batches up to 4 and beyond) and at the start, middle and ragged end of the rows."""
+    codes = _weight(CONFIGS[name], 13, 203)
+    want = np.asarray(hq.decode(codes)).T
+    eye = jnp.eye(203, dtype=jnp.float32)
+    got = hq.matmul(eye, codes, implementation="native")  # many rows: through the buffer
+    np.testing.assert_array_equal(np.asarray(got), want)
+    for rows in (slice(0, 3), slice(96, 100), slice(200, 203)):  # few rows: straight into sums
+        got = hq.matmul(eye[rows], codes, implementation="native")
+        np.testing.assert_array_equal(np.asarray(got), want[rows])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@settings(max_examples=4, deadline=None)
+@given(batch=st.integers(1, 19), k=st.integers(1, 90), n_out=st.integers(1, 21),
+       seed=st.integers(0, 2**16))
+def test_matches_xla(name, batch, k, n_out, seed):
+    codes = _weight(CONFIGS[name], n_out, k, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((batch, k)).astype(np.float32)
+    got = hq.matmul(x, codes, implementation="native")
+    want = hq.matmul(x, codes, implementation="xla")
+    assert got.shape == want.shape == (batch, n_out) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_as_the_reference(dtype):
+    """bfloat16: the reference's bfloat16-rounded weights (exact on one-hot rows);
+    float16: float32 weights, the result rounded to float16."""
+    codes = _weight(CONFIGS["E8-q4-M2"], 9, 64)
+    eye = jnp.eye(64, dtype=dtype)
+    got = hq.matmul(eye, codes, implementation="native")
+    want = hq.matmul(eye, codes, implementation="xla")
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_block_codes_batch_shapes_and_empty():
+    """Block codes (no row scale, k = nb d), leading batch axes, batch 0."""
+    cfg = CONFIGS["D4-q4-M2"]
+    w = np.random.default_rng(2).standard_normal((7, 10, 4)).astype(np.float32)
+    codes = hq.encode(w, cfg)
+    x = np.random.default_rng(3).standard_normal((2, 3, 40)).astype(np.float32)
+    got = hq.matmul(x, codes, implementation="native")
+    np.testing.assert_allclose(got, hq.matmul(x, codes, implementation="xla"), rtol=1e-5,
+                               atol=1e-5)
+    assert hq.matmul(x[:0], codes, implementation="native").shape == (0, 3, 7)
+
+
+def test_failed_and_corrupted_blocks_give_nan_under_jit():
+    """A failed block (T = -1), a T field value above max_T + 1 and an index >= q^d (checked
+    eagerly, so only under jit) make their rows NaN, as the XLA path's."""
+    # q^d = 81 < 256: uint8 indices can be out of range; max_T = 10: 4-bit u = 15 too
+    cfg = hq.HNLQConfig("D4", 3, 3, beta=0.3, max_T=10)
+    codes = _weight(cfg, 4, 16)
+    T = np.asarray(codes.T).copy()
+    T[0, 1] = -1
+    index = np.asarray(codes.index).copy()
+    index[2, 0, 1] = 200
+    tfield = np.asarray(hq.Codes.from_labels(np.asarray(codes.labels), T, cfg).tfield).copy()
+    tfield[3, 0] = 0xFF  # u = 15 > max_T + 1
+    bad = hq.Codes(jnp.asarray(index), jnp.asarray(tfield), codes.config, scale=codes.scale,
+                   n=codes.n)
+    x = jnp.ones((2, 16), jnp.float32)
+    for impl in ("native", "xla"):
+        y = np.asarray(jax.jit(lambda x, c, impl=impl: hq.matmul(x, c, implementation=impl))(
+            x, bad))
+        assert np.isnan(y[:, 0]).all() and np.isnan(y[:, 2]).all() and np.isnan(y[:, 3]).all()
+        assert np.isfinite(y[:, 1]).all()
+    with pytest.raises(ValueError, match="out of range"):
+        hq.matmul(x, bad, implementation="native")
+
+
+def test_default_dispatch_and_clear_refusals():
+    codes = _weight(CONFIGS["D4-q4-M2"], 5, 8)
+    x = np.ones((1, 8), np.float32)
+    assert ops.default_implementation("matmul", codes.config, x, codes) == "native"
+    np.testing.assert_array_equal(hq.matmul(x, codes),
+                                  hq.matmul(x, codes, implementation="native"))
+    a2 = _weight(hq.HNLQConfig("A2", 4, 2, beta=0.3), 5, 8)
+    assert ops.default_implementation("matmul", a2.config, x, a2) == "xla"
+    with pytest.raises(ValueError, match="no native kernel for A2"):
+        hq.matmul(x, a2, implementation="native")
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match="float64"):
+            hq.matmul(x.astype(np.float64), codes, implementation="native")
+        assert hq.matmul(x.astype(np.float64), codes).dtype == jnp.float64  # None: XLA
+
+
+def test_grad_and_vmap():
+    codes = _weight(CONFIGS["E8-q4-M2"], 6, 24)
+    x = np.random.default_rng(4).standard_normal((3, 24)).astype(np.float32)
+
+    def loss(x, impl):
+        return jnp.sum(hq.matmul(x, codes, implementation=impl) ** 2)
+
+    np.testing.assert_allclose(jax.grad(loss)(x, "native"), jax.grad(loss)(x, "xla"),
+                               rtol=1e-4, atol=1e-4)
+    batched = jax.vmap(lambda x: hq.matmul(x, codes, implementation="native"))(x[:, None])
+    np.testing.assert_allclose(batched[:, 0], hq.matmul(x, codes, implementation="xla"),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_row_bucket():
+    sizes = [ops.row_bucket(b) for b in range(1, 300)]
+    assert sizes[:8] == list(range(1, 9))
+    assert all(b <= s <= 1.25 * b for b, s in zip(range(1, 300), sizes))
+    assert len(set(sizes)) <= 8 + 4 * 6  # four sizes per octave above 8
+
+
+def test_eager_calls_compile_once_per_bucket():
+    """After one call in a bucket, new batch sizes in it compile nothing (NumPy and JAX input,
+    leading axes too)."""
+    codes = _weight(CONFIGS["D4-q4-M2"], 6, 32)
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        xs = [np.ones((b, 32), np.float32) for b in (18, 19, 20)] + [np.ones((3, 6, 32), np.float32)]
+        xs += [jnp.asarray(x) for x in xs]
+        hq.matmul(np.ones((17, 32), np.float32), codes)  # bucket 20
+        compiles.clear()
+        for x in xs:
+            assert hq.matmul(x, codes).shape == x.shape[:-1] + (6,)
+        assert compiles == []
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -42,7 +42,7 @@ from report import DOCS, RESULTS, add_report_flag, load_results, markdown_table,
 SHAPES = [(1024, 1024), (4096, 4096), (11008, 4096)]  # [n_out, k]; 11008 x 4096: an LLM MLP
 BATCHES = [1, 4, 16, 64]
 LATTICES = ["D4", "E8"]
-LUT_MAX_WORK = 2**26  # batch * n_out * k beyond which the lut path is not timed (seconds/call)
+LUT_MAX_WORK = 2**24  # batch * n_out * k beyond which the lut path is not timed (seconds/call)
 
 
 def config(lattice):
@@ -50,12 +50,15 @@ def config(lattice):
     return cfg.replace(beta=hq.gaussian_beta(cfg))
 
 
-def median_time(fn, copies, repeat):
-    """Median seconds of ``fn(copy)`` cycling through ``copies`` (warm-up on every copy)."""
-    for c in copies:
+def median_time(fn, copies, repeat, stream=True, warm_all=False):
+    """Median seconds of ``fn(copy)`` over calls cycling through ``copies``, after a warm-up
+    call (on every copy with ``warm_all``: a layer checks its codes on its first call):
+    ``repeat`` calls, or (``stream``) at least one per copy, so that a copy is back in use only
+    after all the others went through the caches."""
+    for c in copies if warm_all else copies[:1]:
         jax.block_until_ready(fn(c))
     times = []
-    for i in range(repeat):
+    for i in range(max(repeat, len(copies)) if stream else repeat):
         c = copies[i % len(copies)]
         t = time.perf_counter()
         jax.block_until_ready(fn(c))
@@ -101,11 +104,14 @@ def bench_shape(n_out, k, batches, repeat, rotate_mb, rng):
                 if impl == "lut" and batch * n_out * k > LUT_MAX_WORK:
                     continue
                 f = jax.jit(lambda x, c, impl=impl: hq.matmul(x, c, implementation=impl))
+                # xla and lut are compute-bound (decode, gathers): a few calls tell
+                slow = impl != "native"
                 row[f"{lattice} {impl}"] = median_time(lambda c: f(xj, c), copies,
-                                                       max(3, repeat // 3) if impl != "native"
-                                                       else repeat)
+                                                       max(3, repeat // 3) if slow else repeat,
+                                                       stream=not slow)
             with torch.no_grad():
-                row[f"{lattice} torch"] = median_time(lambda m: m(xt), layers, repeat)
+                row[f"{lattice} torch"] = median_time(lambda m: m(xt), layers, repeat,
+                                                      warm_all=True)
         rows.append(row)
         print(json.dumps({key: (f"{v * 1e3:.3f} ms" if isinstance(v, float) else v)
                           for key, v in row.items()}), flush=True)

@@ -62,8 +62,9 @@ def default_implementation(op: str, config: HNLQConfig, *arrays) -> str:
         raise ValueError(f"default_implementation: op must be one of {tuple(IMPLEMENTATIONS)}, "
                          f"got {op!r}")
     where = kernels.platform(*arrays)
-    if op == "matmul" and where == "cpu" and not kernels.cpu.unsupported(config):
-        return "native"
+    wide = any(getattr(a, "dtype", None) == jnp.float64 for a in jax.tree.leaves(arrays))
+    if op == "matmul" and where == "cpu" and not wide and not kernels.cpu.unsupported(config):
+        return "native"  # float32 sums: float64 activations take XLA
     if kernels.unsupported(config):
         return "xla"
     if where == "gpu":
@@ -89,7 +90,10 @@ def resolve(implementation, config: HNLQConfig, op: str, *arrays) -> str:
         if why:
             raise ValueError(f"{op}: no native kernel for {config.lattice} q={config.q}: {why};"
                              " use implementation='xla'")
-        if kernels.platform(*arrays) != "cpu":
+        # Under a trace the arrays' device is unknown (XLA then refuses the CPU-only custom
+        # call on another platform itself)
+        concrete = all(map(is_concrete, jax.tree.leaves(arrays)))
+        if concrete and kernels.platform(*arrays) != "cpu":
             raise ValueError(f"{op}: the native kernel runs on the CPU, the inputs live on "
                              f"{kernels.platform(*arrays)}; use implementation='pallas' or 'xla'")
     return implementation
@@ -444,10 +448,8 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
     batch = math.prod(x.shape[:-1])
     impl = resolve(implementation, codes.config, "matmul", x, codes)
     if impl == "native" and x.dtype == jnp.float64:
-        if implementation == "native":
-            raise ValueError("matmul: the native kernel computes in float32; use "
-                             "implementation='xla' for float64 activations")
-        impl = "xla"
+        raise ValueError("matmul: the native kernel computes in float32; use "
+                         "implementation='xla' for float64 activations")
     if impl == "lut":
         lut.check_one_sided(codes.config, "matmul")
     if batch == 0 or codes.blocks_shape[0] == 0:

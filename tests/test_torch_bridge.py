@@ -45,6 +45,32 @@ def test_to_jax_zero_copy_and_aliasing():
         tb.to_jax(np.ones(2))
 
 
+def test_layer_codes_are_viewed_again_after_an_in_place_write():
+    """The matmul op keeps JAX views of a layer's code buffers while they are unchanged: an
+    in-place write (load_state_dict, copy_) must reach the next product, and corrupted codes
+    written in place must be refused again (the check-once cache is per buffer state)."""
+    rng = np.random.default_rng(5)
+    w1, w2 = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    layer = tb.QuantizedLinear.from_linear(_linear(w1), CFG, calibrate=False)
+    other = tb.QuantizedLinear.from_linear(_linear(w2), CFG, calibrate=False)
+    x = torch.from_numpy(rng.standard_normal((3, 16)).astype(np.float32))
+    with torch.no_grad():
+        first = layer(x)
+        layer.load_state_dict(other.state_dict())
+        np.testing.assert_array_equal(layer(x).numpy(), other(x).numpy())
+        assert not np.array_equal(layer(x).numpy(), first.numpy())
+        layer.scale.fill_(float("nan"))
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            layer(x)
+
+
+def _linear(w):
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(w))
+    return linear
+
+
 def test_to_torch_aliasing_and_copy():
     a = jnp.arange(6.0)
     t = tb.to_torch(a)

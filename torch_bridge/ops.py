@@ -30,10 +30,12 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 import hnlq_jax as hq
 from hnlq_jax import HNLQConfig
+from hnlq_jax.codes import check_weight_codes
 from torch_bridge.interop import cached_jax, to_jax, to_torch, x64_for
 
 __all__ = ["config_args", "config_of"]
@@ -88,6 +90,23 @@ def _own(out: torch.Tensor, *inputs) -> torch.Tensor:
     custom op's outputs must not alias its inputs)."""
     ptrs = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
     return out.clone() if out.untyped_storage().data_ptr() in ptrs and out.numel() else out
+
+
+@functools.lru_cache(maxsize=None)
+def _matmul_jit(implementation, interpret):
+    """hq.matmul compiled whole, its argument checks at trace time: a layer's codes are checked
+    once (check_weight_codes remembers them), so a call costs one compiled dispatch. One jitted
+    function per choice: jit's fast path then has no keyword or static arguments to handle."""
+    return jax.jit(functools.partial(hq.matmul, implementation=implementation,
+                                     interpret=interpret))
+
+
+def _host_or_jax(t: torch.Tensor):
+    """A CPU tensor of a NumPy dtype as a NumPy view (which a compiled JAX call takes in a few
+    microseconds; a DLPack import costs 35-150 us), anything else through :func:`to_jax`."""
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float16, torch.float64):
+        return t.detach().contiguous().numpy()
+    return to_jax(t)
 
 
 def _codes(index, tfield, scale, n, config) -> hq.Codes:
@@ -192,7 +211,16 @@ def matmul(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,
         pad = hq.ops.row_bucket(rows.shape[0]) - rows.shape[0]
         if pad:
             rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
-        y = to_torch(hq.matmul(to_jax(rows), codes, implementation=implementation))
+        check_weight_codes(codes, "hnlq::matmul")  # a full scan once per buffer state
+        rows = _host_or_jax(rows)
+        # Decided here, where the arrays are concrete: inside the compiled call they are
+        # tracers, and the default backend would decide instead of where the tensors live
+        impl = hq.ops.resolve(implementation, config, "matmul", rows, codes)
+        y = _matmul_jit(impl, hq.kernels.platform(codes) == "cpu" or None)(rows, codes)
+        # On the CPU a copy through NumPy (the output is small beside the weight) costs a few
+        # us where a DLPack export of a fresh array costs ~75
+        host = x.device.type == "cpu" and y.dtype in (jnp.float32, jnp.float16, jnp.float64)
+        y = torch.from_numpy(np.array(y)) if host else to_torch(y)
         return _own(y[:y.shape[0] - pad].reshape(x.shape[:-1] + y.shape[-1:]), x)
 
 

@@ -465,7 +465,9 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
     # On the CPU the glue runs in NumPy on the same memory: it compiles nothing per shape
     rows = np.pad(np.asarray(x).reshape(batch, x.shape[-1]), ((0, pad), (0, 0)))
     y = np.asarray(_matmul_jit(rows, codes, impl, interpret))
-    return jax.device_put(y[:batch].reshape(x.shape[:-1] + y.shape[-1:]))
+    # A copy that owns its memory: the view y may outlive nothing but the array it views, and
+    # device_put may alias what it is given
+    return jax.device_put(np.array(y[:batch]).reshape(x.shape[:-1] + y.shape[-1:]))
 
 
 def row_bucket(rows: int) -> int:

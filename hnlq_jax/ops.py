@@ -46,8 +46,8 @@ def default_implementation(op: str, config: HNLQConfig, *arrays) -> str:
 
     On a GPU, the kernel when one supports ``config``. On a CPU, ``matmul`` takes the native
     kernel where it is built and supports ``config`` (``experiments/bench_cpu_matmul.py``:
-    5-40x faster than the XLA path), everything else XLA: Pallas only runs in interpret mode there,
-    which is slower (``experiments/bench_kernels.py``). Where the inputs live decides
+    5-40x faster than the XLA path), everything else XLA: Pallas only runs in interpret mode
+    there, which is slower (``experiments/bench_kernels.py``). Where the inputs live decides
     (:func:`hnlq_jax.kernels.platform`): a CPU array on a GPU machine takes the CPU's path.
 
     Args:

@@ -25,7 +25,7 @@ gradient compressor) and, with the ``flax`` extra, :mod:`hnlq_jax.flax` (``QDens
 ``QuantDotGeneral``). The formats and the math are in ``docs/``.
 """
 
-from hnlq_jax import incoherence, kernels, lut, modq, ptq, rd
+from hnlq_jax import buckets, incoherence, kernels, lut, modq, ptq, rd
 from hnlq_jax.codec import codebook, from_blocks, to_blocks
 from hnlq_jax.codes import FORMAT_VERSION, Codes
 from hnlq_jax.config import HNLQConfig

@@ -67,19 +67,16 @@ def saved_header(config: HNLQConfig) -> dict:
     return {"format_version": FORMAT_VERSION, "config": fields}
 
 
-def check_saved_header(state, config: HNLQConfig, where: str, remedy: str) -> HNLQConfig:
-    """The config of a saved artifact, checked against this format version and ``config``.
+def read_saved_header(state, where: str) -> HNLQConfig:
+    """The config of a saved artifact whose header is of this format version.
 
     Args:
       state: the saved mapping; must hold ``format_version`` and ``config`` (a dict of
         :class:`HNLQConfig` fields), as :func:`saved_header` writes them.
-      config: the config the loader expects.
       where: the loader's name, for messages.
-      remedy: what to do on a config mismatch (e.g. "build the layer with the saved config").
 
     Raises:
-      ValueError: a missing header, another format version, an invalid saved config, or a
-        config other than ``config`` (the message names both).
+      ValueError: a missing header, another format version or an invalid saved config.
     """
     if not (isinstance(state, dict) and {"format_version", "config"} <= set(state)):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
@@ -102,6 +99,23 @@ def check_saved_header(state, config: HNLQConfig, where: str, remedy: str) -> HN
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: the saved config {state['config']!r} is not valid: {e}") \
             from None
+    return saved
+
+
+def check_saved_header(state, config: HNLQConfig, where: str, remedy: str) -> HNLQConfig:
+    """:func:`read_saved_header`, the config checked against ``config``.
+
+    Args:
+      state: the saved mapping (:func:`saved_header`).
+      config: the config the loader expects.
+      where: the loader's name, for messages.
+      remedy: what to do on a config mismatch (e.g. "build the layer with the saved config").
+
+    Raises:
+      ValueError: as :func:`read_saved_header`, or a config other than ``config`` (the
+        message names both).
+    """
+    saved = read_saved_header(state, where)
     if saved != config:
         raise ValueError(f"{where}: the codes were saved with {saved}, but {config} is expected "
                          f"(beta aside: it lives in the row scales); {remedy}")
@@ -117,8 +131,12 @@ def logical_shape(blocks_shape: tuple, config: HNLQConfig, n: int | None) -> tup
 
 def as_array(v):
     """``jnp.asarray(v)``, skipped for a JAX array or tracer (where it is a no-op that costs
-    ~25 us: the checks of an eager call would spend more than the call's kernel)."""
-    return v if isinstance(v, jax.Array) else jnp.asarray(v)
+    ~25 us: the checks of an eager call would spend more than the call's kernel). A NumPy array
+    takes ``jax.device_put`` (a copy, canonical dtype): ``jnp.asarray`` compiles a small staging
+    program for every new shape (jax 0.10)."""
+    if isinstance(v, jax.Array):
+        return v
+    return jax.device_put(v) if isinstance(v, np.ndarray) else jnp.asarray(v)
 
 
 def is_concrete(x) -> bool:

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hnlq_jax.buckets import run_rows
+from hnlq_jax.codes import as_array
 from hnlq_jax.config import saved_int
 
 __all__ = ["KIND", "MAX_MIXER", "ROTATION_VERSION", "Rotation", "mixer", "paley_hadamard",
@@ -131,14 +133,19 @@ def _wht(x, k: int, m: int):
     return x * jnp.asarray(2.0 ** (-k / 2), x.dtype) if k else x
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _transform(x, rot: Rotation, ct, inverse: bool):
-    """``x @ R`` (or ``x @ R^T``) in the compute dtype ``ct``, returned in ``x.dtype``."""
-    n = rot.n
-    k, m, _ = split_size(n)
-    s = jnp.asarray(signs(n, rot.seed), ct)
-    B = jnp.asarray(mixer(n, rot.seed), ct)
-    y = x.astype(ct)
+@functools.lru_cache(maxsize=256)
+def _tables(n: int, seed: int, ct) -> tuple[np.ndarray, np.ndarray]:
+    """The signs ``[n]`` and mixer ``[m, m]`` of ``Rotation(n, seed)`` in the dtype ``ct``."""
+    return signs(n, seed).astype(ct), mixer(n, seed).astype(ct)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _transform(x, s, B, inverse: bool):
+    """``x @ R`` (or ``x @ R^T``) in the dtype of the tables ``s``, ``B``, returned in
+    ``x.dtype``. The tables are arguments, not constants: every rotation of a size shares one
+    compiled program per input shape."""
+    k, m, _ = split_size(x.shape[-1])
+    y = x.astype(s.dtype)
     if not inverse:
         y = y * s
     y = y.reshape(x.shape[:-1] + (1 << k, m))
@@ -224,25 +231,30 @@ class Rotation:
         K = np.kron(h / math.sqrt(2**k), mixer(self.n, self.seed))
         return self.signs[:, None] * K
 
-    def _check(self, x, fn: str):
-        x = jnp.asarray(x)
+    def _transform(self, x, inverse: bool, fn: str):
+        x = x if isinstance(x, np.ndarray) else as_array(x)  # NumPy stays on the host
         if x.ndim == 0 or x.shape[-1] != self.n:
             raise ValueError(f"Rotation.{fn}: expected an array [..., n={self.n}] (the rotated "
                              f"axis last), got shape {tuple(x.shape)}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"Rotation.{fn}: expected a floating-point array, got {x.dtype}")
-        return x, jnp.promote_types(x.dtype, jnp.float32)
+        dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+        s, B = _tables(self.n, self.seed, jnp.promote_types(dtype, jnp.float32))
+        if isinstance(x, jax.core.Tracer) or x.size == 0:
+            return _transform(x, s, B, inverse)
+        return run_rows(_transform, x, s, B, inverse)
 
     def apply(self, x):
         """``x @ R`` over the last axis (``[..., n]``, traceable); same dtype as ``x``
-        (half precision is computed in float32)."""
-        x, ct = self._check(x, "apply")
-        return _transform(x, self, ct, False)
+        (half precision is computed in float32).
+
+        Outside ``jit`` the rows run in one compiled program per row bucket
+        (:func:`hnlq_jax.buckets.run_rows`), shared by every rotation of size ``n``."""
+        return self._transform(x, False, "apply")
 
     def inverse(self, x):
         """``x @ R^T``: undoes :meth:`apply` (``R`` is orthogonal)."""
-        x, ct = self._check(x, "inverse")
-        return _transform(x, self, ct, True)
+        return self._transform(x, True, "inverse")
 
     # -- a layer's two sides
     def rotate_weight(self, w):

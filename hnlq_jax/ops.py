@@ -17,20 +17,20 @@ decoded weights).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import codec, kernels, lut
+from hnlq_jax.buckets import row_bucket, run_rows
 from hnlq_jax._numerics import saturating_cast, straight_through, wide_dtype
 from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes, is_concrete,
                             pack_t, row_length, unpack_t)
 from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = ["IMPLEMENTATIONS", "FAILURES", "encode", "decode", "quantize", "matmul",
-           "default_implementation", "resolve", "bucket", "row_bucket"]
+           "default_implementation", "resolve", "bucket"]
 
 IMPLEMENTATIONS = {
     "encode": ("xla", "pallas"),
@@ -440,56 +440,23 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
       the row scale; the integer code arrays get no gradient.
 
     Outside ``jit`` the call runs one cached compiled program per row bucket of x
-    (:func:`row_bucket`: rows are zero-padded, so a new batch size in a bucket compiles
+    (:func:`hnlq_jax.buckets.row_bucket`: rows are zero-padded, so a new batch size in a bucket compiles
     nothing new) and the codes' ranges are checked once per codes object, not on every call.
     """
     codes = check_weight_codes(codes, "matmul")
     x = check_activations(x, codes, "matmul")
-    batch = math.prod(x.shape[:-1])
     impl = resolve(implementation, codes.config, "matmul", x, codes)
     if impl == "native" and x.dtype == jnp.float64:
         raise ValueError("matmul: the native kernel computes in float32; use "
                          "implementation='xla' for float64 activations")
     if impl == "lut":
         lut.check_one_sided(codes.config, "matmul")
-    if batch == 0 or codes.blocks_shape[0] == 0:
+    if x.size == 0 or codes.blocks_shape[0] == 0:
         return jnp.zeros(x.shape[:-1] + (codes.blocks_shape[0],), _compute_dtypes(x.dtype)[1])
     if not (is_concrete(x) and all(map(is_concrete, jax.tree.leaves(codes)))):
         return _matmul(x, codes, impl, interpret)
-    pad = row_bucket(batch) - batch
-    if not pad and x.ndim == 2:  # the common case: one compiled call, no glue
-        return _matmul_jit(x, codes, impl, interpret)
-    if kernels.platform(x) != "cpu":  # padding and slicing as small programs on the device
-        rows = _pad_rows(x.reshape(batch, x.shape[-1]), pad)
-        return _rows_out(_matmul_jit(rows, codes, impl, interpret), x.shape[:-1])
-    # On the CPU the glue runs in NumPy on the same memory: it compiles nothing per shape
-    rows = np.pad(np.asarray(x).reshape(batch, x.shape[-1]), ((0, pad), (0, 0)))
-    y = np.asarray(_matmul_jit(rows, codes, impl, interpret))
-    # A copy that owns its memory: the view y may outlive nothing but the array it views, and
-    # device_put may alias what it is given
-    return jax.device_put(np.array(y[:batch]).reshape(x.shape[:-1] + y.shape[-1:]))
-
-
-def row_bucket(rows: int) -> int:
-    """Rows an eager :func:`matmul` pads ``rows`` activation rows to: exact up to 8, then four
-    sizes per octave (10, 12, 14, 16, 20, 24, ...), so at most 25 % of padding and O(log n)
-    compiled programs for any stream of batch sizes."""
-    if rows <= 8:
-        return rows
-    step = 1 << ((rows - 1).bit_length() - 3)
-    return -(-rows // step) * step
+    return run_rows(_matmul_jit, x, codes, impl, interpret)
 
 
 _matmul_jit = jax.jit(_matmul, static_argnums=(2, 3))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _pad_rows(rows, pad: int):
-    return jnp.pad(rows, ((0, pad), (0, 0)))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _rows_out(y, lead: tuple):
-    """The first ``prod(lead)`` rows of a bucket's product, shaped ``lead + (n,)``."""
-    return y[:int(np.prod(lead, dtype=np.int64))].reshape(lead + (y.shape[-1],))
 

@@ -228,31 +228,20 @@ def test_new_batch_sizes_reuse_compiled_programs():
     assert (ops._encode_bucket._cache_size(), ops._decode._cache_size()) == before
 
 
-def _count_compiles(fn):
-    """``(fn(), number of XLA programs compiled meanwhile)``."""
-    events = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            events.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        return fn(), len(events)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
-def test_new_size_in_a_compiled_bucket_compiles_only_small_glue():
+def test_new_size_in_a_compiled_bucket_compiles_only_small_glue(compiles):
     """A new batch size in a compiled bucket compiles a few small per-shape programs (the
     finiteness and range checks, padding in, slicing out), not one per jnp operation."""
     cfg = hq.HNLQConfig("D4", 3, 2, beta=0.2)  # a config of its own: nothing cached yet
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1300, 4)), jnp.float32)
     hq.decode(hq.encode(x[:1100], cfg))
     hq.quantize(x[:1100], cfg)
-    codes, n_encode = _count_compiles(lambda: hq.encode(x, cfg))
-    _, n_decode = _count_compiles(lambda: hq.decode(codes))
-    _, n_quantize = _count_compiles(lambda: hq.quantize(x, cfg))
+    counts = []
+    for call in (lambda: hq.encode(x, cfg), lambda: hq.decode(codes),
+                 lambda: hq.quantize(x, cfg)):
+        compiles.clear()
+        codes = call()
+        counts.append(len(compiles))
+    n_encode, n_decode, n_quantize = counts
     # encode: finite check, pad, slice; decode: index and T range check, pad, slice;
     # quantize: finite check (compiled by encode), pad (likewise), slice.
     assert (n_encode, n_decode, n_quantize) == (3, 3, 1)

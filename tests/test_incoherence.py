@@ -135,6 +135,27 @@ def test_jit_dtypes_and_static():
     assert hash(rot) == hash(Rotation(96, 4)) and rot == Rotation(96, 4)
 
 
+@pytest.mark.parametrize("n", [24, 14])  # a Paley mixer, a seeded random one
+def test_eager_rotations_share_one_program_per_bucket(n, compiles):
+    """Rotations of one size differ only in data: after one call per bucket, other seeds and
+    new batch sizes in the bucket compile nothing, and padded rows give the unpadded values."""
+    rng = np.random.default_rng(n)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in [(18, n), (3, 6, n), (19, n)]]
+    xs[2] = jnp.asarray(xs[2])
+    warm = np.ones((17, n), np.float32)  # bucket 20
+    Rotation(n, 0).apply(warm), Rotation(n, 0).inverse(warm)
+    compiles.clear()
+    for seed in (1, 2**40):
+        rot = Rotation(n, seed)
+        for x in xs:
+            y = rot.apply(x)
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ rot.matrix(), atol=1e-5)
+            np.testing.assert_allclose(np.asarray(rot.inverse(y)), x, atol=1e-5)
+    assert compiles == []
+    x = xs[0]
+    np.testing.assert_array_equal(np.asarray(rot.apply(x)), np.asarray(jax.jit(rot.apply)(x)))
+
+
 def test_save_and_load():
     rot = Rotation(1536, seed=2**40 + 1)
     state = json.loads(json.dumps(rot.to_dict()))

@@ -138,31 +138,14 @@ def test_grad_and_vmap():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_row_bucket():
-    sizes = [ops.row_bucket(b) for b in range(1, 300)]
-    assert sizes[:8] == list(range(1, 9))
-    assert all(b <= s <= 1.25 * b for b, s in zip(range(1, 300), sizes))
-    assert len(set(sizes)) <= 8 + 4 * 6  # four sizes per octave above 8
-
-
-def test_eager_calls_compile_once_per_bucket():
+def test_eager_calls_compile_once_per_bucket(compiles):
     """After one call in a bucket, new batch sizes in it compile nothing (NumPy and JAX input,
     leading axes too)."""
     codes = _weight(CONFIGS["D4-q4-M2"], 6, 32)
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        xs = [np.ones((b, 32), np.float32) for b in (18, 19, 20)] + [np.ones((3, 6, 32), np.float32)]
-        xs += [jnp.asarray(x) for x in xs]
-        hq.matmul(np.ones((17, 32), np.float32), codes)  # bucket 20
-        compiles.clear()
-        for x in xs:
-            assert hq.matmul(x, codes).shape == x.shape[:-1] + (6,)
-        assert compiles == []
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    xs = [np.ones((b, 32), np.float32) for b in (18, 19, 20)] + [np.ones((3, 6, 32), np.float32)]
+    xs += [jnp.asarray(x) for x in xs]
+    hq.matmul(np.ones((17, 32), np.float32), codes)  # bucket 20
+    compiles.clear()
+    for x in xs:
+        assert hq.matmul(x, codes).shape == x.shape[:-1] + (6,)
+    assert compiles == []

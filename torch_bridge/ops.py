@@ -35,6 +35,7 @@ import torch
 
 import hnlq_jax as hq
 from hnlq_jax import HNLQConfig
+from hnlq_jax.buckets import row_bucket
 from hnlq_jax.codes import check_weight_codes
 from torch_bridge.interop import cached_jax, to_jax, to_torch, x64_for
 
@@ -107,6 +108,26 @@ def _host_or_jax(t: torch.Tensor):
     if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float16, torch.float64):
         return t.detach().contiguous().numpy()
     return to_jax(t)
+
+
+def _bucket_rows(x: torch.Tensor):
+    """``(rows, pad)``: ``x``'s rows ``[R, k]`` zero-padded in torch to their row bucket
+    (:func:`hnlq_jax.buckets.row_bucket`), as :func:`_host_or_jax` gives them. Padded here, so
+    a new batch size compiles nothing in JAX, not even the padding."""
+    rows = x.reshape(-1, x.shape[-1])
+    pad = row_bucket(rows.shape[0]) - rows.shape[0]
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
+    return _host_or_jax(rows), pad
+
+
+def _rows_back(y, x: torch.Tensor, pad: int) -> torch.Tensor:
+    """The op's output from a bucket's rows ``y[R + pad, n]``: ``[*x.shape[:-1], n]``."""
+    # On the CPU a copy through NumPy (the output is small beside a weight) costs a few us
+    # where a DLPack export of a fresh array costs ~75
+    host = x.device.type == "cpu" and y.dtype in (jnp.float32, jnp.float16, jnp.float64)
+    y = torch.from_numpy(np.array(y)) if host else to_torch(y)
+    return _own(y[:y.shape[0] - pad].reshape(x.shape[:-1] + y.shape[-1:]), x)
 
 
 def _codes(index, tfield, scale, n, config) -> hq.Codes:
@@ -205,23 +226,13 @@ def matmul(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,
         # The weight's arrays are viewed once per tensor state, so its ranges are checked once
         codes = _codes(cached_jax(index), cached_jax(tfield),
                        None if scale is None else cached_jax(scale), n, config)
-        # Rows padded here to hq.matmul's bucket (and the padding cut off after), so a new
-        # batch size compiles nothing in JAX, not even the padding
-        rows = x.reshape(-1, x.shape[-1])
-        pad = hq.ops.row_bucket(rows.shape[0]) - rows.shape[0]
-        if pad:
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
+        rows, pad = _bucket_rows(x)
         check_weight_codes(codes, "hnlq::matmul")  # a full scan once per buffer state
-        rows = _host_or_jax(rows)
         # Decided here, where the arrays are concrete: inside the compiled call they are
         # tracers, and the default backend would decide instead of where the tensors live
         impl = hq.ops.resolve(implementation, config, "matmul", rows, codes)
         y = _matmul_jit(impl, hq.kernels.platform(codes) == "cpu" or None)(rows, codes)
-        # On the CPU a copy through NumPy (the output is small beside the weight) costs a few
-        # us where a DLPack export of a fresh array costs ~75
-        host = x.device.type == "cpu" and y.dtype in (jnp.float32, jnp.float16, jnp.float64)
-        y = torch.from_numpy(np.array(y)) if host else to_torch(y)
-        return _own(y[:y.shape[0] - pad].reshape(x.shape[:-1] + y.shape[-1:]), x)
+        return _rows_back(y, x, pad)
 
 
 @matmul.register_fake
@@ -284,17 +295,14 @@ matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
 # ------------------------------------------------------------------------------------ rotate
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _rotate(x, rotation, inverse):
-    return rotation.inverse(x) if inverse else rotation.apply(x)
-
-
 @torch.library.custom_op("hnlq::rotate", mutates_args=())
 def rotate(x: torch.Tensor, n: int, seed: int, inverse: bool) -> torch.Tensor:
     """``x @ R`` (``inverse``: ``x @ R^T``) of :class:`hnlq_jax.incoherence.Rotation(n, seed)`
     over the last axis, bit for bit its ``apply`` / ``inverse``."""
+    rotation = hq.incoherence.Rotation(n, seed)
     with x64_for(x):
-        return _own(to_torch(_rotate(to_jax(x), hq.incoherence.Rotation(n, seed), inverse)), x)
+        rows, pad = _bucket_rows(x)
+        return _rows_back(rotation.inverse(rows) if inverse else rotation.apply(rows), x, pad)
 
 
 @rotate.register_fake

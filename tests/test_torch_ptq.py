@@ -10,7 +10,7 @@ import torch
 
 import hnlq_jax as hq
 from hnlq_jax.incoherence import Rotation
-from torch_bridge import QuantizedLinear, quantize_model
+from torch_bridge import QuantizedLinear, load_quantized, quantize_model
 
 # CPU tensors: the JAX references run on the CPU too (conftest.jax_on_cpu)
 pytestmark = pytest.mark.usefixtures("jax_on_cpu")
@@ -204,6 +204,70 @@ def test_corrupted_state_dict_refused_before_anything_is_written(field, value, m
         assert torch.equal(fresh(TEST), layer(TEST))
 
 
+def test_rotated_model_compiles_nothing_for_new_shapes_in_a_bucket(compiles):
+    """Served rotated layers: after one call per bucket, new (batch, sequence) shapes in it
+    compile nothing, every layer's rotation shares one program, and the op is Rotation.apply
+    bit for bit."""
+    model = torch.nn.Sequential(torch.nn.Linear(24, 24), torch.nn.GELU(), torch.nn.Linear(24, 8))
+    quantize_model(model, CFG, rotate=True, seed=5)  # two rotations of size 24
+    shapes = [(18, 24), (3, 6, 24), (2, 10, 24), (19, 24)]
+    xs = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    with torch.no_grad():
+        model(torch.ones(17, 24))  # bucket 20
+        compiles.clear()
+        for x in xs:
+            assert model(x).shape == x.shape[:-1] + (8,)
+            y = torch.ops.hnlq.rotate(x, 24, 5, False)
+            assert torch.equal(y, torch.from_numpy(np.array(Rotation(24, 5).apply(x.numpy()))))
+    assert compiles == []
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_load_quantized_restores_without_encoding(rotate, monkeypatch):
+    model = _mlp()
+    quantize_model(model, CFG, filter_fn=lambda name, m: name != "2", calibration=_run,
+                   rotate=rotate, seed=5)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf)  # weights_only
+    import torch_bridge.quantized as tq
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("load_quantized encoded a weight")
+
+    monkeypatch.setattr(tq, "encode_rows", no_encoding)
+    monkeypatch.setattr(tq.hptq, "gptq_rows", no_encoding)
+    fresh = load_quantized(_mlp(seed=1), sd)  # other float weights: all replaced or loaded
+    assert isinstance(fresh[0], QuantizedLinear) and type(fresh[2]) is torch.nn.Linear
+    assert fresh[0].rotation == (Rotation(24, 5) if rotate else None)
+    with torch.no_grad():
+        assert torch.equal(fresh(TEST), model(TEST))
+    assert load_quantized(fresh, sd) is fresh  # already quantized: loads in place
+
+
+def test_load_quantized_clear_errors():
+    model = _mlp()
+    quantize_model(model, CFG)
+    sd = model.state_dict()
+    other = torch.nn.Sequential(torch.nn.Linear(24, 41), torch.nn.GELU(), torch.nn.Linear(41, 8))
+    with pytest.raises(ValueError, match=r"layer 0: codes of a weight \[40, 24\] do not fit the "
+                                         r"model's Linear \[41, 24\]"):
+        load_quantized(other, sd)
+    with pytest.raises(ValueError, match="layer 2: the state dict holds codes for it, but the "
+                                         "model has no such module"):
+        load_quantized(torch.nn.Sequential(torch.nn.Linear(24, 40)), sd)
+    with pytest.raises(ValueError, match=r"layer 0: the codes were saved in format version"):
+        load_quantized(_mlp(), {**sd, "0._extra_state": {**sd["0._extra_state"],
+                                                         "format_version": 0}})
+    bad = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    bad["0.scale"][0] = float("nan")
+    with pytest.raises(ValueError, match=r"QuantizedLinear 0: .*row scales hold NaN or Inf"):
+        load_quantized(_mlp(), bad)
+    with pytest.raises(ValueError, match="the state dict is one layer's"):
+        load_quantized(torch.nn.Linear(24, 40), model[0].state_dict())
+
+
 def test_rotation_gradient_and_rtn_rotation():
     layer = QuantizedLinear.from_linear(torch.nn.Linear(24, 4), CFG, rotation=Rotation(24, 3))
     x = torch.randn(5, 24, requires_grad=True)
@@ -236,6 +300,14 @@ def test_clear_errors():
         quantize_model(_mlp(), CFG, calibration=_run, criterion="mse")
     with pytest.raises(TypeError, match="sequential must be a bool"):
         quantize_model(_mlp(), CFG, calibration=_run, sequential="yes")
+    for flag in ("rotate", "calibrate", "progress"):
+        with pytest.raises(TypeError, match=f"quantize_model: {flag} must be a bool, got 'yes'"):
+            quantize_model(_mlp(), CFG, **{flag: "yes"})
+    for shape in [(0, 4), (4, 0), (-1, 4), (2.0, 4)]:
+        with pytest.raises(ValueError, match="features must be an int >= 1"):
+            QuantizedLinear(*shape, CFG)
+    with pytest.raises(TypeError, match="bias must be a bool"):
+        QuantizedLinear(4, 4, CFG, bias="no")
 
 
 def test_progress_bar(capsys):

@@ -12,7 +12,8 @@
 * :func:`jax_function`: any JAX function as a differentiable torch function (its ``jax.vjp``)
 * :class:`QLinear`: quantization-aware training (float master weight, cached codes)
 * :func:`quantize_model`, :class:`QuantizedLinear`: post-training quantization to layers that
-  hold only codes, scales and bias
+  hold only codes, scales and bias; :func:`load_quantized` restores such a model from its state
+  dict without encoding
 * :func:`hnlq_hook`, :class:`HNLQHookState`: a DDP communication hook sending HNLQ codes
 """
 
@@ -22,8 +23,8 @@ from torch_bridge.codec import Codes, decode, encode, encode_rows, matmul, quant
 from torch_bridge.ddp import HNLQHookState, hnlq_hook
 from torch_bridge.interop import to_jax, to_torch, x64_for
 from torch_bridge.qlinear import QLinear
-from torch_bridge.quantized import QuantizedLinear, QuantizeReport, quantize_model
+from torch_bridge.quantized import QuantizedLinear, QuantizeReport, load_quantized, quantize_model
 
 __all__ = ["Codes", "HNLQHookState", "QLinear", "QuantizeReport", "QuantizedLinear", "decode",
-           "encode", "encode_rows", "hnlq_hook", "jax_function", "lut", "matmul", "quantize",
-           "quantize_model", "to_jax", "to_torch", "x64_for"]
+           "encode", "encode_rows", "hnlq_hook", "jax_function", "load_quantized", "lut", "matmul",
+           "quantize", "quantize_model", "to_jax", "to_torch", "x64_for"]

@@ -37,7 +37,8 @@ import torch
 
 from hnlq_jax import FORMAT_VERSION, HNLQConfig
 from hnlq_jax import ptq as hptq
-from hnlq_jax.codes import check_saved_header, index_dtype, saved_header, tfield_shape
+from hnlq_jax.codes import (check_saved_header, index_dtype, read_saved_header, saved_header,
+                            tfield_shape)
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.ops import IMPLEMENTATIONS
 from hnlq_jax.rows import calibrate_rows, check_finite_weight, unit
@@ -45,7 +46,7 @@ from torch_bridge import ops
 from torch_bridge.codec import Codes, decode, encode_rows
 from torch_bridge.interop import to_jax, to_torch, x64_for
 
-__all__ = ["CodesLayer", "QuantizeReport", "QuantizedLinear", "quantize_model"]
+__all__ = ["CodesLayer", "QuantizeReport", "QuantizedLinear", "load_quantized", "quantize_model"]
 
 _CODES = ("index", "tfield", "scale")
 
@@ -208,6 +209,11 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
                  bias: bool = True, *, implementation=None, device=None, dtype=None,
                  rotation: Rotation | None = None):
         super().__init__()
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:  # nothing to code
+                raise ValueError(f"QuantizedLinear: {name} must be an int >= 1, got {v!r}")
+        if not isinstance(bias, bool):
+            raise TypeError(f"QuantizedLinear: bias must be a bool, got {bias!r}")
         if rotation is not None and (not isinstance(rotation, Rotation)
                                      or rotation.n != in_features):
             raise ValueError(f"QuantizedLinear: rotation must be None or an "
@@ -531,8 +537,10 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
         raise ValueError(f"quantize_model: seed must be a non-negative int, got {seed!r}")
     if criterion not in ("loss", "f"):
         raise ValueError(f"quantize_model: criterion must be 'loss' or 'f', got {criterion!r}")
-    if not isinstance(sequential, bool):
-        raise TypeError(f"quantize_model: sequential must be a bool, got {sequential!r}")
+    for name, flag in (("sequential", sequential), ("rotate", rotate), ("calibrate", calibrate),
+                       ("progress", progress)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"quantize_model: {name} must be a bool, got {flag!r}")
     hptq.check_calibration_options("quantize_model", calibration, act_order=act_order,
                                    damp=damp, criterion=criterion, grid=grid,
                                    t_budget=t_budget, sequential=sequential)
@@ -599,3 +607,72 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
         warnings.warn(f"quantize_model: kept {len(unexpected)} linear layer(s) in float: "
                       + "; ".join(f"{n} ({k}): {r}" for n, k, r in unexpected), stacklevel=2)
     return report
+
+
+def load_quantized(model: torch.nn.Module, state_dict: dict, *, implementation=None,
+                   strict: bool = True) -> torch.nn.Module:
+    """Restores a quantized model from its state dict into the float architecture, encoding
+    nothing.
+
+    Each ``nn.Linear`` of ``model`` whose entry in ``state_dict`` holds HNLQ codes (the
+    ``_extra_state`` a :class:`QuantizedLinear` saves: format version, config, in_features,
+    rotation) is replaced, in place, by an empty ``QuantizedLinear`` built from that extra state
+    (on the linear's device; scales and bias in the saved scales' dtype); then the whole state
+    dict loads, its codes checked as every load checks them. The result computes bit for bit as
+    the model that was saved.
+
+    Args:
+      model: the float model (e.g. freshly built from its config: its float weights are
+        dropped where codes replace them, so they need not be initialized meaningfully).
+      state_dict: the quantized model's ``state_dict()`` (``torch.load`` with the default
+        ``weights_only=True`` reads it: the extra state is plain data).
+      implementation: the layers' :func:`hnlq_jax.matmul` implementation (``None``: default).
+      strict: as ``nn.Module.load_state_dict``.
+
+    Returns:
+      ``model``, with the quantized layers in place.
+
+    Raises:
+      ValueError: codes saved for a module that is missing or not an ``nn.Linear`` of the
+        saved shape, a corrupted or foreign header, or codes out of range (naming the layer);
+        torch's errors for missing or unexpected keys when ``strict``.
+    """
+    for key, state in state_dict.items():
+        if not key.endswith("_extra_state") or not (isinstance(state, dict)
+                                                    and "format_version" in state):
+            continue  # another module's extra state
+        name = key[:-len("_extra_state")].rstrip(".")
+        where = f"load_quantized: layer {name or '(root)'}"
+        if not name:
+            raise ValueError(f"{where}: the state dict is one layer's; load it into a "
+                             "QuantizedLinear built with its shape, config and rotation")
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"{where}: the state dict holds codes for it, but the model has "
+                             "no such module; build the model the state dict was saved "
+                             "from") from None
+        if isinstance(module, CodesLayer):
+            continue  # holds codes already: it loads them itself
+        config = read_saved_header(state, where)
+        index, scale = state_dict.get(name + ".index"), state_dict.get(name + ".scale")
+        if not isinstance(index, torch.Tensor) or not isinstance(scale, torch.Tensor):
+            raise ValueError(f"{where}: the state dict lacks its index or scale")
+        saved = (index.shape[0], state.get("in_features", getattr(module, "in_features", None)))
+        if not isinstance(module, torch.nn.Linear) or saved != (module.out_features,
+                                                                module.in_features):
+            raise ValueError(f"{where}: codes of a weight [{saved[0]}, {saved[1]}] do not fit "
+                             f"the model's {type(module).__name__}"
+                             + (f" [{module.out_features}, {module.in_features}]"
+                                if isinstance(module, torch.nn.Linear) else "")
+                             + "; build the model the state dict was saved from")
+        rotation = state.get("rotation")
+        layer = QuantizedLinear(
+            module.in_features, module.out_features, config, module.bias is not None,
+            implementation=implementation, device=module.weight.device, dtype=scale.dtype,
+            rotation=None if rotation is None else Rotation.from_dict(rotation))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer.train(module.training))
+    model.load_state_dict(state_dict, strict=strict)
+    return model
+

@@ -577,10 +577,11 @@ class Packed:
         if config is not None:
             check_config(config, "Packed.from_bytes")
         buf = bytes(buf)
+        if len(buf) < len(_MAGIC) + 8 and _MAGIC.startswith(buf[:len(_MAGIC)]):
+            raise ValueError(f"Packed.from_bytes: truncated data ({len(buf)} bytes; the "
+                             f"smallest packed data has {len(_MAGIC) + 8})")
         if not buf.startswith(_MAGIC):
             raise ValueError("Packed.from_bytes: not HNLQ packed data (bad magic bytes)")
-        if len(buf) < len(_MAGIC) + 8:
-            raise ValueError(f"Packed.from_bytes: truncated data ({len(buf)} bytes)")
         (crc,) = struct.unpack("<I", buf[-4:])
         if zlib.crc32(buf[:-4]) != crc:
             raise ValueError("Packed.from_bytes: corrupted or truncated data (CRC-32 mismatch)")

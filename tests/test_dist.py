@@ -446,6 +446,15 @@ def test_one_device_sends_nothing_and_reports_ratio_one():
     assert float(stats["ratio"]) == 1.0
 
 
+@pytest.mark.parametrize("method", ["all_gather", "reduce_scatter"])
+def test_one_device_mean_is_exact(method):
+    """Nothing is sent on one device, so nothing is quantized: the mean is x itself."""
+    x = np.random.default_rng(1).standard_normal((1, 3, 50)).astype(np.float32)
+    f = sharded(functools.partial(dist.compressed_mean, axis_name="i", config=CFG,
+                                  method=method), n=1)
+    np.testing.assert_array_equal(f(x), x)
+
+
 @pytest.mark.slow
 def test_two_processes_jax_distributed(tmp_path, free_port):
     """Two processes (gloo collectives) give the same means as 4 devices in one process."""

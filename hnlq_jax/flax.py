@@ -54,7 +54,8 @@ import numpy as np
 
 from hnlq_jax import ops, ptq
 from hnlq_jax._numerics import straight_through
-from hnlq_jax.codes import Codes, check_codes, check_saved_header, is_concrete, saved_header
+from hnlq_jax.codes import (Codes, check_codes, check_saved_header, is_concrete, read_saved_header,
+                            saved_header)
 from hnlq_jax.config import HNLQConfig, check_beta, check_config, saved_int
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.rows import (bucket_rows, calibrate_rows, check_finite_weight, check_row_failures,
@@ -528,15 +529,16 @@ def export_params(variables, config: HNLQConfig):
     return inference, _bytes_report(float_bytes, list(layers.values()), params.values(), weights)
 
 
-def import_params(saved, config: HNLQConfig):
-    """The inference form from a saved state dict, checked against ``config``.
+def import_params(saved, config: HNLQConfig | None = None):
+    """The inference form from a saved state dict (no encoding: a reload restores the codes).
 
     Args:
       saved: ``flax.serialization.to_state_dict(inference)`` of an :func:`export_params`
         result after a round trip (``msgpack_restore``, an orbax restore), or the inference
         form itself.
-      config: the quantizer the model is built with (``beta`` may differ: it lives in the
-        scales).
+      config: the quantizer the model is built with, checked against every layer's saved
+        config (``beta`` may differ: it lives in the scales); ``None`` takes each layer's
+        saved config.
 
     Returns:
       ``{"params": ..., "hnlq": {layer path: {"codes": Codes}}}`` for ``model.apply``;
@@ -549,7 +551,8 @@ def import_params(saved, config: HNLQConfig):
         (the message names both), corrupted codes, a layer with both kinds of codes or
         rotated codes without their rotation, or the training form.
     """
-    check_config(config, "import_params")
+    if config is not None:
+        check_config(config, "import_params")
     if isinstance(saved, Mapping):  # a FrozenDict (or one inside) reads as plain dicts
         saved = flax.core.unfreeze(saved)
     layers = _layers(saved, "import_params")
@@ -571,7 +574,7 @@ def import_params(saved, config: HNLQConfig):
         if isinstance(record, Codes):
             record = _codes_state(record)
         hnlq[path + (CODES_KEYS[rotation is not None],)] = _codes_from_state(
-            record, unit(config), where)
+            record, None if config is None else unit(config), where)
         if rotation is not None:
             hnlq[path + ("rotation",)] = (rotation if isinstance(rotation, Rotation)
                                           else Rotation.from_dict(rotation))
@@ -778,10 +781,12 @@ def _codes_state(codes: Codes) -> dict:
     return {**saved_header(codes.config), "n": codes.n, "index": codes.index, "tfield": codes.tfield, "scale": codes.scale}
 
 
-def _codes_from_state(state, config: HNLQConfig, where: str) -> Codes:
-    """Codes from their saved form; they must be of this format version and of ``config``."""
+def _codes_from_state(state, config: HNLQConfig | None, where: str) -> Codes:
+    """Codes from their saved form; they must be of this format version and of ``config``
+    (``None``: any)."""
     keys = {"n", "index", "tfield", "scale"}
-    saved = check_saved_header(state, config, where, "load them into a model of their config")
+    saved = (read_saved_header(state, where) if config is None else
+             check_saved_header(state, config, where, "load them into a model of their config"))
     if not keys <= set(state):
         raise ValueError(f"{where}: expected saved hnlq_jax.Codes with keys {sorted(keys)}, "
                          f"got {sorted(state)}")

@@ -460,6 +460,7 @@ def test_saved_inference_form_round_trips_bit_exact(exported, tmp_path):
     imported = hf.import_params(state, CFG)  # no template needed
     _assert_tree_equal(imported, inference)
     np.testing.assert_array_equal(m.apply(imported, X), y)
+    _assert_tree_equal(hf.import_params(state), inference)  # the saved config itself
     saved = jax.device_get(flax.serialization.to_state_dict(inference))
     as_numpy = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray)
                             if isinstance(a, np.ndarray) else ocp.RestoreArgs(), saved)

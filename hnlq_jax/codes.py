@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,40 @@ def saved_header(config: HNLQConfig) -> dict:
     if fields["dither"] is not None:
         fields["dither"] = list(fields["dither"])
     return {"format_version": FORMAT_VERSION, "config": fields}
+
+
+def checksum(*arrays) -> int:
+    """CRC-32 of the bytes of ``arrays`` in order (each as NumPy holds it: C order, the
+    machine's byte order), what saved codes record beside their arrays (``"crc32"``).
+
+    Args:
+      *arrays: NumPy arrays (a JAX array is copied to the host; ``None`` is skipped).
+    """
+    crc = 0
+    for a in arrays:
+        if a is not None:
+            a = np.ascontiguousarray(np.asarray(a))
+            crc = zlib.crc32(a.reshape(-1).view(np.uint8), crc)
+    return crc
+
+
+def check_checksum(state, arrays, where: str) -> None:
+    """Compares the ``"crc32"`` a saved artifact records with :func:`checksum` of its arrays
+    (saved before checksums were recorded, it has none: nothing to compare).
+
+    Raises:
+      ValueError: the arrays are not those that were saved (corrupted or edited).
+    """
+    saved = state.get("crc32") if isinstance(state, dict) else None
+    if saved is None:
+        return
+    if saved_int(saved) is None:
+        raise ValueError(f"{where}: the saved checksum {saved!r} is not an int; save the codes "
+                         "again")
+    if checksum(*arrays) != saved_int(saved):
+        raise ValueError(f"{where}: the code arrays do not match their saved CRC-32 (corrupted "
+                         "or edited since they were saved); load an intact copy, or quantize "
+                         "the float model again")
 
 
 def read_saved_header(state, where: str) -> HNLQConfig:

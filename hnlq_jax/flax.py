@@ -54,8 +54,8 @@ import numpy as np
 
 from hnlq_jax import ops, ptq
 from hnlq_jax._numerics import straight_through
-from hnlq_jax.codes import (Codes, check_codes, check_saved_header, is_concrete, read_saved_header,
-                            saved_header)
+from hnlq_jax.codes import (Codes, check_checksum, check_codes, check_saved_header, checksum,
+                            is_concrete, read_saved_header, saved_header)
 from hnlq_jax.config import HNLQConfig, check_beta, check_config, saved_int
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.rows import (bucket_rows, calibrate_rows, check_finite_weight, check_row_failures,
@@ -778,7 +778,9 @@ def _progress(items, enabled: bool):
 
 def _codes_state(codes: Codes) -> dict:
     """The saved form of codes: their arrays, format version, config and row length."""
-    return {**saved_header(codes.config), "n": codes.n, "index": codes.index, "tfield": codes.tfield, "scale": codes.scale}
+    return {**saved_header(codes.config), "n": codes.n, "index": codes.index,
+            "tfield": codes.tfield, "scale": codes.scale,
+            "crc32": checksum(codes.index, codes.tfield, codes.scale)}
 
 
 def _codes_from_state(state, config: HNLQConfig | None, where: str) -> Codes:
@@ -795,9 +797,10 @@ def _codes_from_state(state, config: HNLQConfig | None, where: str) -> Codes:
     if state["n"] is not None and (n is None or n < 0):
         raise ValueError(f"{where}: the saved row length n must be an int >= 0 or None, got "
                          f"{state['n']!r}; save the codes again")
-    codes = Codes(jnp.asarray(state["index"]), jnp.asarray(state["tfield"]), saved, scale=scale,
-                  n=n)
-    return check_codes(codes, where)
+    codes = check_codes(Codes(jnp.asarray(state["index"]), jnp.asarray(state["tfield"]), saved,
+                              scale=scale, n=n), where)
+    check_checksum(state, (state["index"], state["tfield"], state["scale"]), where)
+    return codes
 
 
 def _restore_codes(target: Codes, state) -> Codes:

@@ -528,7 +528,11 @@ def test_other_config_or_format_version_refused(variables, exported):
     with pytest.raises(ValueError, match="holds training state.*export_params"):
         hf.import_params(flax.serialization.to_state_dict(variables), CFG)
     # Codes without their row scales would decode W / c: refused however they arrive.
-    unscaled = {**state, "hnlq": {"codes": {**codes_state, "scale": None}}}
+    # (without a checksum too, which would refuse the edit before the layer sees it)
+    unscaled = {**state, "hnlq": {"codes": {**{k: v for k, v in codes_state.items()
+                                                if k != "crc32"}, "scale": None}}}
+    with pytest.raises(ValueError, match="do not match their saved CRC-32"):
+        hf.import_params({**state, "hnlq": {"codes": {**codes_state, "scale": None}}}, CFG)
     for restored in (hf.import_params(unscaled, CFG),
                      flax.serialization.from_state_dict(inference, unscaled)):
         with pytest.raises(ValueError, match="codes have no row scales"):
@@ -544,6 +548,30 @@ def test_other_config_or_format_version_refused(variables, exported):
     np.testing.assert_array_equal(frozen["hnlq"]["codes"].index, codes_state["index"])
     with pytest.raises(ValueError, match="expected variables with a 'hnlq' collection"):
         hf.import_params(None, CFG)
+
+
+@pytest.mark.parametrize("field", ["index", "tfield", "scale"])
+def test_saved_codes_checksum(exported, field):
+    """A flipped bit that keeps every value in range is refused by the CRC-32 the saved codes
+    carry, on import and on a restore into a template; without a checksum (saved before they
+    were recorded) they load."""
+    inference = exported[0]
+    state = flax.serialization.msgpack_restore(flax.serialization.to_bytes(inference))
+    codes_state = state["hnlq"]["codes"]
+    arr = np.array(codes_state[field])
+    arr.reshape(-1).view(np.uint8)[0] ^= 1 if field != "scale" else 0x10
+    flipped = {**state, "hnlq": {"codes": {**codes_state, field: arr}}}
+    match = r"import_params: layer \(root\): the code arrays do not match their saved CRC-32"
+    with pytest.raises(ValueError, match=match):
+        hf.import_params(flipped, CFG)
+    with pytest.raises(ValueError, match="do not match their saved CRC-32"):
+        flax.serialization.from_state_dict(inference, flipped)
+    unchecked = {**state, "hnlq": {"codes": {k: v for k, v in flipped["hnlq"]["codes"].items()
+                                             if k != "crc32"}}}
+    hf.import_params(unchecked, CFG)
+    assert codes_state["crc32"] == hq.codes.checksum(*(inference["hnlq"]["codes"].index,
+                                                       inference["hnlq"]["codes"].tfield,
+                                                       inference["hnlq"]["codes"].scale))
 
 
 def test_bad_knobs():

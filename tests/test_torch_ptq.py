@@ -268,6 +268,26 @@ def test_load_quantized_clear_errors():
         load_quantized(torch.nn.Linear(24, 40), model[0].state_dict())
 
 
+@pytest.mark.parametrize("field", ["index", "tfield", "scale"])
+def test_state_dict_checksum_catches_a_valid_looking_flip(field):
+    """A flipped bit that leaves every value in range is caught by the CRC-32 of the extra
+    state; a state dict saved before checksums were recorded still loads."""
+    layer = QuantizedLinear.from_linear(torch.nn.Linear(24, 4), CFG)
+    sd = {k: v.clone() if isinstance(v, torch.Tensor) else dict(v) for k, v in
+          layer.state_dict().items()}
+    raw = sd[field].view(torch.uint8).view(-1)
+    raw[0] ^= 1 if field != "scale" else 0x10  # index 0 <-> 1, T 0 <-> 1, a scale's mantissa
+    fresh = QuantizedLinear(24, 4, CFG)
+    with pytest.raises(ValueError, match=r"QuantizedLinear \(root\): the code arrays do not "
+                                         r"match their saved CRC-32"):
+        fresh.load_state_dict(sd)
+    del sd["_extra_state"]["crc32"]
+    fresh.load_state_dict(sd)  # unchecked: the older form
+    sd["_extra_state"]["crc32"] = "abc"
+    with pytest.raises(ValueError, match="saved checksum 'abc' is not an int"):
+        fresh.load_state_dict(sd)
+
+
 def test_rotation_gradient_and_rtn_rotation():
     layer = QuantizedLinear.from_linear(torch.nn.Linear(24, 4), CFG, rotation=Rotation(24, 3))
     x = torch.randn(5, 24, requires_grad=True)

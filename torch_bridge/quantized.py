@@ -37,8 +37,8 @@ import torch
 
 from hnlq_jax import FORMAT_VERSION, HNLQConfig
 from hnlq_jax import ptq as hptq
-from hnlq_jax.codes import (check_saved_header, index_dtype, read_saved_header, saved_header,
-                            tfield_shape)
+from hnlq_jax.codes import (check_checksum, check_saved_header, checksum, index_dtype,
+                            read_saved_header, saved_header, tfield_shape)
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.ops import IMPLEMENTATIONS
 from hnlq_jax.rows import calibrate_rows, check_finite_weight, unit
@@ -65,6 +65,11 @@ def check_weight(weight: torch.Tensor, fn: str):
     would report normalized blocks instead of weights)."""
     with x64_for(weight):
         check_finite_weight(to_jax(weight.detach()), fn)
+
+
+def _raw(t: torch.Tensor):
+    """The bytes of a tensor as a NumPy uint8 array (on the host; any dtype, bfloat16 too)."""
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy()
 
 
 class CodesLayer:
@@ -132,7 +137,8 @@ class CodesLayer:
     # -- state dict: format version, config and row length travel with the codes
     def get_extra_state(self) -> dict:
         # in_features too: the codes' shape holds it only rounded up to whole d-blocks.
-        return {**saved_header(self.codes_config), "in_features": self.in_features}
+        return {**saved_header(self.codes_config), "in_features": self.in_features,
+                "crc32": checksum(*map(_raw, (self.index, self.tfield, self.scale)))}
 
     def set_extra_state(self, state):
         self._check_saved(state, type(self).__name__)
@@ -177,6 +183,8 @@ class CodesLayer:
                     codes.to_jax()  # raises on corrupted codes (index, T or scale out of range)
             except ValueError as e:  # named by the layer, as the other loading errors
                 raise ValueError(f"{where}: {e}") from None
+            if extra in state_dict:  # in range, yet maybe not what was saved
+                check_checksum(state_dict[extra], map(_raw, saved), where)
             if saved[2].dtype != self.scale.dtype:
                 # The scales load in their saved dtype (a refresh makes them at least float32):
                 # copied into this layer's, they would round, and the layer compute otherwise.

@@ -1,11 +1,24 @@
-"""Shared test set-up: 8 fake CPU devices (before any JAX op), golden files, hypothesis."""
+"""Shared test set-up: 8 fake CPU devices (before any JAX op), a persistent compilation cache,
+golden files, hypothesis, compile counting."""
 
+import os
 import pathlib
 import socket
 
-import jax
+# One persistent XLA compilation cache for a test run: its xdist workers and the subprocesses
+# the tests start (inheriting these variables) compile the same encoders and kernels again and
+# again, and XLA compiles are most of the suite's time. Set JAX_COMPILATION_CACHE_DIR to move it.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(pathlib.Path(__file__).parent.parent / ".pytest_cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+import jax  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -67,15 +80,20 @@ def free_port():
 
 @pytest.fixture
 def compiles():
-    """A list that gains one entry per XLA compile while the test runs."""
+    """A list that gains one entry per XLA compile while the test runs. The persistent cache is
+    off meanwhile, so that a program the process lacks is compiled, never read from it."""
     seen = []
 
     def listener(event, duration, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
             seen.append(event)
 
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # is_cache_used() memoizes the setting
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         yield seen
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()

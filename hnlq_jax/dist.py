@@ -111,10 +111,9 @@ def compressed_mean(x, axis_name, config: HNLQConfig, method: str = "all_gather"
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"compressed_mean: x must be floating, got {x.dtype}")
-    devices = jax.lax.axis_size(axis_name)
-    n = devices if method == "reduce_scatter" else 1
+    n = jax.lax.axis_size(axis_name) if method == "reduce_scatter" else 1
     lay = _layout(x.size, config, method, n, chunk, t_capacity, "compressed_mean")
-    if devices == 1:  # nothing is sent: the mean of one value is the value
+    if jax.lax.axis_size(axis_name) == 1:  # nothing is sent: the mean of one value is itself
         return x
     mean, _, _ = _compressed_mean(jnp.ravel(x).astype(jnp.float32), axis_name, lay,
                                   implementation)

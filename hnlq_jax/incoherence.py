@@ -231,7 +231,7 @@ class Rotation:
         K = np.kron(h / math.sqrt(2**k), mixer(self.n, self.seed))
         return self.signs[:, None] * K
 
-    def _transform(self, x, inverse: bool, fn: str):
+    def _rotate(self, x, inverse: bool, fn: str):
         x = x if isinstance(x, np.ndarray) else as_array(x)  # NumPy stays on the host
         if x.ndim == 0 or x.shape[-1] != self.n:
             raise ValueError(f"Rotation.{fn}: expected an array [..., n={self.n}] (the rotated "
@@ -250,11 +250,11 @@ class Rotation:
 
         Outside ``jit`` the rows run in one compiled program per row bucket
         (:func:`hnlq_jax.buckets.run_rows`), shared by every rotation of size ``n``."""
-        return self._transform(x, False, "apply")
+        return self._rotate(x, False, "apply")
 
     def inverse(self, x):
         """``x @ R^T``: undoes :meth:`apply` (``R`` is orthogonal)."""
-        return self._transform(x, True, "inverse")
+        return self._rotate(x, True, "inverse")
 
     # -- a layer's two sides
     def rotate_weight(self, w):

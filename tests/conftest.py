@@ -1,5 +1,5 @@
 """Shared test set-up: 8 fake CPU devices (before any JAX op), a persistent compilation cache,
-golden files, hypothesis, compile counting."""
+bounded memory maps, golden files, hypothesis, compile counting."""
 
 import os
 import pathlib
@@ -53,6 +53,39 @@ def golden_config(g, **changes):
     )
     kw.update(changes)
     return HNLQConfig(**kw)
+
+
+def _memory_maps():
+    """How many memory mappings this process holds (Linux; 0 where /proc is absent)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _max_memory_maps():
+    try:
+        return int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return 65530  # Linux's default
+
+
+_MAP_BUDGET = _max_memory_maps() // 2
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+    """Drops the process' compiled programs when it holds half the kernel's memory maps.
+
+    XLA:CPU keeps every kernel of a live executable in mappings of its own (code, constants,
+    data: ~30 per encoder, ~130 when a new beta is folded in), and one xdist worker compiles
+    thousands of programs: past vm.max_map_count (65530 by default) mmap fails inside a compile
+    and the worker dies with SIGSEGV in the unwinder. Recompiles after the drop read the
+    persistent cache."""
+    yield
+    if _memory_maps() > _MAP_BUDGET:
+        jax.clear_caches()
 
 
 @pytest.fixture

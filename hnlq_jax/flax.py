@@ -264,7 +264,8 @@ class QDense(nn.Module):
         current kernel plus the quantization error of the last refresh (exactly the codes' weights
         at a refresh), and the gradient reaches the kernel. ``0``: training calls use the
         cache too, and the loop refreshes it with :func:`refresh_codes`. Calls with
-        ``deterministic=True`` always use the cached codes and never re-quantize.
+        ``deterministic=True`` quantize the kernel as it is (the cache, refreshed before the
+        optimizer's last update, may be steps old) and leave the cache alone.
       compute: how :func:`hnlq_jax.matmul` runs: ``"decode"`` (its default implementation for
         the backend), ``"kernel"`` (the fused Pallas decode-matmul, which reads only the codes;
         interpret mode on a CPU, so slow there) or ``"lut"`` (one-sided lookup tables). The
@@ -299,8 +300,9 @@ class QDense(nn.Module):
 
         Args:
           inputs: ``[..., in]``.
-          deterministic: inference mode: use the cached codes (default: the attribute, else
-            ``False``). The inference form is always deterministic.
+          deterministic: evaluation: the codes of the current kernel, no training state
+            changed (default: the attribute, else ``False``). The inference form is always
+            deterministic.
 
         Returns:
           ``[..., features]``.
@@ -343,6 +345,13 @@ class QDense(nn.Module):
                 f"{self._where()}: {COLLECTION}/rotated_codes (codes of W R) and "
                 f"{COLLECTION}/rotation come together, got only one; restore rotated exports "
                 "with hnlq_jax.flax.import_params")
+        stale = [k for k in ("step", "error") if self.has_variable(COLLECTION, k)]
+        if stale:  # codes without their kernel, cached by training: up to N - 1 steps old
+            raise ValueError(
+                f"{self._where()}: {COLLECTION}/codes come with {COLLECTION}/{stale[0]}, a "
+                "training cache (its codes may be quantize_every - 1 steps older than the "
+                "kernel), but no params/kernel; restore the training variables and apply "
+                "hnlq_jax.flax.export_params for the inference form")
         codes = self.get_variable(COLLECTION, CODES_KEYS[rotated])
         if isinstance(codes, Codes) and codes.n is not None and (x.ndim == 0
                                                                  or x.shape[-1] != codes.n):
@@ -414,8 +423,10 @@ class QDense(nn.Module):
             return cache.value, error.value, now + error.value
 
         weight = None
-        if self.is_initializing() or deterministic:
+        if self.is_initializing():
             codes = cache.value
+        elif deterministic:  # the codes of the kernel as it is now: a cache may be steps old
+            codes = _kernel_codes(kernel, cfg, beta.value)
         elif self.quantize_every == 0:
             codes, _, weight = cached()
         elif mutable and self.quantize_every > 1:

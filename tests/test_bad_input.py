@@ -278,6 +278,8 @@ CASES = [
     pytest.param(lambda: HNLQConfig("D4", dither=(0.9, 0.9, 0.0, 0.0)), ValueError,
                  r"dither \[0\.9, 0\.9, 0\.0, 0\.0\] is outside the Voronoi cell of 0 of D4",
                  id="config-dither-outside-cell"),
+    pytest.param(lambda: HNLQConfig("D4", beta=0.2).replace(beta=torch.tensor(0.3)), TypeError,
+                 r"beta must be a real number, got tensor", id="config-beta-torch-tensor"),
 
     # -- arrays into encode / quantize and friends
     pytest.param(lambda: hq.encode(np.zeros((3, 5), np.float32), C), ValueError,

@@ -442,9 +442,6 @@ def test_config_hashable_static():
         assert type(c.beta) is float and c == a.replace(beta=0.25) and hash(c) == hash(a.replace(beta=0.25))
     with pytest.raises(TypeError, match="beta must be a concrete number, got a traced value"):
         jax.jit(lambda b: a.replace(beta=b))(0.3)
-    import torch  # a core dependency: the config must name its tensors too
-    with pytest.raises(TypeError, match="beta must be a real number, got tensor"):
-        a.replace(beta=torch.tensor(0.3))
 
 
 def test_encode_bad_input():

@@ -60,7 +60,7 @@ def golden_config(g, **changes):
 # the test files that name torch are not collected, and the run's header says how many.
 _NO_TORCH = importlib.util.find_spec("torch") is None
 _TORCH_FILES = sorted(p.name for p in pathlib.Path(__file__).parent.glob("test_*.py")
-                      if "torch" in p.read_text())
+                      if _NO_TORCH and "torch" in p.read_text())  # read only where needed
 
 
 def pytest_ignore_collect(collection_path, config):

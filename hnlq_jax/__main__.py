@@ -125,9 +125,10 @@ def info(args) -> None:
     native = hq.kernels.cpu
     print("paths (implementation=): xla (always); pallas (GPU; interpret mode on a CPU); lut; "
           f"native: {'built' if native.available() else native.why_unavailable()}")
-    print(f"matmul with implementation=None on this backend: "
-          f"{hq.ops.default_implementation('matmul', hq.HNLQConfig('D4', 4, 2))} "
-          "(D4 q=4 M=2)")
+    d4 = hq.HNLQConfig("D4", 4, 2)
+    print("implementation=None on this backend (D4 q=4 M=2): matmul "
+          f"{hq.ops.default_implementation('matmul', d4)}, decode "
+          f"{hq.ops.default_implementation('decode', d4)}")
     print("lattices (also Z{n}, D{n} for n >= 2):")
     print(f"  {'name':5s} {'d':>2s} {'r_cov':>7s} {'sigma^2':>9s} {'G(L)':>9s}")
     for name in LATTICE_NAMES:

@@ -6,8 +6,8 @@ Each takes ``implementation=``:
 * ``"xla"``: the pure-JAX reference (:mod:`hnlq_jax.codec`);
 * ``"pallas"``: the Pallas kernels (:mod:`hnlq_jax.kernels`), interpret mode on a CPU;
 * ``"lut"`` (``matmul`` only): the one-sided lookup-table product (:mod:`hnlq_jax.lut`);
-* ``"native"`` (``matmul`` only): the native CPU kernel (:mod:`hnlq_jax.kernels.cpu`), where
-  the package was built with it.
+* ``"native"`` (``matmul`` and ``decode``): the native CPU kernels
+  (:mod:`hnlq_jax.kernels.cpu`), where the package was built with them.
 
 Every implementation gives the same codes and the same decoded values bit for bit (matmul: the
 same up to float summation order, except ``"xla"`` and ``"pallas"`` which agree exactly in the
@@ -34,7 +34,7 @@ __all__ = ["IMPLEMENTATIONS", "FAILURES", "encode", "decode", "quantize", "matmu
 
 IMPLEMENTATIONS = {
     "encode": ("xla", "pallas"),
-    "decode": ("xla", "pallas"),
+    "decode": ("xla", "pallas", "native"),
     "quantize": ("xla", "pallas"),
     "matmul": ("xla", "pallas", "lut", "native"),
 }
@@ -44,10 +44,11 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 def default_implementation(op: str, config: HNLQConfig, *arrays) -> str:
     """What ``implementation=None`` runs for ``op`` on the inputs ``arrays``.
 
-    On a GPU, the kernel when one supports ``config``. On a CPU, ``matmul`` takes the native
-    kernel where it is built and supports ``config`` (``experiments/bench_cpu_matmul.py``:
-    5-40x faster than the XLA path), everything else XLA: Pallas only runs in interpret mode
-    there, which is slower (``experiments/bench_kernels.py``). Where the inputs live decides
+    On a GPU, the kernel when one supports ``config``. On a CPU, ``matmul`` and ``decode`` take
+    the native kernels where they are built and support ``config``
+    (``experiments/bench_cpu_matmul.py``: 5-40x faster than the XLA path; ``decode`` falls back
+    to XLA where the kernel does not apply: fewer levels, float64), everything else XLA: Pallas
+    only runs in interpret mode there, which is slower (``experiments/bench_kernels.py``). Where the inputs live decides
     (:func:`hnlq_jax.kernels.platform`): a CPU array on a GPU machine takes the CPU's path.
 
     Args:
@@ -63,8 +64,9 @@ def default_implementation(op: str, config: HNLQConfig, *arrays) -> str:
                          f"got {op!r}")
     where = kernels.platform(*arrays)
     wide = any(getattr(a, "dtype", None) == jnp.float64 for a in jax.tree.leaves(arrays))
-    if op == "matmul" and where == "cpu" and not wide and not kernels.cpu.unsupported(config):
-        return "native"  # float32 sums: float64 activations take XLA
+    if (op in ("matmul", "decode") and where == "cpu" and not wide
+            and not kernels.cpu.unsupported(config)):
+        return "native"  # float32: float64 activations take XLA
     if kernels.unsupported(config):
         return "xla"
     if where == "gpu":
@@ -219,7 +221,8 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
         the input quantized on ``q^(M - levels) L``. Default: all.
       dtype: output dtype; default float64 under x64, float32 otherwise (half precision is
         computed in float32 and rounded, saturating at the dtype's largest value).
-      implementation: ``None``, ``"xla"`` or ``"pallas"``.
+      implementation: ``None``, ``"xla"``, ``"pallas"`` or ``"native"`` (the native CPU
+        kernel: all levels, float32 or half precision).
       interpret: Pallas interpret mode (default: where the inputs live on a CPU).
 
     Returns:
@@ -239,8 +242,13 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
     dtype = _out_dtype(dtype, "decode")
     compute = jnp.promote_types(dtype, jnp.float32)  # half precision: float32, then round
     impl = resolve(implementation, config, "decode", codes)
+    if impl == "native" and (levels is not None or compute != jnp.float32):
+        if implementation == "native":
+            raise ValueError("decode: the native kernel decodes all levels in float32 (or half "
+                             "precision); use implementation='xla' for levels= or float64")
+        impl = "xla"
     N = int(np.prod(codes.blocks_shape, dtype=np.int64))
-    if N == 0:
+    if N == 0 or not codes.blocks_shape:
         impl = "xla"
     if not is_concrete(codes.index):
         return saturating_cast(_decode(codes, levels, compute, impl, interpret), dtype)
@@ -273,9 +281,22 @@ def _decode(codes: Codes, levels, compute, impl: str, interpret):
     blocks = Codes(codes.index, codes.tfield, codes.config)
     if impl == "xla":
         out = codec.decode_xla(blocks, levels, compute)
+    elif impl == "native":
+        out = _decode_native(blocks)
     else:
         out = kernels.decode(blocks, levels, compute, interpret=interpret)
     return _finish_rows(out, codes, compute)
+
+
+def _decode_native(blocks: Codes):
+    """Block values ``[..., nb, d]`` float32 of block codes, by the native kernel: the codes
+    as rows of blocks (a flat eager bucket as rows of 64, so that its threads share them)."""
+    config, lead = blocks.config, blocks.blocks_shape
+    flat = len(lead) == 1 and lead[0] % 64 == 0
+    rows = (lead[0] // 64, 64) if flat else (int(np.prod(lead[:-1], dtype=np.int64)), lead[-1])
+    rowed = Codes(blocks.index.reshape(rows + (config.M,)), blocks.tfield.reshape(rows[0], -1),
+                  config)
+    return kernels.cpu.decode(rowed).reshape(lead + (config.d,))
 
 
 def _finish_rows(blocks, codes: Codes, compute):
@@ -391,7 +412,11 @@ def _matmul(x, codes, impl, interpret):
     compute, out_dtype = _compute_dtypes(x.dtype)
     if impl == "native":  # float32 sums of the reference's (bfloat16-rounded) weights
         flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-        y = kernels.cpu.decode_matmul(flat, codes, bf16_weights=compute == jnp.bfloat16)
+        bf16 = compute == jnp.bfloat16
+        if flat.shape[0] >= kernels.cpu.GEMM_ROWS:  # decoded once, then a float GEMM
+            y = jnp.dot(flat, kernels.cpu.decode(codes, bf16).T, precision=_HIGHEST)
+        else:
+            y = kernels.cpu.decode_matmul(flat, codes, bf16_weights=bf16)
         return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(out_dtype)
     return kernels.decode_matmul(x, codes, compute, out_dtype, interpret=interpret)
 
@@ -431,8 +456,9 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
       implementation: ``None``, ``"xla"`` (decode, then ``dot``), ``"pallas"`` (the fused
         decode-matmul kernel: the dense weight never exists in memory), ``"lut"`` (x's
         one-sided tables gathered by the codes' indices) or ``"native"`` (the native CPU
-        kernel: decodes weight tiles in cache next to the product; float32 activations and
-        sums, bfloat16 and float16 ones as ``"xla"`` rounds them).
+        kernel: decodes weight tiles in cache next to the product, or from
+        ``kernels.cpu.GEMM_ROWS`` rows of x the whole weight once before a float GEMM; float32
+        activations and sums, bfloat16 and float16 ones as ``"xla"`` rounds them).
       interpret: Pallas interpret mode (default: where the inputs live on a CPU).
 
     Returns:

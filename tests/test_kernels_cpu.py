@@ -1,4 +1,5 @@
-"""hnlq_jax.kernels.cpu: the native CPU kernel against the XLA path, through hq.matmul."""
+"""hnlq_jax.kernels.cpu: the native CPU kernels against the XLA path, through hq.matmul and
+hq.decode."""
 
 import jax
 import jax.numpy as jnp
@@ -34,17 +35,54 @@ def _weight(cfg, n_out, k, seed=0):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_decoded_weights_bit_for_bit(name):
-    """One-hot rows of x read single decoded weights: equal to hq.decode exactly (row scale
-    applied, the padded tail of a ragged row dropped), on both of the kernel's product paths
-    (batches up to 4 and beyond) and at the start, middle and ragged end of the rows."""
+    """One-hot rows of x read single decoded weights: equal to the XLA path's decode exactly
+    (row scale applied, the padded tail of a ragged row dropped) on each of the product's
+    three paths (up to 4 rows: straight into the sums; more: through the buffer; from
+    GEMM_ROWS: the decode kernel, then a GEMM), at the start, middle and ragged end of the
+    rows (jitted: exact row counts, no bucket padding)."""
     codes = _weight(CONFIGS[name], 13, 203)
-    want = np.asarray(hq.decode(codes)).T
+    want = np.asarray(hq.decode(codes, implementation="xla")).T
     eye = jnp.eye(203, dtype=jnp.float32)
-    got = hq.matmul(eye, codes, implementation="native")  # many rows: through the buffer
-    np.testing.assert_array_equal(np.asarray(got), want)
-    for rows in (slice(0, 3), slice(96, 100), slice(200, 203)):  # few rows: straight into sums
-        got = hq.matmul(eye[rows], codes, implementation="native")
-        np.testing.assert_array_equal(np.asarray(got), want[rows])
+    native = jax.jit(lambda x, c: hq.matmul(x, c, implementation="native"))
+    assert 203 >= cpu.GEMM_ROWS > 100
+    np.testing.assert_array_equal(np.asarray(native(eye, codes)), want)
+    for rows in (slice(0, 3), slice(96, 100), slice(200, 203), slice(3, 103)):
+        np.testing.assert_array_equal(np.asarray(native(eye[rows], codes)), want[rows])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_decode_bit_for_bit(name):
+    """hq.decode's native kernel equals the XLA path exactly: row codes of a ragged row
+    (scale applied), block codes with leading axes, eagerly (a bucket's flat batch as rows of
+    64 blocks) and under jit, and half precision rounded from the same float32 values."""
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(5)
+    rows = _weight(cfg, 13, 203)
+    blocks = hq.encode(rng.standard_normal((3, 5, cfg.d)).astype(np.float32), cfg)
+    for codes in (rows, blocks):
+        want = np.asarray(hq.decode(codes, implementation="xla"))
+        np.testing.assert_array_equal(np.asarray(hq.decode(codes, implementation="native")),
+                                      want)
+        jitted = jax.jit(lambda c: hq.decode(c, implementation="native"))(codes)
+        np.testing.assert_array_equal(np.asarray(jitted), want)
+    half = hq.decode(rows, dtype=jnp.bfloat16, implementation="native")
+    np.testing.assert_array_equal(np.asarray(half, np.float32), np.asarray(
+        hq.decode(rows, dtype=jnp.bfloat16, implementation="xla"), np.float32))
+
+
+def test_decode_defaults_and_refusals():
+    """None takes the native kernel on a CPU where it applies and XLA for fewer levels or
+    float64; naming the kernel for those is refused with what to use instead."""
+    codes = _weight(CONFIGS["D4-q3-M3"], 5, 8)
+    assert ops.default_implementation("decode", codes.config, codes) == "native"
+    np.testing.assert_array_equal(hq.decode(codes, levels=2),
+                                  hq.decode(codes, levels=2, implementation="xla"))
+    with pytest.raises(ValueError, match="all levels in float32.*implementation='xla'"):
+        hq.decode(codes, levels=2, implementation="native")
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match="all levels in float32"):
+            hq.decode(codes, dtype=jnp.float64, implementation="native")
+        assert hq.decode(codes, dtype=jnp.float64).dtype == jnp.float64  # None: XLA
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -86,7 +124,8 @@ def test_block_codes_batch_shapes_and_empty():
 
 def test_failed_and_corrupted_blocks_give_nan_under_jit():
     """A failed block (T = -1), a T field value above max_T + 1 and an index >= q^d (checked
-    eagerly, so only under jit) make their rows NaN, as the XLA path's."""
+    eagerly, so only under jit) make their rows' products and decoded blocks NaN, as the XLA
+    path's."""
     # q^d = 81 < 256: uint8 indices can be out of range; max_T = 10: 4-bit u = 15 too
     cfg = hq.HNLQConfig("D4", 3, 3, beta=0.3, max_T=10)
     codes = _weight(cfg, 4, 16)
@@ -104,6 +143,11 @@ def test_failed_and_corrupted_blocks_give_nan_under_jit():
             x, bad))
         assert np.isnan(y[:, 0]).all() and np.isnan(y[:, 2]).all() and np.isnan(y[:, 3]).all()
         assert np.isfinite(y[:, 1]).all()
+        w = np.asarray(jax.jit(lambda c, impl=impl: hq.decode(c, implementation=impl))(bad))
+        assert np.isnan(w[[0, 2, 3]]).any(axis=1).all() and np.isfinite(w[1]).all()
+    np.testing.assert_array_equal(
+        jax.jit(lambda c: hq.decode(c, implementation="native"))(bad),
+        jax.jit(lambda c: hq.decode(c, implementation="xla"))(bad))
     with pytest.raises(ValueError, match="out of range"):
         hq.matmul(x, bad, implementation="native")
 

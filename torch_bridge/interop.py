@@ -45,8 +45,17 @@ def x64_for(*values) -> contextlib.AbstractContextManager:
     Returns:
       A context manager for the JAX call that consumes (or produces) them.
     """
-    wide = any((v.dtype if isinstance(v, torch.Tensor) else v) in _WIDE
+    return x64_context(is_wide(*values))
+
+
+def is_wide(*values) -> bool:
+    """Whether any of ``values`` (tensors, ``torch.dtype`` s, anything else: ignored) is 64-bit."""
+    return any((v.dtype if isinstance(v, torch.Tensor) else v) in _WIDE
                for v in values if isinstance(v, (torch.Tensor, torch.dtype)))
+
+
+def x64_context(wide: bool) -> contextlib.AbstractContextManager:
+    """``jax.enable_x64(True)`` where ``wide`` and x64 is off, else a no-op."""
     if wide and not jax.config.jax_enable_x64:
         return jax.enable_x64(True)
     return contextlib.nullcontext()
@@ -86,23 +95,43 @@ def to_jax(t: torch.Tensor) -> jax.Array:
     return jnp.from_dlpack(t)
 
 
-# JAX views of tensors that stay put between calls (a layer's codes), by identity: a new view per
-# call would cost a DLPack import each and defeat the check-once cache of hnlq_jax.Codes.
-_VIEWS: dict = {}
+def tensor_state(t: torch.Tensor | None) -> tuple | None:
+    """What identifies a tensor's contents between calls without reading them: its memory,
+    torch's version counter (bumped by every in-place write), shape, dtype and device."""
+    return None if t is None else (t.data_ptr(), t._version, t.shape, t.dtype, t.device)
+
+
+class TensorCache:
+    """Values derived from tensors that stay put between calls (a layer's codes), by identity:
+    reused while the tensor is the same, with the same :func:`tensor_state` and the same
+    ``extra`` key; dropped with the tensor."""
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def get(self, t: torch.Tensor, extra, build):
+        """The value cached for ``t`` and ``extra``, else ``build()`` -> ``(value, keep)``,
+        cached where ``keep``."""
+        state = (tensor_state(t), extra)
+        entry = self._entries.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == state:
+            return entry[2]
+        value, keep = build()
+        if keep:
+            key, entries = id(t), self._entries
+            entries[key] = (weakref.ref(t, lambda _: entries.pop(key, None)), state, value)
+        return value
+
+
+# A new JAX view per call would cost a DLPack import each and defeat the check-once cache of
+# hnlq_jax.Codes.
+_VIEWS = TensorCache()
 
 
 def cached_jax(t: torch.Tensor) -> jax.Array:
     """:func:`to_jax` of ``t``, the same JAX array again while ``t`` is the same tensor with the
     same memory and no in-place write since (torch's version counter)."""
-    state = (t.data_ptr(), t._version, t.shape, t.dtype, t.device)
-    entry = _VIEWS.get(id(t))
-    if entry is not None and entry[0]() is t and entry[1] == state:
-        return entry[2]
-    a = to_jax(t)
-    if t.is_contiguous():  # else to_jax viewed a temporary copy
-        key = id(t)
-        _VIEWS[key] = (weakref.ref(t, lambda _: _VIEWS.pop(key, None)), state, a)
-    return a
+    return _VIEWS.get(t, None, lambda: (to_jax(t), t.is_contiguous()))  # else a copy's view
 
 
 def to_torch(a, copy: bool = False) -> torch.Tensor:

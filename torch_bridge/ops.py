@@ -37,7 +37,8 @@ import hnlq_jax as hq
 from hnlq_jax import HNLQConfig
 from hnlq_jax.buckets import row_bucket
 from hnlq_jax.codes import check_weight_codes
-from torch_bridge.interop import cached_jax, to_jax, to_torch, x64_for
+from torch_bridge.interop import (TensorCache, cached_jax, is_wide, tensor_state, to_jax,
+                                  to_torch, x64_context, x64_for)
 
 __all__ = ["config_args", "config_of"]
 
@@ -216,23 +217,41 @@ quantize.register_autograd(_quantize_backward)
 # ------------------------------------------------------------------------------------ matmul
 
 
+_MATMULS = TensorCache()
+
+
+def _prepared_matmul(x, index, tfield, scale, n, implementation, config):
+    """``(codes, compiled function, x64)`` of one layer's product for x's dtype and device,
+    built once per state of the code tensors: their JAX views, the checks of the codes (a full
+    scan), the implementation chosen where the arrays are concrete (inside the compiled call
+    they are tracers, and the default backend would decide instead of where the tensors live).
+    """
+    def build():
+        wide = is_wide(x, index, tfield, scale)
+        with x64_context(wide):
+            codes = _codes(cached_jax(index), cached_jax(tfield),
+                           None if scale is None else cached_jax(scale), n, config)
+            check_weight_codes(codes, "hnlq::matmul")
+            rows = np.zeros((1, x.shape[-1]), jax_dtype(x.dtype))  # x's dtype: a stand-in
+            impl = hq.ops.resolve(implementation, config, "matmul", rows, codes)
+            fn = _matmul_jit(impl, hq.kernels.platform(codes) == "cpu" or None)
+        return (codes, fn, wide), True
+
+    extra = (tensor_state(tfield), tensor_state(scale), n, implementation, config, x.dtype,
+             x.device)
+    return _MATMULS.get(index, extra, build)
+
+
 @torch.library.custom_op("hnlq::matmul", mutates_args=())
 def matmul(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,
            scale: Optional[torch.Tensor], n: Optional[int], implementation: Optional[str],
            lattice: str, q: int, M: int, beta: float, alpha: float, max_T: int,
            dither: Optional[list[float]]) -> torch.Tensor:
     config = config_of(lattice, q, M, beta, alpha, max_T, dither)
-    with x64_for(x, index, tfield, scale):
-        # The weight's arrays are viewed once per tensor state, so its ranges are checked once
-        codes = _codes(cached_jax(index), cached_jax(tfield),
-                       None if scale is None else cached_jax(scale), n, config)
+    codes, fn, wide = _prepared_matmul(x, index, tfield, scale, n, implementation, config)
+    with x64_context(wide):
         rows, pad = _bucket_rows(x)
-        check_weight_codes(codes, "hnlq::matmul")  # a full scan once per buffer state
-        # Decided here, where the arrays are concrete: inside the compiled call they are
-        # tracers, and the default backend would decide instead of where the tensors live
-        impl = hq.ops.resolve(implementation, config, "matmul", rows, codes)
-        y = _matmul_jit(impl, hq.kernels.platform(codes) == "cpu" or None)(rows, codes)
-        return _rows_back(y, x, pad)
+        return _rows_back(fn(rows, codes), x, pad)
 
 
 @matmul.register_fake

@@ -15,7 +15,13 @@ kernel             what it does                                 reference
                    time into an L1 buffer multiplied into       sums in another order)
                    every row of x (AVX2 + FMA where the CPU
                    has them, chosen at run time)
+``decode``         the dense weight ``W_hat[n, k]`` float32,    ``hq.decode(...,
+                   tiles of rows decoded straight into the      implementation="xla"``
+                   output (for a large batch's product: one     (bit for bit)
+                   decode, then a float GEMM)
 =================  ===========================================  ================================
+
+Both decode with ``csrc/decode_rows.h``, the reference's operations in its order.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from hnlq_jax.codec import codebook_table
 from hnlq_jax.codes import Codes, index_dtype, t_bits
 from hnlq_jax.config import HNLQConfig, pow2_table
 
-__all__ = ["available", "decode_matmul", "unsupported", "why_unavailable"]
+__all__ = ["GEMM_ROWS", "available", "decode", "decode_matmul", "unsupported",
+           "why_unavailable"]
 
 try:
     from hnlq_jax.kernels import _cpu
@@ -110,6 +117,52 @@ def _tables(config: HNLQConfig):
     return mode, codebook, pow2, np.asarray(config.dither_array, np.float32)
 
 
+# Rows of x from which a product decodes the weight once and leaves the sums to XLA's float
+# GEMM, which blocks them better than the fused kernel's 4 x 2 tiles: on the 2-core machine
+# the two cross between 64 and 128 rows at 384 x 384 to 1024 x 1024, and at 512 rows the
+# decode + GEMM takes 0.7-0.8x the fused kernel's time (experiments/bench_cpu_matmul.py
+# times products on both sides of it).
+GEMM_ROWS = 128
+
+
+def _codes_args(codes: Codes, bf16_weights: bool):
+    """The codes' operands and attributes of the kernels (``csrc/decode_rows.h``)."""
+    config = codes.config
+    n = codes.blocks_shape[0]
+    mode, codebook, pow2, dither = _tables(config)
+    scale = (jnp.zeros((0,), jnp.float32) if codes.scale is None
+             else codes.scale.astype(jnp.float32))
+    operands = (codes.index, codes.tfield.reshape(n, -1), scale, codebook, pow2, dither)
+    attrs = dict(beta=np.float32(config.beta),
+                 cart=np.float32(0.5 if config.lat.kind == "E8" else 1.0),
+                 q=np.int64(config.q), qd=np.int64(config.q**config.d),
+                 t4=bool(t_bits(config) == 4), bf16=bool(bf16_weights), mode=np.int64(mode))
+    return operands, attrs
+
+
+def decode(codes: Codes, bf16_weights: bool = False):
+    """The dense weight ``W_hat[n, k]`` float32 of weight codes, the reference's bit for bit.
+
+    The caller (:func:`hnlq_jax.decode`, :func:`hnlq_jax.matmul`) has validated the codes and
+    checked :func:`unsupported`.
+
+    Args:
+      codes: codes with blocks ``[n, nb]``: row codes (``k = codes.n``, the row scale
+        applied) or block codes (``k = nb d``).
+      bf16_weights: round the weights to bfloat16 values (as the product with bfloat16
+        activations reads them).
+
+    Returns:
+      ``[n, k]`` float32 (NaN in failed blocks).
+    """
+    n, nb = codes.blocks_shape
+    k = nb * codes.config.d if codes.n is None else codes.n
+    operands, attrs = _codes_args(codes, bf16_weights)
+    call = jax.ffi.ffi_call("hnlq_decode", jax.ShapeDtypeStruct((n, k), jnp.float32),
+                            vmap_method="sequential")
+    return call(*operands, **attrs)
+
+
 def decode_matmul(x, codes: Codes, bf16_weights: bool = False):
     """``y = x @ W_hat^T`` with the weight read as codes (no dense weight in memory).
 
@@ -125,17 +178,9 @@ def decode_matmul(x, codes: Codes, bf16_weights: bool = False):
     Returns:
       ``[B, n]`` float32: the reference's decoded weights times x, summed in float32.
     """
-    config = codes.config
-    n, nb = codes.blocks_shape
-    mode, codebook, pow2, dither = _tables(config)
-    scale = (jnp.zeros((0,), jnp.float32) if codes.scale is None
-             else codes.scale.astype(jnp.float32))
-    tfield = codes.tfield.reshape(n, -1)
+    operands, attrs = _codes_args(codes, bf16_weights)
     call = jax.ffi.ffi_call("hnlq_decode_matmul",
-                            jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            jax.ShapeDtypeStruct((x.shape[0], codes.blocks_shape[0]),
+                                                 jnp.float32),
                             vmap_method="sequential")
-    return call(x, codes.index, tfield, scale, codebook, pow2, dither,
-                beta=np.float32(config.beta), cart=np.float32(0.5 if config.lat.kind == "E8"
-                                                             else 1.0),
-                q=np.int64(config.q), qd=np.int64(config.q**config.d),
-                t4=bool(t_bits(config) == 4), bf16=bool(bf16_weights), mode=np.int64(mode))
+    return call(x, *operands, **attrs)

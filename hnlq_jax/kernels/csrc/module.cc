@@ -6,6 +6,7 @@
 
 #include "xla/ffi/api/c_api.h"
 
+extern "C" XLA_FFI_Error* HnlqDecode(XLA_FFI_CallFrame* frame);
 extern "C" XLA_FFI_Error* HnlqDecodeMatmul(XLA_FFI_CallFrame* frame);
 
 namespace {
@@ -16,6 +17,7 @@ struct Target {
 };
 
 constexpr Target kTargets[] = {
+    {"hnlq_decode", HnlqDecode},
     {"hnlq_decode_matmul", HnlqDecodeMatmul},
 };
 

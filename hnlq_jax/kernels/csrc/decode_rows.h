@@ -1,0 +1,378 @@
+// What the kernels that decode codes share: the decoding of a row's blocks (decode_row, and
+// with AVX2 decode_row_avx2, bit for bit the XLA reference's operations), the checks of the
+// codes' arguments, and the split of a call's row tiles over XLA's thread pool.
+//
+// Decoding, per block of d weights of row r (the XLA reference's operations in its order):
+//
+//   c   = sum_m q^m r(k_m)                        exact int32, r from the int8 codebook
+//   w   = ((beta * (float(c) * cart - z)) * 2^(alpha T)) * row_scale     float32, in order
+//   w   = bfloat16(w)                             when bf16 is set
+//
+// A failed block (u = 0), a T field value above max_T + 1 or an index >= q^d reads NaN from
+// the pow2 table / the index check, as the reference's valid_blocks does.
+//
+// Codes arguments: index u8|u16[N, nb, M]; tfield u8[N, tb] (4-bit: two blocks a byte, low
+// nibble first; 8-bit: a byte a block); scale f32[N] (empty: none); codebook s8[R, d] with
+// R = the index dtype's range (rows >= q^d are padding), or another layout (Mode); pow2
+// f32[256] indexed by u (NaN where u is not a valid step); dither f32[d].
+
+#ifndef HNLQ_DECODE_ROWS_H_
+#define HNLQ_DECODE_ROWS_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define HNLQ_X86 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace hnlq {
+
+// The codebook argument's layout (chosen by hnlq_jax.kernels.cpu, see pairs_avx2 and
+// horner_avx2): kGeneric and kHorner pass r itself, kPairs the two-level table.
+enum Mode : int64_t { kGeneric = 0, kPairs = 1, kHorner = 2 };
+
+struct Problem {
+  const float* x;
+  const void* index;
+  const uint8_t* tfield;
+  const float* scale;              // nullptr: no row scale
+  const int8_t* codebook;
+  const float* pow2;               // [256]
+  const float* dither;             // [d]
+  float* y;                        // the output: y[B, N] of a product, W_hat[N, K] of a decode
+  int64_t B, K, N, nb, M, d, tb, qd, q;
+  float beta, cart;
+  bool t4, bf16, u16;
+  int64_t mode;                // a Mode: the codebook's layout
+  const float* pair_steps;     // 4-bit T: [256][8] steps of both blocks of a byte; else null
+};
+
+inline float round_bf16(float w) {
+  // float32 -> bfloat16 -> float32, round to nearest even (NaN stays NaN: the quiet bit is
+  // above the rounded-off half).
+  uint32_t b;
+  std::memcpy(&b, &w, 4);
+  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&w, &b, 4);
+  return w;
+}
+
+// Decodes blocks [j0, j1) of row r into out[(j - j0) * d + i].
+template <typename Index, int D>
+inline __attribute__((always_inline)) void decode_row(const Problem& p, int64_t r, int64_t j0,
+                                                       int64_t j1, float* out) {
+  const int d = D > 0 ? D : static_cast<int>(p.d);
+  const Index* idx = static_cast<const Index*>(p.index) + (r * p.nb + j0) * p.M;
+  const uint8_t* tf = p.tfield + r * p.tb;
+  const float rs = p.scale ? p.scale[r] : 1.0f;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t j = j0; j < j1; ++j, idx += p.M) {
+    const int u = p.t4 ? (tf[j >> 1] >> ((j & 1) * 4)) & 15 : tf[j];
+    float s = p.pow2[u];
+    int32_t c[D > 0 ? D : 8];
+    int64_t weight = 1;
+    bool bad = false;
+    for (int i = 0; i < d; ++i) c[i] = 0;
+    if (p.mode == kPairs) {  // M = 2, q^d = 256: one 16-bit key, every key valid
+      const int64_t key = static_cast<const uint16_t*>(p.index)[r * p.nb + j];
+      for (int i = 0; i < d; ++i) c[i] = p.codebook[key * d + i];
+    }
+    for (int64_t m = 0; m < (p.mode == kPairs ? 0 : p.M); ++m, weight *= p.q) {
+      const int64_t k = idx[m];
+      bad |= k >= p.qd;
+      const int8_t* row = p.codebook + k * d;
+      for (int i = 0; i < d; ++i) c[i] += static_cast<int32_t>(weight) * row[i];
+    }
+    if (bad) s = nan;
+    float* o = out + (j - j0) * d;
+    for (int i = 0; i < d; ++i) {
+      float w = (p.beta * (static_cast<float>(c[i]) * p.cart - p.dither[i])) * s;
+      if (p.scale) w *= rs;
+      o[i] = p.bf16 ? round_bf16(w) : w;
+    }
+  }
+}
+
+#ifdef HNLQ_X86
+// decode_row with AVX2, the same operations in the same order (so the same values bit for
+// bit), in two layouts chosen by the caller (hnlq_jax.kernels.cpu):
+//
+// * kPairs (d = 4, M = 2, uint8 index): the codebook argument is the two-level table
+//   c[k0 + 256 k1] = r(k0) + q r(k1) (65,536 x 4 int8, 256 KiB: L2), read with one 16-bit key
+//   per block; two blocks a register.
+// * kHorner (d = 8, q a power of two): c = r(k_{M-1}) q + ... + r(k_0) summed in int8 lanes
+//   (the caller checked that every partial sum fits), one block a register.
+//
+// Both give the int32 c of decode_row exactly (the sums fit int8, so no lane wraps).
+// The constants of one row's decode, in registers (a struct of locals: stores through the
+// output pointer cannot alias them, so the loop does not reload them).
+struct RowConsts {
+  __m256 beta, cart, rs, z;
+  bool scale, bf16;
+};
+
+__attribute__((target("avx2,fma"))) inline __m256 finish_avx2(const RowConsts& k, __m256i c,
+                                                               __m256 s) {
+  const __m256 xhat = _mm256_mul_ps(_mm256_cvtepi32_ps(c), k.cart);
+  __m256 w = _mm256_mul_ps(_mm256_mul_ps(k.beta, _mm256_sub_ps(xhat, k.z)), s);
+  if (k.scale) w = _mm256_mul_ps(w, k.rs);
+  if (k.bf16) {  // as round_bf16
+    __m256i b = _mm256_castps_si256(w);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    b = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+    w = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(int(0xFFFF0000u))));
+  }
+  return w;
+}
+
+__attribute__((target("avx2,fma"))) inline RowConsts row_consts(const Problem& p, int64_t r,
+                                                                __m256 z) {
+  return RowConsts{_mm256_set1_ps(p.beta), _mm256_set1_ps(p.cart),
+                   _mm256_set1_ps(p.scale ? p.scale[r] : 1.0f), z, p.scale != nullptr, p.bf16};
+}
+
+inline float step_of(const Problem& p, const uint8_t* tf, int64_t j) {
+  return p.pow2[p.t4 ? (tf[j >> 1] >> ((j & 1) * 4)) & 15 : tf[j]];
+}
+
+// Decodes blocks [j0, j1) of row r (j0 even) a register at a time, handing each register of 8
+// weights to sink(offset of its first weight from block j0, weights); returns the first block
+// not decoded (the caller finishes the rest with decode_row).
+template <typename Sink>
+__attribute__((target("avx2,fma"))) inline int64_t pairs_avx2(const Problem& p, int64_t r,
+                                                              int64_t j0, int64_t j1,
+                                                              Sink& sink) {
+  const uint16_t* key = static_cast<const uint16_t*>(p.index) + (r * p.nb + j0);
+  const uint8_t* tf = p.tfield + r * p.tb;
+  const RowConsts k = row_consts(
+      p, r, _mm256_setr_ps(p.dither[0], p.dither[1], p.dither[2], p.dither[3], p.dither[0],
+                           p.dither[1], p.dither[2], p.dither[3]));
+  const int32_t* table = reinterpret_cast<const int32_t*>(p.codebook);
+  const float* pair_steps = p.pair_steps;  // non-null with a 4-bit field: both blocks' T a byte
+  int64_t j = j0;
+  for (; j + 2 <= j1; j += 2, key += 2) {
+    const __m128i raw = _mm_insert_epi32(_mm_cvtsi32_si128(table[key[0]]), table[key[1]], 1);
+    const __m256 s = pair_steps ? _mm256_loadu_ps(pair_steps + 8 * tf[j >> 1])
+                                : _mm256_set_m128(_mm_set1_ps(step_of(p, tf, j + 1)),
+                                                  _mm_set1_ps(step_of(p, tf, j)));
+    sink((j - j0) * 4, finish_avx2(k, _mm256_cvtepi8_epi32(raw), s));
+  }
+  return j;
+}
+
+template <typename Index, typename Sink>
+__attribute__((target("avx2,fma"))) inline int64_t horner_avx2(const Problem& p, int64_t r,
+                                                               int64_t j0, int64_t j1,
+                                                               Sink& sink) {
+  const Index* idx = static_cast<const Index*>(p.index) + (r * p.nb + j0) * p.M;
+  const uint8_t* tf = p.tfield + r * p.tb;
+  const RowConsts rk = row_consts(p, r, _mm256_loadu_ps(p.dither));
+  const int8_t* codebook = p.codebook;
+  const int64_t M = p.M, qd = p.qd;
+  const int shifts = __builtin_ctzll(static_cast<unsigned long long>(p.q));
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t j = j0; j < j1; ++j, idx += M) {
+    float s = step_of(p, tf, j);
+    int64_t k = idx[M - 1];
+    bool bad = k >= qd;
+    __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codebook + k * 8));
+    for (int64_t m = M - 2; m >= 0; --m) {
+      for (int i = 0; i < shifts; ++i) c = _mm_add_epi8(c, c);
+      k = idx[m];
+      bad |= k >= qd;
+      c = _mm_add_epi8(c, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codebook + k * 8)));
+    }
+    if (bad) s = nan;
+    sink((j - j0) * 8, finish_avx2(rk, _mm256_cvtepi8_epi32(c), _mm256_set1_ps(s)));
+  }
+  return j1;
+}
+
+// A sink that stores decoded registers into a buffer.
+struct Store {
+  float* out;
+  __attribute__((target("avx2,fma"))) void operator()(int64_t o, __m256 w) {
+    _mm256_storeu_ps(out + o, w);
+  }
+};
+
+// Decodes blocks [j0, j1) of row r into out with the register layouts where they apply.
+template <typename Index, int D>
+__attribute__((target("avx2,fma"))) void decode_row_avx2(const Problem& p, int64_t r,
+                                                          int64_t j0, int64_t j1, float* out) {
+  Store sink{out};
+  int64_t j = j0;
+  if (D == 4 && p.mode == kPairs) j = pairs_avx2(p, r, j0, j1, sink);
+  if (D == 8 && p.mode == kHorner) j = horner_avx2<Index>(p, r, j0, j1, sink);
+  if (j < j1) decode_row<Index, D>(p, r, j, j1, out + (j - j0) * D);
+}
+#endif  // HNLQ_X86
+
+// A call's state: the calling thread and up to threads - 1 helpers from XLA's pool claim row
+// tiles (work) until none is left. The calling thread waits only for helpers that hold a tile,
+// never for one not yet started, so a busy or absent thread pool cannot deadlock the call.
+struct Shared {
+  alignas(32) float pair_steps[256 * 8];
+  Problem p;
+  int64_t tiles = 0;
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t busy = 0;
+  void (*work)(Shared&) = nullptr;
+};
+
+// Weight decodes (or products) worth waking one more thread for: below it the handover costs
+// more than it saves (a 64 x 64 layer decodes in about 2 us).
+constexpr int64_t kWorkPerThread = int64_t{1} << 16;
+
+inline void run_shared(ffi::ThreadPool& pool, const std::shared_ptr<Shared>& call,
+                       int64_t work) {
+  const int64_t threads = std::max<int64_t>(1, (work + kWorkPerThread - 1) / kWorkPerThread);
+  const int64_t helpers =
+      std::min({static_cast<int64_t>(pool.num_threads()), call->tiles, threads}) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([call] {
+      {
+        std::lock_guard<std::mutex> lock(call->mu);
+        if (call->next.load() >= call->tiles) return;  // nothing left: touch nothing
+        ++call->busy;
+      }
+      call->work(*call);
+      std::lock_guard<std::mutex> lock(call->mu);
+      if (--call->busy == 0) call->cv.notify_all();
+    });
+  }
+  call->work(*call);
+  std::unique_lock<std::mutex> lock(call->mu);
+  call->cv.wait(lock, [&] { return call->busy == 0; });
+}
+
+// Kernel<Index, D, AVX2>::run(call) for the codes' index type and d, with AVX2 + FMA where the
+// CPU has them (checked once, at run time: the build does not assume them).
+#ifdef HNLQ_X86
+template <template <typename, int, bool> class Kernel, typename Index, int D>
+__attribute__((target("avx2,fma"))) void run_avx2(Shared& call) {
+  Kernel<Index, D, true>::run(call);
+}
+#endif
+
+template <template <typename, int, bool> class Kernel, typename Index, int D>
+void run_cpu(Shared& call) {
+#ifdef HNLQ_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return run_avx2<Kernel, Index, D>(call);
+#endif
+  Kernel<Index, D, false>::run(call);
+}
+
+template <template <typename, int, bool> class Kernel, typename Index>
+void run_index(Shared& call) {
+  switch (call.p.d) {
+    case 2: return run_cpu<Kernel, Index, 2>(call);
+    case 4: return run_cpu<Kernel, Index, 4>(call);
+    case 8: return run_cpu<Kernel, Index, 8>(call);
+    default: return run_cpu<Kernel, Index, 0>(call);
+  }
+}
+
+template <template <typename, int, bool> class Kernel>
+void dispatch(Shared& call) {
+  if (call.p.u16)
+    run_index<Kernel, uint16_t>(call);
+  else
+    run_index<Kernel, uint8_t>(call);
+}
+
+inline ffi::Error check(bool ok, const char* kernel, const char* what) {
+  return ok ? ffi::Error::Success()
+            : ffi::Error::InvalidArgument(std::string(kernel) + ": " + what);
+}
+
+// Checks the codes' arguments of a weight [N, K] and points call->p at them (and, with a 4-bit
+// T field, at the steps of both blocks of a T byte, one aligned register each).
+inline ffi::Error parse_codes(const char* kernel, ffi::AnyBuffer index,
+                              ffi::Buffer<ffi::U8> tfield, ffi::Buffer<ffi::F32> scale,
+                              ffi::Buffer<ffi::S8> codebook, ffi::Buffer<ffi::F32> pow2,
+                              ffi::Buffer<ffi::F32> dither, float beta, float cart, int64_t q,
+                              int64_t qd, bool t4, bool bf16, int64_t mode, int64_t K,
+                              Shared& call) {
+  const auto id = index.dimensions(), td = tfield.dimensions(), cd = codebook.dimensions();
+  const bool u16 = index.element_type() == ffi::DataType::U16;
+  ffi::Error e = check(u16 || index.element_type() == ffi::DataType::U8, kernel,
+                       "index must be u8/u16");
+  if (e.failure()) return e;
+  e = check(id.size() == 3 && td.size() == 2 && cd.size() == 2, kernel,
+            "ranks: index [N, nb, M], tfield [N, tb], codebook [R, d]");
+  if (e.failure()) return e;
+  Problem& p = call.p;
+  p.K = K; p.N = id[0]; p.nb = id[1]; p.M = id[2]; p.d = cd[1];
+  p.tb = td[1]; p.qd = qd; p.q = q; p.beta = beta; p.cart = cart; p.t4 = t4; p.bf16 = bf16;
+  p.u16 = u16; p.mode = mode;
+  const int64_t range = u16 ? 65536 : 256;
+  const bool pairs = mode == kPairs;
+  e = check(p.d >= 1 && p.d <= 8 && 512 % p.d == 0 && qd >= 1 && qd <= range && p.M >= 1 &&
+                q >= 2 && cd[0] == (pairs ? 65536 : range) && mode >= kGeneric &&
+                mode <= kHorner && (!pairs || (!u16 && p.M == 2 && qd == 256)) &&
+                (mode != kHorner || (p.d == 8 && (q & (q - 1)) == 0)),
+            kernel, "codebook must be s8[index range, d <= 8] in a layout that fits the codes");
+  if (e.failure()) return e;
+  e = check(p.K > (p.nb - 1) * p.d && p.K <= p.nb * p.d && td[0] == p.N &&
+                p.tb == (t4 ? (p.nb + 1) / 2 : p.nb) && pow2.element_count() == 256 &&
+                dither.element_count() == p.d &&
+                (scale.element_count() == 0 || scale.element_count() == p.N),
+            kernel, "shapes of codes, tables and output disagree");
+  if (e.failure()) return e;
+  p.index = index.untyped_data(); p.tfield = tfield.typed_data();
+  p.scale = scale.element_count() ? scale.typed_data() : nullptr;
+  p.codebook = codebook.typed_data(); p.pow2 = pow2.typed_data(); p.dither = dither.typed_data();
+  p.pair_steps = nullptr;
+  if (t4) {
+    for (int t = 0; t < 256; ++t)
+      for (int i = 0; i < 8; ++i) call.pair_steps[8 * t + i] = p.pow2[i < 4 ? t & 15 : t >> 4];
+    p.pair_steps = call.pair_steps;
+  }
+  return ffi::Error::Success();
+}
+
+// The codes' operands (after the kernel's own leading operands) and the attributes, in
+// parse_codes' order, for a kernel's ffi::Ffi::Bind() chain.
+template <typename Binding>
+auto bind_codes(Binding b) {
+  return b.template Arg<ffi::AnyBuffer>()           // index
+      .template Arg<ffi::Buffer<ffi::U8>>()         // tfield
+      .template Arg<ffi::Buffer<ffi::F32>>()        // scale
+      .template Arg<ffi::Buffer<ffi::S8>>()         // codebook
+      .template Arg<ffi::Buffer<ffi::F32>>()        // pow2
+      .template Arg<ffi::Buffer<ffi::F32>>();       // dither
+}
+
+template <typename Binding>
+auto bind_attrs(Binding b) {
+  return b.template Attr<float>("beta")
+      .template Attr<float>("cart")
+      .template Attr<int64_t>("q")
+      .template Attr<int64_t>("qd")
+      .template Attr<bool>("t4")
+      .template Attr<bool>("bf16")
+      .template Attr<int64_t>("mode");
+}
+
+}  // namespace hnlq
+
+#endif  // HNLQ_DECODE_ROWS_H_

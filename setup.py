@@ -16,6 +16,7 @@ setup(ext_modules=[Extension(
     include_dirs=[jax.ffi.include_dir()],
     language="c++",
     # No -march=native: the AVX2 paths are chosen at run time, so the build runs anywhere.
-    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"],
+    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread"],
+    extra_link_args=["-pthread"],
     optional=True,
 )])

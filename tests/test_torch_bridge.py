@@ -64,6 +64,41 @@ def test_layer_codes_are_viewed_again_after_an_in_place_write():
             layer(x)
 
 
+@pytest.mark.skipif(not hq.kernels.cpu.available(), reason="the native kernels are not built")
+@pytest.mark.parametrize("rows", [1, 3, 10, 127, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_kernels_called_directly(rows, dtype):
+    """On CPU tensors the matmul op calls the native kernels on the tensors' memory (no JAX
+    dispatch): below GEMM_ROWS rows (of the bucket) the fused product, bit for bit the jitted
+    hq.matmul; from there the decoded weight times x in torch's GEMM, bit for bit
+    x @ hq.decode(codes).T in torch. Non-contiguous x and leading axes too; the layer's
+    codes are read where they live (a copy_ into them reaches the next call)."""
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((2, 24, 36)).astype(np.float32)
+    layer, other = (tb.QuantizedLinear.from_linear(_linear(v), CFG, calibrate=False) for v in w)
+    x = torch.from_numpy(rng.standard_normal((rows, 2, 36)).astype(np.float32)).to(dtype)
+    x = x.transpose(0, 1)  # [2, rows, 36], not contiguous
+    jx = jnp.asarray(x.float().numpy()).astype(str(dtype).removeprefix("torch."))
+    for _ in range(2):  # the second call reads the layer's codes after an in-place write
+        codes = hq.Codes(*(jnp.asarray(t.numpy()) for t in (layer.index, layer.tfield)),
+                         layer.codes_config, scale=jnp.asarray(layer.scale.numpy()), n=36)
+        with torch.no_grad():
+            got = layer(x)
+        assert got.dtype == dtype and got.shape == (2, rows, 24)
+        if hq.buckets.row_bucket(2 * rows) < hq.kernels.cpu.GEMM_ROWS:
+            want = jax.jit(lambda a, c: hq.matmul(a, c, implementation="native"))(jx, codes)
+            np.testing.assert_array_equal(got.float().numpy(), np.asarray(want, np.float32))
+        else:
+            wd = torch.from_numpy(np.array(hq.decode(codes)))
+            if dtype == torch.bfloat16:
+                wd = wd.bfloat16().float()
+            want = (x.float().reshape(-1, 36) @ wd.T).to(dtype).reshape(2, rows, 24)
+            np.testing.assert_array_equal(got.float().numpy(), want.float().numpy())
+        with torch.no_grad():
+            for name in ("index", "tfield", "scale"):
+                getattr(layer, name).copy_(getattr(other, name))
+
+
 def _linear(w):
     linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     with torch.no_grad():

@@ -36,7 +36,7 @@ import torch
 import hnlq_jax as hq
 from hnlq_jax import HNLQConfig
 from hnlq_jax.buckets import row_bucket
-from hnlq_jax.codes import check_weight_codes
+from hnlq_jax.codes import check_weight_codes, row_length
 from torch_bridge.interop import (TensorCache, cached_jax, is_wide, tensor_state, to_jax,
                                   to_torch, x64_context, x64_for)
 
@@ -221,11 +221,12 @@ _MATMULS = TensorCache()
 
 
 def _prepared_matmul(x, index, tfield, scale, n, implementation, config):
-    """``(codes, compiled function, x64)`` of one layer's product for x's dtype and device,
-    built once per state of the code tensors: their JAX views, the checks of the codes (a full
-    scan), the implementation chosen where the arrays are concrete (inside the compiled call
-    they are tracers, and the default backend would decide instead of where the tensors live).
-    """
+    """``(codes, compiled function, x64, host)`` of one layer's product for x's dtype and
+    device, built once per state of the code tensors: their JAX views, the checks of the codes
+    (a full scan), the implementation chosen where the arrays are concrete (inside the compiled
+    call they are tracers, and the default backend would decide instead of where the tensors
+    live), and where that is the native kernel on CPU tensors, their addresses for a direct
+    call (``host``, else ``None``)."""
     def build():
         wide = is_wide(x, index, tfield, scale)
         with x64_context(wide):
@@ -235,11 +236,46 @@ def _prepared_matmul(x, index, tfield, scale, n, implementation, config):
             rows = np.zeros((1, x.shape[-1]), jax_dtype(x.dtype))  # x's dtype: a stand-in
             impl = hq.ops.resolve(implementation, config, "matmul", rows, codes)
             fn = _matmul_jit(impl, hq.kernels.platform(codes) == "cpu" or None)
-        return (codes, fn, wide), True
+        tensors = [t for t in (x, index, tfield, scale) if t is not None]
+        host = None
+        if (impl == "native" and x.dtype in _HOST_DTYPES
+                and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors[1:])
+                and (scale is None or scale.dtype == torch.float32)):
+            host = hq.kernels.cpu.HostCodes(config, codes.blocks_shape[0], row_length(codes),
+                                            index.data_ptr(), tfield.data_ptr(),
+                                            0 if scale is None else scale.data_ptr())
+        return (codes, fn, wide, host), True
 
     extra = (tensor_state(tfield), tensor_state(scale), n, implementation, config, x.dtype,
              x.device)
     return _MATMULS.get(index, extra, build)
+
+
+# Activations the native kernel takes on the host path: float32 sums, bfloat16 with the
+# reference's bfloat16-rounded weights, float16 rounded back (as hq.matmul's native path).
+_HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _matmul_host(x: torch.Tensor, host) -> torch.Tensor:
+    """The native kernels called directly on the tensors' memory (no JAX dispatch), the route
+    ``hq.matmul`` takes: up to ``GEMM_ROWS`` rows (of the row bucket) the fused product, the
+    same sums bit for bit; from there the decoded weight and torch's GEMM (sums in torch's
+    order)."""
+    cpu = hq.kernels.cpu
+    if x.ndim == 0 or x.shape[-1] != host.k:  # as hq.matmul's check_activations
+        raise ValueError(f"hnlq::matmul: x must be [..., k] with k = {host.k} (the codes' row "
+                         f"length), got shape {tuple(x.shape)}")
+    rows = x.reshape(-1, host.k).to(torch.float32).contiguous()
+    bf16, threads = x.dtype == torch.bfloat16, torch.get_num_threads()
+    if row_bucket(rows.shape[0]) >= cpu.GEMM_ROWS:
+        w = torch.empty(host.n, host.k)
+        cpu.decode_host(w.data_ptr(), host, bf16, threads)
+        y = rows @ w.T
+    else:
+        y = torch.empty(rows.shape[0], host.n)
+        cpu.decode_matmul_host(y.data_ptr(), rows.data_ptr(), rows.shape[0], host, bf16,
+                               threads)
+    return y.to(x.dtype).reshape(x.shape[:-1] + (host.n,))
 
 
 @torch.library.custom_op("hnlq::matmul", mutates_args=())
@@ -248,7 +284,9 @@ def matmul(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,
            lattice: str, q: int, M: int, beta: float, alpha: float, max_T: int,
            dither: Optional[list[float]]) -> torch.Tensor:
     config = config_of(lattice, q, M, beta, alpha, max_T, dither)
-    codes, fn, wide = _prepared_matmul(x, index, tfield, scale, n, implementation, config)
+    codes, fn, wide, host = _prepared_matmul(x, index, tfield, scale, n, implementation, config)
+    if host is not None:
+        return _matmul_host(x, host)
     with x64_context(wide):
         rows, pad = _bucket_rows(x)
         return _rows_back(fn(rows, codes), x, pad)

@@ -26,6 +26,7 @@ Both decode with ``csrc/decode_rows.h``, the reference's operations in its order
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -36,8 +37,8 @@ from hnlq_jax.codec import codebook_table
 from hnlq_jax.codes import Codes, index_dtype, t_bits
 from hnlq_jax.config import HNLQConfig, pow2_table
 
-__all__ = ["GEMM_ROWS", "available", "decode", "decode_matmul", "unsupported",
-           "why_unavailable"]
+__all__ = ["GEMM_ROWS", "HostCodes", "available", "decode", "decode_host", "decode_matmul",
+           "decode_matmul_host", "unsupported", "why_unavailable"]
 
 try:
     from hnlq_jax.kernels import _cpu
@@ -184,3 +185,58 @@ def decode_matmul(x, codes: Codes, bf16_weights: bool = False):
                                                  jnp.float32),
                             vmap_method="sequential")
     return call(x, *operands, **attrs)
+
+
+# -------------------------------------------------------------- direct calls on host buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCodes:
+    """A weight's codes ``[n, k]`` in host memory, by address: for callers that hold them in
+    buffers of their own (the torch bridge's layers) and call the kernels without XLA.
+
+    The caller guarantees C-contiguous buffers of these shapes and dtypes that live through
+    the call: ``index`` ``[n, nb, M]`` of :func:`hnlq_jax.codes.index_dtype`, ``tfield``
+    ``[n, tb]`` uint8 (``tb`` = ``ceil(nb / 2)`` with a 4-bit T field, else ``nb``),
+    ``scale`` ``[n]`` float32 or 0 for none. The kernels read any index and T values safely
+    (invalid ones give NaN, as under ``jit``).
+    """
+
+    config: HNLQConfig
+    n: int
+    k: int
+    index: int
+    tfield: int
+    scale: int = 0
+
+    @functools.cached_property
+    def _codes(self) -> tuple:
+        """The codes' arguments of a direct call (``csrc/module.cc``) but bf16 and threads."""
+        config = self.config
+        nb = -(-self.k // config.d)
+        mode, codebook, pow2, dither = _tables(config)
+        return (self.index, index_dtype(config) == np.uint16, self.n, nb, config.M,
+                self.tfield, (nb + 1) // 2 if t_bits(config) == 4 else nb, self.scale,
+                codebook.ctypes.data, config.d, pow2.ctypes.data, dither.ctypes.data,
+                config.beta, 0.5 if config.lat.kind == "E8" else 1.0, config.q,
+                config.q**config.d, t_bits(config) == 4), (mode, self.k)
+
+    def args(self, bf16: bool, threads: int) -> tuple:
+        """The codes' part of a direct call's arguments."""
+        head, tail = self._codes
+        return head + (bf16, tail[0], tail[1], threads)
+
+
+def decode_host(w: int, codes: HostCodes, bf16_weights: bool = False, threads: int = 1):
+    """:func:`decode` into the host buffer ``w`` (float32 ``[n, k]``, by address), with no
+    XLA dispatch, on up to ``threads`` threads (one more per 65,536 weights). The caller
+    has checked :func:`unsupported`."""
+    _cpu.decode(w, *codes.args(bf16_weights, threads))
+
+
+def decode_matmul_host(y: int, x: int, rows: int, codes: HostCodes, bf16_weights: bool = False,
+                       threads: int = 1):
+    """:func:`decode_matmul` of the host buffers ``x`` (float32 ``[rows, k]``) into ``y``
+    (float32 ``[rows, n]``), by address, with no XLA dispatch: the same sums as under XLA
+    bit for bit. The caller has checked :func:`unsupported`."""
+    _cpu.decode_matmul(y, x, rows, *codes.args(bf16_weights, threads))

@@ -46,6 +46,18 @@ struct Decode {
 
 constexpr char kName[] = "hnlq_decode";
 
+// w[N, K] of checked codes (call->p set but for the output).
+void decode(const std::shared_ptr<Shared>& call, float* w,
+            const std::function<void(const std::shared_ptr<Shared>&, int64_t)>& run) {
+  Problem& p = call->p;
+  if (p.N == 0 || p.K == 0) return;
+  p.y = w;
+  const int64_t rows = std::max<int64_t>(1, kTileWeights / p.K);
+  call->tiles = (p.N + rows - 1) / rows;
+  call->work = dispatch<Decode>;
+  run(call, p.N * p.K);
+}
+
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer index, ffi::Buffer<ffi::U8> tfield,
                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S8> codebook,
                       ffi::Buffer<ffi::F32> pow2, ffi::Buffer<ffi::F32> dither,
@@ -55,22 +67,29 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer index, ffi::Buffer<ff
   ffi::Error e = check(wd.size() == 2, kName, "rank: w [N, K]");
   if (e.failure()) return e;
   auto call = std::make_shared<Shared>();
-  e = parse_codes(kName, index, tfield, scale, codebook, pow2, dither, beta, cart, q, qd, t4,
-                  bf16, mode, wd[1], *call);
+  e = parse_codes(kName, index, tfield, scale, codebook, pow2, dither,
+                  Attrs{beta, cart, q, qd, t4, bf16, mode}, wd[1], *call);
   if (e.failure()) return e;
-  Problem& p = call->p;
-  e = check(wd[0] == p.N, kName, "shapes of codes and w disagree");
+  e = check(wd[0] == call->p.N, kName, "shapes of codes and w disagree");
   if (e.failure()) return e;
-  if (p.N == 0 || p.K == 0) return ffi::Error::Success();
-  p.y = w->typed_data();
-  const int64_t rows = std::max<int64_t>(1, kTileWeights / p.K);
-  call->tiles = (p.N + rows - 1) / rows;
-  call->work = dispatch<Decode>;
-  run_shared(pool, call, p.N * p.K);
+  decode(call, w->typed_data(), [&](const std::shared_ptr<Shared>& c, int64_t work) {
+    run_on_pool(pool, c, work);
+  });
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+std::string hnlq::decode_direct(const CodesView& v, const Attrs& a, int64_t K, float* w,
+                                int64_t threads) {
+  auto call = std::make_shared<Shared>();
+  const ffi::Error e = set_codes(kName, v, a, K, *call);
+  if (e.failure()) return e.message();
+  decode(call, w, [&](const std::shared_ptr<Shared>& c, int64_t work) {
+    run_on_threads(threads, c, work);
+  });
+  return "";
+}
 
 // The operands: the codes (decode_rows.h); the result w; the codes' attributes.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HnlqDecode, DecodeImpl,

@@ -204,6 +204,19 @@ struct Product {
 
 constexpr char kName[] = "hnlq_decode_matmul";
 
+// y[B, N] of x[B, K] and checked codes (call->p set but for x and y).
+void product(const std::shared_ptr<Shared>& call, const float* x, int64_t B, float* y,
+             const std::function<void(const std::shared_ptr<Shared>&, int64_t)>& run) {
+  Problem& p = call->p;
+  p.B = B;
+  if (p.B == 0 || p.N == 0) return;
+  p.x = x;
+  p.y = y;
+  call->tiles = (p.N + kRowTile - 1) / kRowTile;
+  call->work = dispatch<Product>;
+  run(call, p.N * p.K * p.B);
+}
+
 ffi::Error DecodeMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer index,
                             ffi::Buffer<ffi::U8> tfield, ffi::Buffer<ffi::F32> scale,
                             ffi::Buffer<ffi::S8> codebook, ffi::Buffer<ffi::F32> pow2,
@@ -214,23 +227,28 @@ ffi::Error DecodeMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   ffi::Error e = check(xd.size() == 2 && yd.size() == 2, kName, "ranks: x [B, K], y [B, N]");
   if (e.failure()) return e;
   auto call = std::make_shared<Shared>();
-  e = parse_codes(kName, index, tfield, scale, codebook, pow2, dither, beta, cart, q, qd, t4,
-                  bf16, mode, xd[1], *call);
+  e = parse_codes(kName, index, tfield, scale, codebook, pow2, dither,
+                  Attrs{beta, cart, q, qd, t4, bf16, mode}, xd[1], *call);
   if (e.failure()) return e;
-  Problem& p = call->p;
-  p.B = xd[0];
-  e = check(yd[0] == p.B && yd[1] == p.N, kName, "shapes of x, codes and y disagree");
+  e = check(yd[0] == xd[0] && yd[1] == call->p.N, kName, "shapes of x, codes and y disagree");
   if (e.failure()) return e;
-  if (p.B == 0 || p.N == 0) return ffi::Error::Success();
-  p.x = x.typed_data();
-  p.y = y->typed_data();
-  call->tiles = (p.N + kRowTile - 1) / kRowTile;
-  call->work = dispatch<Product>;
-  run_shared(pool, call, p.N * p.K * p.B);
+  product(call, x.typed_data(), xd[0], y->typed_data(),
+          [&](const std::shared_ptr<Shared>& c, int64_t work) { run_on_pool(pool, c, work); });
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+std::string hnlq::decode_matmul_direct(const CodesView& v, const Attrs& a, const float* x,
+                                       int64_t B, int64_t K, float* y, int64_t threads) {
+  auto call = std::make_shared<Shared>();
+  const ffi::Error e = set_codes(kName, v, a, K, *call);
+  if (e.failure()) return e.message();
+  product(call, x, B, y, [&](const std::shared_ptr<Shared>& c, int64_t work) {
+    run_on_threads(threads, c, work);
+  });
+  return "";
+}
 
 // The operands: x, the codes (decode_rows.h); the result y; the codes' attributes.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HnlqDecodeMatmul, DecodeMatmulImpl,

@@ -25,10 +25,13 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -241,13 +244,15 @@ struct Shared {
 // more than it saves (a 64 x 64 layer decodes in about 2 us).
 constexpr int64_t kWorkPerThread = int64_t{1} << 16;
 
-inline void run_shared(ffi::ThreadPool& pool, const std::shared_ptr<Shared>& call,
-                       int64_t work) {
-  const int64_t threads = std::max<int64_t>(1, (work + kWorkPerThread - 1) / kWorkPerThread);
-  const int64_t helpers =
-      std::min({static_cast<int64_t>(pool.num_threads()), call->tiles, threads}) - 1;
+// Runs call->work on the calling thread and on up to threads - 1 helpers started by
+// schedule(task), one per kWorkPerThread of work.
+template <typename Schedule>
+void run_shared(int64_t threads, Schedule schedule, const std::shared_ptr<Shared>& call,
+                int64_t work) {
+  const int64_t useful = std::max<int64_t>(1, (work + kWorkPerThread - 1) / kWorkPerThread);
+  const int64_t helpers = std::min({threads, call->tiles, useful}) - 1;
   for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([call] {
+    schedule([call] {
       {
         std::lock_guard<std::mutex> lock(call->mu);
         if (call->next.load() >= call->tiles) return;  // nothing left: touch nothing
@@ -261,6 +266,22 @@ inline void run_shared(ffi::ThreadPool& pool, const std::shared_ptr<Shared>& cal
   call->work(*call);
   std::unique_lock<std::mutex> lock(call->mu);
   call->cv.wait(lock, [&] { return call->busy == 0; });
+}
+
+// On XLA's intra-op thread pool (a kernel called by XLA).
+inline void run_on_pool(ffi::ThreadPool& pool, const std::shared_ptr<Shared>& call,
+                        int64_t work) {
+  run_shared(pool.num_threads(), [&](std::function<void()> task) {
+    pool.Schedule(std::move(task));
+  }, call, work);
+}
+
+// On threads of its own, joined before it returns (a kernel called directly, without XLA).
+inline void run_on_threads(int64_t threads, const std::shared_ptr<Shared>& call, int64_t work) {
+  std::vector<std::thread> helpers;
+  run_shared(threads, [&](std::function<void()> task) { helpers.emplace_back(std::move(task)); },
+             call, work);
+  for (std::thread& t : helpers) t.join();
 }
 
 // Kernel<Index, D, AVX2>::run(call) for the codes' index type and d, with AVX2 + FMA where the
@@ -304,13 +325,70 @@ inline ffi::Error check(bool ok, const char* kernel, const char* what) {
             : ffi::Error::InvalidArgument(std::string(kernel) + ": " + what);
 }
 
-// Checks the codes' arguments of a weight [N, K] and points call->p at them (and, with a 4-bit
-// T field, at the steps of both blocks of a T byte, one aligned register each).
+// The codes of a weight [N, K] as plain pointers and sizes: from XLA's buffers (parse_codes)
+// or from a direct call (module.cc), checked alike by set_codes.
+struct CodesView {
+  const void* index;
+  bool u16;
+  int64_t N, nb, M;  // index [N, nb, M]
+  const uint8_t* tfield;
+  int64_t tN, tb;  // tfield [tN, tb]
+  const float* scale;
+  int64_t scales;  // 0 (none) or N
+  const int8_t* codebook;
+  int64_t rows, d;  // codebook [rows, d]
+  const float* pow2;
+  int64_t steps;  // 256
+  const float* dither;
+  int64_t dithers;  // d
+};
+
+// The codes' attributes (hnlq_jax.kernels.cpu._codes_args).
+struct Attrs {
+  float beta, cart;
+  int64_t q, qd;
+  bool t4, bf16;
+  int64_t mode;
+};
+
+// Checks the codes of a weight [N, K] and points call.p at them (and, with a 4-bit T field, at
+// the steps of both blocks of a T byte, one aligned register each).
+inline ffi::Error set_codes(const char* kernel, const CodesView& v, const Attrs& a, int64_t K,
+                            Shared& call) {
+  Problem& p = call.p;
+  p.K = K; p.N = v.N; p.nb = v.nb; p.M = v.M; p.d = v.d; p.tb = v.tb; p.qd = a.qd; p.q = a.q;
+  p.beta = a.beta; p.cart = a.cart; p.t4 = a.t4; p.bf16 = a.bf16; p.u16 = v.u16;
+  p.mode = a.mode;
+  const int64_t range = v.u16 ? 65536 : 256;
+  const bool pairs = a.mode == kPairs;
+  ffi::Error e = check(
+      p.d >= 1 && p.d <= 8 && 512 % p.d == 0 && a.qd >= 1 && a.qd <= range && p.M >= 1 &&
+          a.q >= 2 && v.rows == (pairs ? 65536 : range) && a.mode >= kGeneric &&
+          a.mode <= kHorner && (!pairs || (!v.u16 && p.M == 2 && a.qd == 256)) &&
+          (a.mode != kHorner || (p.d == 8 && (a.q & (a.q - 1)) == 0)),
+      kernel, "codebook must be s8[index range, d <= 8] in a layout that fits the codes");
+  if (e.failure()) return e;
+  e = check(p.N >= 0 && p.nb >= 1 && p.K > (p.nb - 1) * p.d && p.K <= p.nb * p.d &&
+                v.tN == p.N && p.tb == (a.t4 ? (p.nb + 1) / 2 : p.nb) && v.steps == 256 &&
+                v.dithers == p.d && (v.scales == 0 || v.scales == p.N),
+            kernel, "shapes of codes, tables and output disagree");
+  if (e.failure()) return e;
+  p.index = v.index; p.tfield = v.tfield; p.scale = v.scales ? v.scale : nullptr;
+  p.codebook = v.codebook; p.pow2 = v.pow2; p.dither = v.dither;
+  p.pair_steps = nullptr;
+  if (a.t4) {
+    for (int t = 0; t < 256; ++t)
+      for (int i = 0; i < 8; ++i) call.pair_steps[8 * t + i] = p.pow2[i < 4 ? t & 15 : t >> 4];
+    p.pair_steps = call.pair_steps;
+  }
+  return ffi::Error::Success();
+}
+
+// set_codes of XLA's buffers.
 inline ffi::Error parse_codes(const char* kernel, ffi::AnyBuffer index,
                               ffi::Buffer<ffi::U8> tfield, ffi::Buffer<ffi::F32> scale,
                               ffi::Buffer<ffi::S8> codebook, ffi::Buffer<ffi::F32> pow2,
-                              ffi::Buffer<ffi::F32> dither, float beta, float cart, int64_t q,
-                              int64_t qd, bool t4, bool bf16, int64_t mode, int64_t K,
+                              ffi::Buffer<ffi::F32> dither, const Attrs& a, int64_t K,
                               Shared& call) {
   const auto id = index.dimensions(), td = tfield.dimensions(), cd = codebook.dimensions();
   const bool u16 = index.element_type() == ffi::DataType::U16;
@@ -320,41 +398,28 @@ inline ffi::Error parse_codes(const char* kernel, ffi::AnyBuffer index,
   e = check(id.size() == 3 && td.size() == 2 && cd.size() == 2, kernel,
             "ranks: index [N, nb, M], tfield [N, tb], codebook [R, d]");
   if (e.failure()) return e;
-  Problem& p = call.p;
-  p.K = K; p.N = id[0]; p.nb = id[1]; p.M = id[2]; p.d = cd[1];
-  p.tb = td[1]; p.qd = qd; p.q = q; p.beta = beta; p.cart = cart; p.t4 = t4; p.bf16 = bf16;
-  p.u16 = u16; p.mode = mode;
-  const int64_t range = u16 ? 65536 : 256;
-  const bool pairs = mode == kPairs;
-  e = check(p.d >= 1 && p.d <= 8 && 512 % p.d == 0 && qd >= 1 && qd <= range && p.M >= 1 &&
-                q >= 2 && cd[0] == (pairs ? 65536 : range) && mode >= kGeneric &&
-                mode <= kHorner && (!pairs || (!u16 && p.M == 2 && qd == 256)) &&
-                (mode != kHorner || (p.d == 8 && (q & (q - 1)) == 0)),
-            kernel, "codebook must be s8[index range, d <= 8] in a layout that fits the codes");
-  if (e.failure()) return e;
-  e = check(p.K > (p.nb - 1) * p.d && p.K <= p.nb * p.d && td[0] == p.N &&
-                p.tb == (t4 ? (p.nb + 1) / 2 : p.nb) && pow2.element_count() == 256 &&
-                dither.element_count() == p.d &&
-                (scale.element_count() == 0 || scale.element_count() == p.N),
-            kernel, "shapes of codes, tables and output disagree");
-  if (e.failure()) return e;
-  p.index = index.untyped_data(); p.tfield = tfield.typed_data();
-  p.scale = scale.element_count() ? scale.typed_data() : nullptr;
-  p.codebook = codebook.typed_data(); p.pow2 = pow2.typed_data(); p.dither = dither.typed_data();
-  p.pair_steps = nullptr;
-  if (t4) {
-    for (int t = 0; t < 256; ++t)
-      for (int i = 0; i < 8; ++i) call.pair_steps[8 * t + i] = p.pow2[i < 4 ? t & 15 : t >> 4];
-    p.pair_steps = call.pair_steps;
-  }
-  return ffi::Error::Success();
+  const CodesView v{index.untyped_data(), u16, id[0], id[1], id[2],
+                    tfield.typed_data(), td[0], td[1],
+                    scale.typed_data(), static_cast<int64_t>(scale.element_count()),
+                    codebook.typed_data(), cd[0], cd[1],
+                    pow2.typed_data(), static_cast<int64_t>(pow2.element_count()),
+                    dither.typed_data(), static_cast<int64_t>(dither.element_count())};
+  return set_codes(kernel, v, a, K, call);
 }
 
+// The kernels called directly (module.cc: host buffers, no XLA), on `threads` threads;
+// an empty string on success, else the error.
+std::string decode_direct(const CodesView& v, const Attrs& a, int64_t K, float* w,
+                          int64_t threads);
+std::string decode_matmul_direct(const CodesView& v, const Attrs& a, const float* x,
+                                 int64_t B, int64_t K, float* y, int64_t threads);
+
 // The codes' operands (after the kernel's own leading operands) and the attributes, in
-// parse_codes' order, for a kernel's ffi::Ffi::Bind() chain.
+// parse_codes' order, for a kernel's ffi::Ffi::Bind() chain (whose steps take it by value).
 template <typename Binding>
 auto bind_codes(Binding b) {
-  return b.template Arg<ffi::AnyBuffer>()           // index
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()               // index
       .template Arg<ffi::Buffer<ffi::U8>>()         // tfield
       .template Arg<ffi::Buffer<ffi::F32>>()        // scale
       .template Arg<ffi::Buffer<ffi::S8>>()         // codebook
@@ -364,7 +429,8 @@ auto bind_codes(Binding b) {
 
 template <typename Binding>
 auto bind_attrs(Binding b) {
-  return b.template Attr<float>("beta")
+  return std::move(b)
+      .template Attr<float>("beta")
       .template Attr<float>("cart")
       .template Attr<int64_t>("q")
       .template Attr<int64_t>("qd")

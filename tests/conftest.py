@@ -69,6 +69,19 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def pytest_collection_modifyitems(config, items):
+    """The quick loop (``pytest -m "not slow"``) runs each test function once: on its first
+    parameter set, the others are marked slow (as are the multi-process tests). XLA compiles
+    are most of the suite's time, and the further sets mostly compile the same code for other
+    configs; CI runs them all."""
+    seen = set()
+    for item in items:
+        fn = (item.path, getattr(item, "originalname", item.name))
+        if hasattr(item, "callspec") and fn in seen:
+            item.add_marker(pytest.mark.slow)
+        seen.add(fn)
+
+
 def pytest_report_header(config):
     if _NO_TORCH:
         return f"torch is not installed: {len(_TORCH_FILES)} test files that need it are not run"

@@ -99,6 +99,24 @@ def test_native_kernels_called_directly(rows, dtype):
                 getattr(layer, name).copy_(getattr(other, name))
 
 
+@pytest.mark.skipif(not hq.kernels.cpu.available(), reason="the native kernels are not built")
+def test_large_batch_decodes_slabs_of_rows(monkeypatch):
+    """A large batch's product decodes the weight a slab of rows at a time (a few MiB whole):
+    slabs of 5 rows (with a ragged last one) give the product of the whole decoded weight."""
+    from torch_bridge import ops as top
+    rng = np.random.default_rng(11)
+    layer = tb.QuantizedLinear.from_linear(
+        _linear(rng.standard_normal((23, 36)).astype(np.float32)), CFG, calibrate=False)
+    x = torch.from_numpy(rng.standard_normal((200, 36)).astype(np.float32))
+    with torch.no_grad():
+        whole = layer(x)
+        monkeypatch.setattr(top, "_SLAB_WEIGHTS", 36 * 5)
+        slabs = layer(x)
+    wd = torch.from_numpy(np.array(hq.decode(layer.codes().to_jax())))
+    np.testing.assert_array_equal(whole.numpy(), (x @ wd.T).numpy())
+    np.testing.assert_allclose(slabs.numpy(), whole.numpy(), rtol=1e-6, atol=1e-5)
+
+
 def _linear(w):
     linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     with torch.no_grad():

@@ -256,21 +256,31 @@ def _prepared_matmul(x, index, tfield, scale, n, implementation, config):
 _HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# Decoded weights held at a time by a large batch's product (16 MiB of float32): a weight of
+# 4096 x 11008 would take 180 MB whole.
+_SLAB_WEIGHTS = 1 << 22
+
+
 def _matmul_host(x: torch.Tensor, host) -> torch.Tensor:
     """The native kernels called directly on the tensors' memory (no JAX dispatch), the route
     ``hq.matmul`` takes: up to ``GEMM_ROWS`` rows (of the row bucket) the fused product, the
-    same sums bit for bit; from there the decoded weight and torch's GEMM (sums in torch's
-    order)."""
+    same sums bit for bit; from there the decoded weight, a slab of rows at a time, and torch's
+    GEMM (sums in torch's order)."""
     cpu = hq.kernels.cpu
     if x.ndim == 0 or x.shape[-1] != host.k:  # as hq.matmul's check_activations
         raise ValueError(f"hnlq::matmul: x must be [..., k] with k = {host.k} (the codes' row "
                          f"length), got shape {tuple(x.shape)}")
     rows = x.reshape(-1, host.k).to(torch.float32).contiguous()
     bf16, threads = x.dtype == torch.bfloat16, torch.get_num_threads()
-    if row_bucket(rows.shape[0]) >= cpu.GEMM_ROWS:
-        w = torch.empty(host.n, host.k)
-        cpu.decode_host(w.data_ptr(), host, bf16, threads)
-        y = rows @ w.T
+    if row_bucket(rows.shape[0]) >= cpu.GEMM_ROWS:  # a slab of weight rows at a time
+        slab = max(1, _SLAB_WEIGHTS // host.k)
+        w = torch.empty(min(slab, host.n), host.k)
+        parts = []
+        for r0 in range(0, host.n, slab):
+            part = host.rows(r0, min(host.n, r0 + slab))
+            cpu.decode_host(w.data_ptr(), part, bf16, threads)
+            parts.append(rows @ w[:part.n].T)
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     else:
         y = torch.empty(rows.shape[0], host.n)
         cpu.decode_matmul_host(y.data_ptr(), rows.data_ptr(), rows.shape[0], host, bf16,

@@ -221,6 +221,16 @@ class HostCodes:
                 config.beta, 0.5 if config.lat.kind == "E8" else 1.0, config.q,
                 config.q**config.d, t_bits(config) == 4), (mode, self.k)
 
+    def rows(self, start: int, stop: int) -> "HostCodes":
+        """The codes of weight rows ``[start, stop)`` (the same buffers, offset)."""
+        config = self.config
+        nb = -(-self.k // config.d)
+        tb = (nb + 1) // 2 if t_bits(config) == 4 else nb
+        step = nb * config.M * np.dtype(index_dtype(config)).itemsize
+        return dataclasses.replace(self, n=stop - start, index=self.index + start * step,
+                                   tfield=self.tfield + start * tb,
+                                   scale=self.scale + 4 * start if self.scale else 0)
+
     def args(self, bf16: bool, threads: int) -> tuple:
         """The codes' part of a direct call's arguments."""
         head, tail = self._codes

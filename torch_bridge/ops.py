@@ -19,6 +19,11 @@ op                  JAX function (same result bit for bit)
                     other one
 ==================  ========================================================================
 
+On CPU tensors, where the native kernels are built, ``matmul`` calls them on the tensors' memory
+(:func:`hnlq_jax.kernels.cpu.decode_matmul_host`; no JAX dispatch per call): the same sums as
+the jitted :func:`hnlq_jax.matmul` below ``GEMM_ROWS`` rows, torch's GEMM of the decoded weight
+from there.
+
 Float64 inputs (or a float64 ``dtype``) run under JAX's x64 mode
 (:func:`torch_bridge.interop.x64_for`). The wrappers in :mod:`torch_bridge.codec` are the
 intended entry points; these ops are what they call.

@@ -48,8 +48,9 @@ def default_implementation(op: str, config: HNLQConfig, *arrays) -> str:
     the native kernels where they are built and support ``config``
     (``experiments/bench_cpu_matmul.py``: 5-40x faster than the XLA path; ``decode`` falls back
     to XLA where the kernel does not apply: fewer levels, float64), everything else XLA: Pallas
-    only runs in interpret mode there, which is slower (``experiments/bench_kernels.py``). Where the inputs live decides
-    (:func:`hnlq_jax.kernels.platform`): a CPU array on a GPU machine takes the CPU's path.
+    only runs in interpret mode there, which is slower (``experiments/bench_kernels.py``).
+    Where the inputs live decides (:func:`hnlq_jax.kernels.platform`): a CPU array on a GPU
+    machine takes the CPU's path.
 
     Args:
       op: one of ``IMPLEMENTATIONS``.

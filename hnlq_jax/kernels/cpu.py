@@ -210,31 +210,33 @@ class HostCodes:
     scale: int = 0
 
     @functools.cached_property
-    def _codes(self) -> tuple:
-        """The codes' arguments of a direct call (``csrc/module.cc``) but bf16 and threads."""
+    def _blocks(self) -> tuple[int, int]:
+        """``(nb, tb)``: blocks a row, bytes of T field a row."""
+        nb = -(-self.k // self.config.d)
+        return nb, (nb + 1) // 2 if t_bits(self.config) == 4 else nb
+
+    @functools.cached_property
+    def _fixed(self) -> tuple:
+        """The codes' arguments of a direct call (``csrc/module.cc``) before bf16, and after."""
         config = self.config
-        nb = -(-self.k // config.d)
-        mode, codebook, pow2, dither = _tables(config)
-        return (self.index, index_dtype(config) == np.uint16, self.n, nb, config.M,
-                self.tfield, (nb + 1) // 2 if t_bits(config) == 4 else nb, self.scale,
-                codebook.ctypes.data, config.d, pow2.ctypes.data, dither.ctypes.data,
-                config.beta, 0.5 if config.lat.kind == "E8" else 1.0, config.q,
-                config.q**config.d, t_bits(config) == 4), (mode, self.k)
+        (nb, tb), (mode, codebook, pow2, dither) = self._blocks, _tables(config)
+        return ((self.index, index_dtype(config) == np.uint16, self.n, nb, config.M,
+                 self.tfield, tb, self.scale, codebook.ctypes.data, config.d, pow2.ctypes.data,
+                 dither.ctypes.data, config.beta, 0.5 if config.lat.kind == "E8" else 1.0,
+                 config.q, config.q**config.d, t_bits(config) == 4), (mode, self.k))
 
     def rows(self, start: int, stop: int) -> "HostCodes":
         """The codes of weight rows ``[start, stop)`` (the same buffers, offset)."""
-        config = self.config
-        nb = -(-self.k // config.d)
-        tb = (nb + 1) // 2 if t_bits(config) == 4 else nb
-        step = nb * config.M * np.dtype(index_dtype(config)).itemsize
+        nb, tb = self._blocks
+        step = nb * self.config.M * np.dtype(index_dtype(self.config)).itemsize
         return dataclasses.replace(self, n=stop - start, index=self.index + start * step,
                                    tfield=self.tfield + start * tb,
                                    scale=self.scale + 4 * start if self.scale else 0)
 
     def args(self, bf16: bool, threads: int) -> tuple:
         """The codes' part of a direct call's arguments."""
-        head, tail = self._codes
-        return head + (bf16, tail[0], tail[1], threads)
+        before, after = self._fixed
+        return before + (bf16,) + after + (threads,)
 
 
 def decode_host(w: int, codes: HostCodes, bf16_weights: bool = False, threads: int = 1):

@@ -241,10 +241,10 @@ def _prepared_matmul(x, index, tfield, scale, n, implementation, config):
             rows = np.zeros((1, x.shape[-1]), jax_dtype(x.dtype))  # x's dtype: a stand-in
             impl = hq.ops.resolve(implementation, config, "matmul", rows, codes)
             fn = _matmul_jit(impl, hq.kernels.platform(codes) == "cpu" or None)
-        tensors = [t for t in (x, index, tfield, scale) if t is not None]
+        codes_tensors = [t for t in (index, tfield, scale) if t is not None]
         host = None
-        if (impl == "native" and x.dtype in _HOST_DTYPES
-                and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors[1:])
+        if (impl == "native" and x.dtype in _HOST_DTYPES and x.device.type == "cpu"
+                and all(t.device.type == "cpu" and t.is_contiguous() for t in codes_tensors)
                 and (scale is None or scale.dtype == torch.float32)):
             host = hq.kernels.cpu.HostCodes(config, codes.blocks_shape[0], row_length(codes),
                                             index.data_ptr(), tfield.data_ptr(),

@@ -128,7 +128,8 @@ def info(args) -> None:
     d4 = hq.HNLQConfig("D4", 4, 2)
     print("implementation=None on this backend (D4 q=4 M=2): matmul "
           f"{hq.ops.default_implementation('matmul', d4)}, decode "
-          f"{hq.ops.default_implementation('decode', d4)}")
+          f"{hq.ops.default_implementation('decode', d4)}; rotation (n=384) "
+          f"{hq.incoherence.default_implementation(384, np.float32, jax.default_backend())}")
     print("lattices (also Z{n}, D{n} for n >= 2):")
     print(f"  {'name':5s} {'d':>2s} {'r_cov':>7s} {'sigma^2':>9s} {'G(L)':>9s}")
     for name in LATTICE_NAMES:

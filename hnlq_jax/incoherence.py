@@ -30,14 +30,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hnlq_jax import kernels
 from hnlq_jax.buckets import run_rows
 from hnlq_jax.codes import as_array
 from hnlq_jax.config import saved_int
 
-__all__ = ["KIND", "MAX_MIXER", "ROTATION_VERSION", "Rotation", "mixer", "paley_hadamard",
-           "signs", "split_size"]
+__all__ = ["IMPLEMENTATIONS", "KIND", "default_implementation", "MAX_MIXER", "ROTATION_VERSION", "Rotation", "mixer",
+           "paley_hadamard", "signs", "split_size", "tables"]
 
 KIND = "randomized_hadamard"
+# "native": the CPU kernel (hnlq_jax.kernels.cpu.rotate), float32, the default where it is
+# built; "xla": jnp operations (any platform and dtype).
+IMPLEMENTATIONS = ("xla", "native")
 ROTATION_VERSION = 1
 # Largest Paley order used for the mixer (it costs m multiply-adds per value).
 MAX_MIXER = 64
@@ -122,6 +126,17 @@ def mixer(n: int, seed: int) -> np.ndarray:
     return q * np.where(np.diag(r) < 0, -1.0, 1.0)[None, :]
 
 
+def default_implementation(n: int, dtype, platform: str) -> str:
+    """What ``implementation=None`` runs for a rotation of size ``n`` of ``dtype`` arrays on
+    ``platform``: the native CPU kernel where it is built, for float32 and half precision, when
+    the mixer is a Paley matrix (``m <= MAX_MIXER``); otherwise XLA (float64; GPUs; a larger
+    random mixer, whose product XLA's GEMM computes faster than the kernel's loop)."""
+    ct = jnp.promote_types(jax.dtypes.canonicalize_dtype(dtype), jnp.float32)
+    fits = split_size(n)[1] <= MAX_MIXER
+    return ("native" if kernels.cpu.available() and ct == jnp.float32 and fits
+            and platform == "cpu" else "xla")
+
+
 def _wht(x, k: int, m: int):
     """Normalized Walsh-Hadamard transform over the ``2^k`` axis of ``x[..., 2^k, m]``."""
     lead = x.shape[:-2]
@@ -134,9 +149,13 @@ def _wht(x, k: int, m: int):
 
 
 @functools.lru_cache(maxsize=256)
-def _tables(n: int, seed: int, ct) -> tuple[np.ndarray, np.ndarray]:
-    """The signs ``[n]`` and mixer ``[m, m]`` of ``Rotation(n, seed)`` in the dtype ``ct``."""
-    return signs(n, seed).astype(ct), mixer(n, seed).astype(ct)
+def tables(n: int, seed: int, ct) -> tuple[np.ndarray, np.ndarray]:
+    """The signs ``[n]`` and mixer ``[m, m]`` of ``Rotation(n, seed)`` in the dtype ``ct``
+    (read-only; the kernels' operands)."""
+    out = signs(n, seed).astype(ct), mixer(n, seed).astype(ct)
+    for a in out:
+        a.flags.writeable = False
+    return out
 
 
 @functools.partial(jax.jit, static_argnums=3)
@@ -158,6 +177,15 @@ def _transform(x, s, B, inverse: bool):
     if inverse:
         y = y * s
     return y.astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _transform_native(x, s, B, inverse: bool):
+    """:func:`_transform` by the native CPU kernel (float32 tables; ``x`` computed in
+    float32)."""
+    k, m, _ = split_size(x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    return kernels.cpu.rotate(rows, s, B, k, m, inverse).reshape(x.shape).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,35 +259,59 @@ class Rotation:
         K = np.kron(h / math.sqrt(2**k), mixer(self.n, self.seed))
         return self.signs[:, None] * K
 
-    def _rotate(self, x, inverse: bool, fn: str):
+    def _rotate(self, x, inverse: bool, fn: str, implementation):
         x = x if isinstance(x, np.ndarray) else as_array(x)  # NumPy stays on the host
         if x.ndim == 0 or x.shape[-1] != self.n:
             raise ValueError(f"Rotation.{fn}: expected an array [..., n={self.n}] (the rotated "
                              f"axis last), got shape {tuple(x.shape)}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"Rotation.{fn}: expected a floating-point array, got {x.dtype}")
-        dtype = jax.dtypes.canonicalize_dtype(x.dtype)
-        s, B = _tables(self.n, self.seed, jnp.promote_types(dtype, jnp.float32))
+        ct = jnp.promote_types(jax.dtypes.canonicalize_dtype(x.dtype), jnp.float32)
+        if implementation is None:
+            implementation = default_implementation(self.n, x.dtype, kernels.platform(x))
+        elif implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"Rotation.{fn}: implementation must be one of {IMPLEMENTATIONS} "
+                             f"or None, got {implementation!r}")
+        elif implementation == "native" and (not kernels.cpu.available() or ct != jnp.float32):
+            why = kernels.cpu.why_unavailable() or "it computes in float32, x is float64"
+            raise ValueError(f"Rotation.{fn}: no native kernel: {why}; use "
+                             "implementation='xla'")
+        transform = _transform_native if implementation == "native" else _transform
+        s, B = tables(self.n, self.seed, ct)
         if isinstance(x, jax.core.Tracer) or x.size == 0:
-            return _transform(x, s, B, inverse)
-        return run_rows(_transform, x, s, B, inverse)
+            return transform(x, s, B, inverse)
+        return run_rows(transform, x, s, B, inverse)
 
-    def apply(self, x):
+    def apply(self, x, implementation: str | None = None):
         """``x @ R`` over the last axis (``[..., n]``, traceable); same dtype as ``x``
         (half precision is computed in float32).
 
         Outside ``jit`` the rows run in one compiled program per row bucket
-        (:func:`hnlq_jax.buckets.run_rows`), shared by every rotation of size ``n``."""
-        return self._rotate(x, False, "apply")
+        (:func:`hnlq_jax.buckets.run_rows`), shared by every rotation of size ``n``.
 
-    def inverse(self, x):
-        """``x @ R^T``: undoes :meth:`apply` (``R`` is orthogonal)."""
-        return self._rotate(x, True, "inverse")
+        Args:
+          x: ``[..., n]`` floating point.
+          implementation: ``None`` (:func:`default_implementation`: the native CPU kernel for
+            float32/half arrays on a CPU where it is built), ``"xla"`` or ``"native"``
+            (:data:`IMPLEMENTATIONS`; the two agree within float32 rounding, bit for bit when
+            ``n`` is a power of two).
+
+        Raises:
+          ValueError: ``x`` is not ``[..., n]``, an unknown implementation, or ``"native"``
+            where the kernel is not built or ``x`` is float64.
+          TypeError: ``x`` is not floating point.
+        """
+        return self._rotate(x, False, "apply", implementation)
+
+    def inverse(self, x, implementation: str | None = None):
+        """``x @ R^T``: undoes :meth:`apply` (``R`` is orthogonal); arguments as
+        :meth:`apply`'s."""
+        return self._rotate(x, True, "inverse", implementation)
 
     # -- a layer's two sides
-    def rotate_weight(self, w):
+    def rotate_weight(self, w, implementation: str | None = None):
         """``W' = W R`` for a weight ``w[out, n]`` (rows along the input side)."""
-        return self.apply(w)
+        return self.apply(w, implementation)
 
     def rotate_hessian(self, H):
         """``H' = R^T H R``: the Hessian ``X'^T X'`` of the rotated inputs ``X' = X R``."""

@@ -20,8 +20,8 @@ def test_info(capsys):
     native = "native: built" if hq.kernels.cpu.available() else "native: the extension"
     assert native in out
     cpu = "native" if hq.kernels.cpu.available() and jax.default_backend() == "cpu" else None
-    if cpu:  # what None runs on this machine, both operations named
-        assert f"D4 q=4 M=2): matmul {cpu}, decode {cpu}" in out
+    if cpu:  # what None runs on this machine, every operation named
+        assert f"D4 q=4 M=2): matmul {cpu}, decode {cpu}; rotation (n=384) {cpu}" in out
 
 
 def test_demo_small(capsys):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import hnlq_jax as hq
 from hnlq_jax import incoherence
 from hnlq_jax.incoherence import Rotation
 
@@ -71,8 +72,8 @@ def test_apply_is_fast():
     n, rows = 1536, 4
     rot = Rotation(n, seed=1)
     x = jnp.zeros((rows, n), jnp.float32)
-    assert f"{n},{n}" not in str(jax.make_jaxpr(rot.apply)(x))
-    cost = jax.jit(rot.apply).lower(x).compile().cost_analysis()
+    assert f"{n},{n}" not in str(jax.make_jaxpr(lambda v: rot.apply(v, "xla"))(x))
+    cost = jax.jit(lambda v: rot.apply(v, "xla")).lower(x).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     k, m, _ = incoherence.split_size(n)
     assert 0 < cost["flops"] <= rows * n * (k + 2 * m + 2)  # dense: 2 n^2 = 3e6 per row
@@ -188,3 +189,28 @@ def test_save_and_load():
 def test_errors(make, err, match):
     with pytest.raises(err, match=match):
         make()
+
+
+def test_default_implementation_and_refusals(x64):
+    """None takes the native kernel on a CPU where it is built (float32/half, a Paley mixer),
+    XLA for float64 and for a random mixer above MAX_MIXER; an unknown implementation and the
+    kernel on float64 are refused."""
+    built = hq.kernels.cpu.available()
+    assert incoherence.default_implementation(384, np.float32, "cpu") == (
+        "native" if built else "xla")
+    assert incoherence.default_implementation(384, jnp.bfloat16, "cpu") == (
+        "native" if built else "xla")
+    assert incoherence.default_implementation(384, np.float32, "gpu") == "xla"
+    assert incoherence.default_implementation(384, np.float64, "cpu") == "xla"
+    assert incoherence.default_implementation(1000, np.float32, "cpu") == "xla"  # m = 125
+    rot = Rotation(384, 2)
+    x = np.random.default_rng(0).standard_normal((5, 384)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(rot.apply(x)),
+                                  np.asarray(rot.apply(x, "native" if built else "xla")))
+    x64_in = x.astype(np.float64)
+    np.testing.assert_array_equal(np.asarray(rot.apply(x64_in)),
+                                  np.asarray(rot.apply(x64_in, "xla")))
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        rot.apply(x, "pallas")
+    with pytest.raises(ValueError, match="no native kernel"):
+        rot.apply(x64_in, "native")

@@ -193,3 +193,59 @@ def test_eager_calls_compile_once_per_bucket(compiles):
     for x in xs:
         assert hq.matmul(x, codes).shape == x.shape[:-1] + (6,)
     assert compiles == []
+
+
+# Rotation sizes: a power of two (no mixer: bit for bit the XLA path), the Paley mixers of
+# common widths (12: 384, 1536; 20: 5120), a size without an instance of its own (24), a random
+# odd mixer (7) and one above MAX_MIXER (125: not the default, still exact when asked for)
+ROTATIONS = [4096, 384, 1536, 5120, 24, 7, 1000, 1]
+
+
+@pytest.mark.parametrize("n", ROTATIONS)
+@settings(max_examples=4, deadline=None)
+@given(rows=st.integers(0, 40), seed=st.integers(0, 2**63 - 1), inverse=st.booleans())
+def test_rotate_matches_xla(n, rows, seed, inverse):
+    """Rotation.apply / inverse by the kernel against the XLA path: bit for bit when n is a
+    power of two (the same butterflies in the same order), else within float32 rounding of the
+    mixer's sums; eager (row buckets, leading axes), under jit and vmap, and half precision
+    rounded from the same float32 values."""
+    rot = hq.incoherence.Rotation(n, seed)
+    fn = rot.inverse if inverse else rot.apply
+    x = np.random.default_rng(seed % 2**32).standard_normal((rows, 2, n)).astype(np.float32)
+    got, want = np.asarray(fn(x, "native")), np.asarray(fn(x, "xla"))
+    assert got.shape == x.shape and got.dtype == np.float32
+    if hq.incoherence.split_size(n)[1] == 1:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(1.0, np.abs(x).max(initial=0)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: fn(v, "native"))(x)), got)
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(lambda v: fn(v, "native"))(jnp.asarray(x))), got)
+    half = np.asarray(fn(jnp.asarray(x, jnp.bfloat16), "native"))
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        half, np.asarray(fn(jnp.asarray(x, jnp.bfloat16).astype(np.float32), "native"),
+                         jnp.bfloat16))
+
+
+def test_rotate_host_is_the_ffi_kernel():
+    """The direct call on host buffers (the torch bridge's) gives the FFI kernel's bits, in
+    place too, on any thread count."""
+    n, seed = 384, 3
+    rot = hq.incoherence.Rotation(n, seed)
+    x = np.random.default_rng(0).standard_normal((300, n)).astype(np.float32)
+    signs, mixer = hq.incoherence.tables(n, seed, np.dtype(np.float32))
+    k = hq.incoherence.split_size(n)[0]
+    for inverse, threads in ((False, 1), (True, 2), (False, 8)):
+        want = np.asarray((rot.inverse if inverse else rot.apply)(x, "native"))
+        y = np.empty_like(x)
+        cpu.rotate_host(y.ctypes.data, x.ctypes.data, 300, signs, mixer, k, inverse, threads)
+        np.testing.assert_array_equal(y, want)
+        z = x.copy()
+        cpu.rotate_host(z.ctypes.data, z.ctypes.data, 300, signs, mixer, k, inverse, threads)
+        np.testing.assert_array_equal(z, want)
+    with pytest.raises(TypeError, match="float32"):
+        cpu.rotate_host(y.ctypes.data, x.ctypes.data, 300, signs.astype(np.float64), mixer, k,
+                        False)
+    with pytest.raises(ValueError, match="shapes"):  # n = 384 is not 2^4 * 12
+        cpu.rotate_host(y.ctypes.data, x.ctypes.data, 300, signs, mixer, k - 1, False)

@@ -99,6 +99,34 @@ def test_native_kernels_called_directly(rows, dtype):
                 getattr(layer, name).copy_(getattr(other, name))
 
 
+@pytest.mark.parametrize("n", [384, 64, 1000])
+def test_rotate_op_bit_for_bit_without_jax_dispatch(monkeypatch, n):
+    """The rotate op gives Rotation.apply / inverse's bits in every dtype (leading axes,
+    non-contiguous input); where apply takes the native kernel (384, 64) the op calls it on
+    the tensor's memory, else (1000: a random mixer above MAX_MIXER) it runs the JAX path;
+    autograd is the other direction."""
+    from torch_bridge import ops as top
+    calls = []
+    direct = hq.kernels.cpu.rotate_host
+    monkeypatch.setattr(hq.kernels.cpu, "rotate_host", lambda *a: calls.append(1) or direct(*a))
+    rot = hq.incoherence.Rotation(n, 9)
+    rng = np.random.default_rng(n)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.from_numpy(rng.standard_normal((n, 3, 2)).astype(np.float32)).to(dtype)
+        x = x.permute(1, 2, 0)  # [3, 2, n], not contiguous
+        jx = jnp.asarray(x.float().numpy()).astype(str(dtype).removeprefix("torch."))
+        for inverse in (False, True):
+            got = torch.ops.hnlq.rotate(x, n, 9, inverse)
+            want = (rot.inverse if inverse else rot.apply)(jx)
+            assert got.dtype == dtype and got.shape == x.shape
+            np.testing.assert_array_equal(got.float().numpy(), np.asarray(want, np.float32))
+    native = hq.incoherence.default_implementation(n, np.float32, "cpu") == "native"
+    assert len(calls) == (6 if native else 0)
+    x = torch.randn(4, n, requires_grad=True)
+    top.rotate(x, n, 9, False).square().sum().backward()  # d/dx |x R|^2 = 2 x R R^T = 2 x
+    np.testing.assert_allclose(x.grad.numpy(), 2 * x.detach().numpy(), atol=1e-5)
+
+
 @pytest.mark.skipif(not hq.kernels.cpu.available(), reason="the native kernels are not built")
 def test_large_batch_decodes_slabs_of_rows(monkeypatch):
     """A large batch's product decodes the weight a slab of rows at a time (a few MiB whole):

@@ -22,7 +22,8 @@ op                  JAX function (same result bit for bit)
 On CPU tensors, where the native kernels are built, ``matmul`` calls them on the tensors' memory
 (:func:`hnlq_jax.kernels.cpu.decode_matmul_host`; no JAX dispatch per call): the same sums as
 the jitted :func:`hnlq_jax.matmul` below ``GEMM_ROWS`` rows, torch's GEMM of the decoded weight
-from there.
+from there; ``rotate`` likewise calls the rotation kernel
+(:func:`hnlq_jax.kernels.cpu.rotate_host`) where ``Rotation.apply`` takes it.
 
 Float64 inputs (or a float64 ``dtype``) run under JAX's x64 mode
 (:func:`torch_bridge.interop.x64_for`). The wrappers in :mod:`torch_bridge.codec` are the
@@ -370,11 +371,26 @@ matmul.register_autograd(_matmul_backward, setup_context=_matmul_setup)
 @torch.library.custom_op("hnlq::rotate", mutates_args=())
 def rotate(x: torch.Tensor, n: int, seed: int, inverse: bool) -> torch.Tensor:
     """``x @ R`` (``inverse``: ``x @ R^T``) of :class:`hnlq_jax.incoherence.Rotation(n, seed)`
-    over the last axis, bit for bit its ``apply`` / ``inverse``."""
+    over the last axis, bit for bit its ``apply`` / ``inverse`` (where these take the native
+    kernel on a CPU, it is called on the tensor's memory: no JAX dispatch)."""
     rotation = hq.incoherence.Rotation(n, seed)
+    if (x.device.type == "cpu" and x.dtype in _HOST_DTYPES and x.ndim and x.shape[-1] == n
+            and hq.incoherence.default_implementation(n, jax_dtype(x.dtype), "cpu") == "native"):
+        return _rotate_host(x, rotation, inverse)
     with x64_for(x):
         rows, pad = _bucket_rows(x)
         return _rows_back(rotation.inverse(rows) if inverse else rotation.apply(rows), x, pad)
+
+
+def _rotate_host(x: torch.Tensor, rotation, inverse: bool) -> torch.Tensor:
+    """The native rotation kernel on the memory of a CPU tensor (no JAX dispatch)."""
+    rows = x.to(torch.float32).contiguous()
+    y = torch.empty_like(rows)
+    k, _, _ = hq.incoherence.split_size(rotation.n)
+    signs, mixer = hq.incoherence.tables(rotation.n, rotation.seed, np.dtype(np.float32))
+    hq.kernels.cpu.rotate_host(y.data_ptr(), rows.data_ptr(), rows.numel() // rotation.n, signs,
+                               mixer, k, inverse, torch.get_num_threads())
+    return y.to(x.dtype)
 
 
 @rotate.register_fake

@@ -19,9 +19,14 @@ kernel             what it does                                 reference
                    tiles of rows decoded straight into the      implementation="xla"``
                    output (for a large batch's product: one     (bit for bit)
                    decode, then a float GEMM)
+``rotate``         ``x R`` / ``x R^T`` of a rotation (signs,        ``Rotation.apply(...,
+                   butterflies, mixer), rows of x a task        implementation="xla"``
+                                                                (equal within float32
+                                                                rounding; bit for bit when
+                                                                n is a power of two)
 =================  ===========================================  ================================
 
-Both decode with ``csrc/decode_rows.h``, the reference's operations in its order.
+The first two decode with ``csrc/decode_rows.h``, the reference's operations in its order.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from hnlq_jax.codes import Codes, index_dtype, t_bits
 from hnlq_jax.config import HNLQConfig, pow2_table
 
 __all__ = ["GEMM_ROWS", "HostCodes", "available", "decode", "decode_host", "decode_matmul",
-           "decode_matmul_host", "unsupported", "why_unavailable"]
+           "decode_matmul_host", "rotate", "rotate_host", "unsupported", "why_unavailable"]
 
 try:
     from hnlq_jax.kernels import _cpu
@@ -187,6 +192,26 @@ def decode_matmul(x, codes: Codes, bf16_weights: bool = False):
     return call(x, *operands, **attrs)
 
 
+def rotate(x, signs, mixer, k: int, m: int, inverse: bool):
+    """``x R`` (``inverse``: ``x R^T``) of the rotation ``R = diag(signs) (H_{2^k} / 2^(k/2)
+    kron mixer)`` (:class:`hnlq_jax.incoherence.Rotation`, whose ``apply`` / ``inverse`` call
+    it on a CPU).
+
+    Args:
+      x: ``[R, n]`` float32 with ``n = 2^k m``.
+      signs: ``[n]`` float32.
+      mixer: ``[m, m]`` float32.
+      k, m: the sizes of ``n``'s split (:func:`hnlq_jax.incoherence.split_size`).
+      inverse: apply ``R^T``.
+
+    Returns:
+      ``[R, n]`` float32.
+    """
+    call = jax.ffi.ffi_call("hnlq_rotate", jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(x, signs, mixer, k=np.int64(k), m=np.int64(m), inverse=bool(inverse))
+
+
 # -------------------------------------------------------------- direct calls on host buffers
 
 
@@ -252,3 +277,20 @@ def decode_matmul_host(y: int, x: int, rows: int, codes: HostCodes, bf16_weights
     (float32 ``[rows, n]``), by address, with no XLA dispatch: the same sums as under XLA
     bit for bit. The caller has checked :func:`unsupported`."""
     _cpu.decode_matmul(y, x, rows, *codes.args(bf16_weights, threads))
+
+
+def rotate_host(y: int, x: int, rows: int, signs: np.ndarray, mixer: np.ndarray, k: int,
+                inverse: bool, threads: int = 1):
+    """:func:`rotate` of the host buffer ``x`` (float32 ``[rows, n]``) into ``y`` (the same
+    shape; it may be ``x``), by address, with no XLA dispatch: bit for bit :func:`rotate`.
+
+    Args:
+      signs: ``[n]`` float32, C-contiguous.
+      mixer: ``[m, m]`` float32, C-contiguous.
+    """
+    if signs.dtype != np.float32 or mixer.dtype != np.float32 or not (
+            signs.flags.c_contiguous and mixer.flags.c_contiguous):
+        raise TypeError("rotate_host: signs and mixer must be C-contiguous float32 arrays")
+    m = mixer.shape[0]
+    _cpu.rotate(y, x, rows, signs.shape[0], signs.ctypes.data, mixer.ctypes.data, k, m,
+                inverse, threads)

@@ -1,6 +1,6 @@
 // What the kernels that decode codes share: the decoding of a row's blocks (decode_row, and
 // with AVX2 decode_row_avx2, bit for bit the XLA reference's operations), the checks of the
-// codes' arguments, and the split of a call's row tiles over XLA's thread pool.
+// codes' arguments and the FFI bindings of the codes' operands.
 //
 // Decoding, per block of d weights of row r (the XLA reference's operations in its order):
 //
@@ -20,28 +20,19 @@
 #define HNLQ_DECODE_ROWS_H_
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
-#include <utility>
-#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define HNLQ_X86 1
 #endif
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace hnlq {
 
@@ -226,63 +217,13 @@ __attribute__((target("avx2,fma"))) void decode_row_avx2(const Problem& p, int64
 }
 #endif  // HNLQ_X86
 
-// A call's state: the calling thread and up to threads - 1 helpers from XLA's pool claim row
-// tiles (work) until none is left. The calling thread waits only for helpers that hold a tile,
-// never for one not yet started, so a busy or absent thread pool cannot deadlock the call.
-struct Shared {
+// A call's state: the problem and the row tiles that the calling thread and its helpers
+// claim (threads.h).
+struct Shared : Tasks {
   alignas(32) float pair_steps[256 * 8];
   Problem p;
-  int64_t tiles = 0;
-  std::atomic<int64_t> next{0};
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t busy = 0;
   void (*work)(Shared&) = nullptr;
 };
-
-// Weight decodes (or products) worth waking one more thread for: below it the handover costs
-// more than it saves (a 64 x 64 layer decodes in about 2 us).
-constexpr int64_t kWorkPerThread = int64_t{1} << 16;
-
-// Runs call->work on the calling thread and on up to threads - 1 helpers started by
-// schedule(task), one per kWorkPerThread of work.
-template <typename Schedule>
-void run_shared(int64_t threads, Schedule schedule, const std::shared_ptr<Shared>& call,
-                int64_t work) {
-  const int64_t useful = std::max<int64_t>(1, (work + kWorkPerThread - 1) / kWorkPerThread);
-  const int64_t helpers = std::min({threads, call->tiles, useful}) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    schedule([call] {
-      {
-        std::lock_guard<std::mutex> lock(call->mu);
-        if (call->next.load() >= call->tiles) return;  // nothing left: touch nothing
-        ++call->busy;
-      }
-      call->work(*call);
-      std::lock_guard<std::mutex> lock(call->mu);
-      if (--call->busy == 0) call->cv.notify_all();
-    });
-  }
-  call->work(*call);
-  std::unique_lock<std::mutex> lock(call->mu);
-  call->cv.wait(lock, [&] { return call->busy == 0; });
-}
-
-// On XLA's intra-op thread pool (a kernel called by XLA).
-inline void run_on_pool(ffi::ThreadPool& pool, const std::shared_ptr<Shared>& call,
-                        int64_t work) {
-  run_shared(pool.num_threads(), [&](std::function<void()> task) {
-    pool.Schedule(std::move(task));
-  }, call, work);
-}
-
-// On threads of its own, joined before it returns (a kernel called directly, without XLA).
-inline void run_on_threads(int64_t threads, const std::shared_ptr<Shared>& call, int64_t work) {
-  std::vector<std::thread> helpers;
-  run_shared(threads, [&](std::function<void()> task) { helpers.emplace_back(std::move(task)); },
-             call, work);
-  for (std::thread& t : helpers) t.join();
-}
 
 // Kernel<Index, D, AVX2>::run(call) for the codes' index type and d, with AVX2 + FMA where the
 // CPU has them (checked once, at run time: the build does not assume them).
@@ -318,11 +259,6 @@ void dispatch(Shared& call) {
     run_index<Kernel, uint16_t>(call);
   else
     run_index<Kernel, uint8_t>(call);
-}
-
-inline ffi::Error check(bool ok, const char* kernel, const char* what) {
-  return ok ? ffi::Error::Success()
-            : ffi::Error::InvalidArgument(std::string(kernel) + ": " + what);
 }
 
 // The codes of a weight [N, K] as plain pointers and sizes: from XLA's buffers (parse_codes)

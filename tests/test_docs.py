@@ -7,6 +7,8 @@ several processes) and is only compiled, so that a syntax error still fails.
 
 import pathlib
 import re
+import shutil
+import subprocess
 import sys
 import types
 
@@ -45,3 +47,38 @@ def test_docs_example(fragment, code, request):
             exec(program, module.__dict__)
         finally:
             del sys.modules["docs_example"]
+
+
+ROOT = DOCS.parent
+MARKER = re.compile(r"<!-- ([a-z0-9_]+):begin -->")
+# Re-renders every table from the result files, as a user's `python experiments/X.py --report`.
+_REPORTS = """
+import runpy, sys
+for script in sys.argv[1:]:
+    sys.argv = [script, "--report"]
+    runpy.run_path(script, run_name="__main__")
+"""
+
+
+def test_docs_tables_are_their_scripts_reports(tmp_path):
+    """Every table between markers in docs/ and the README is what its script writes from its
+    result file with --report (no hand-edited figure, no stale table, no table without a
+    script that re-renders it)."""
+    docs = [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
+    markers = {name for p in docs for name in MARKER.findall(p.read_text())} - {"name"}
+    scripts = [p for p in sorted((ROOT / "experiments").glob("*.py"))
+               if "--report" in p.read_text() or "add_report_flag(" in p.read_text()]
+    scripts = [p for p in scripts if p.name != "report.py"]
+    written = {name for name in markers
+               if any(f'"{name}"' in p.read_text() for p in scripts)}
+    assert written == markers, f"tables no script re-renders: {sorted(markers - written)}"
+    copy = tmp_path / "repo"
+    shutil.copytree(ROOT / "docs", copy / "docs")
+    shutil.copytree(ROOT / "experiments", copy / "experiments",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.png"))
+    shutil.copy(ROOT / "README.md", copy / "README.md")
+    subprocess.run([sys.executable, "-c", _REPORTS, *(p.name for p in scripts)],
+                   cwd=copy / "experiments", check=True, capture_output=True, timeout=600)
+    for p in docs:
+        assert (copy / p.relative_to(ROOT)).read_text() == p.read_text(), (
+            f"{p.name}: a table differs from its script's --report")

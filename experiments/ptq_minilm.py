@@ -366,7 +366,7 @@ def run(args) -> dict:
         extra = {} if t_budget is None else {"t_budget": t_budget}
         record(name, model, hnlq_bits(model, config), rate=rate, family=family,
                quantize_seconds=seconds, clipped_blocks=sum(report.clipped.values()),
-               state_dict_ratio=report.ratio, **extra)
+               state_dict_ratio=report.sizes.ratio_to_float32, **extra)
 
     for b in args.rates:
         if not args.fit_only:

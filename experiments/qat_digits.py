@@ -218,7 +218,9 @@ def main():
         for k, c in zip(curves, (fl, wl, w1l, al)):
             curves[k].append(c)
         if sizes is None:
-            sizes = export_params(wv, CFG)[1]
+            s = export_params(wv, CFG)[1].sizes  # every layer quantized: the whole model
+            sizes = {"float32_bytes": s.float32_bytes, "deployed_bytes": s.quantized_bytes,
+                     "ratio": 1 / s.ratio_to_float32, "bits_per_weight": s.bits_per_weight}
     runs = {"float32": stepper("float", 1, xtr, ytr),
             f"QAT weights, {default}": stepper("qat_w", QUANTIZE_EVERY, xtr, ytr)}
     for every in (1, 8, 32):

@@ -19,13 +19,14 @@ matrix products), :mod:`hnlq_jax.modq` (mod-q sums of codes), :mod:`hnlq_jax.ker
 kernels), :mod:`hnlq_jax.rows` (the per-row weight format), :mod:`hnlq_jax.rd` (the paper's
 rate-distortion experiment), :mod:`hnlq_jax.ptq` (post-training quantization: Hessian-aware
 compensated rounding), :mod:`hnlq_jax.incoherence` (the randomized Hadamard rotation of a layer's
-input side); imported explicitly: :mod:`hnlq_jax.wire` (the wire format of
+input side), :mod:`hnlq_jax.sizes` (what a quantized model weighs: the reports of
+``quantize_model`` / ``quantize_params``); imported explicitly: :mod:`hnlq_jax.wire` (the wire format of
 compressed collectives), :mod:`hnlq_jax.dist` (compressed means over devices and the optax
 gradient compressor) and, with the ``flax`` extra, :mod:`hnlq_jax.flax` (``QDense``,
 ``QuantDotGeneral``). The formats and the math are in ``docs/``.
 """
 
-from hnlq_jax import buckets, incoherence, kernels, lut, modq, ptq, rd
+from hnlq_jax import buckets, incoherence, kernels, lut, modq, ptq, rd, sizes
 from hnlq_jax.codec import codebook, from_blocks, to_blocks
 from hnlq_jax.codes import FORMAT_VERSION, Codes
 from hnlq_jax.config import HNLQConfig
@@ -62,6 +63,7 @@ __all__ = [
     "modq",
     "ptq",
     "rd",
+    "sizes",
     "pack",
     "quantize",
     "rate_stats",

@@ -58,6 +58,7 @@ from hnlq_jax.codes import (Codes, check_checksum, check_codes, check_saved_head
                             is_concrete, read_saved_header, saved_header)
 from hnlq_jax.config import HNLQConfig, check_beta, check_config, saved_int
 from hnlq_jax.incoherence import Rotation
+from hnlq_jax.sizes import QuantizeReport, Sizes, measure
 from hnlq_jax.rows import (bucket_rows, calibrate_rows, check_finite_weight, check_row_failures,
                            rows_codes, unit)
 from hnlq_jax.stats import gaussian_beta
@@ -69,6 +70,7 @@ __all__ = [
     "export_params",
     "gaussian_beta",
     "import_params",
+    "model_sizes",
     "quantize_params",
     "refresh_codes",
 ]
@@ -525,19 +527,42 @@ def export_params(variables, config: HNLQConfig):
 
     Returns:
       ``(inference, report)``: ``inference = {"params": params without the quantized kernels,
-      "hnlq": {layer path: {"codes": Codes}}}``, and ``report = {"float32_bytes",
-      "deployed_bytes", "ratio", "bits_per_weight"}``: the model stored as float32 against the
-      inference form, and the bits per quantized weight of the codes (index, T field, scales).
+      "hnlq": {layer path: {"codes": Codes}}}``, and a :class:`hnlq_jax.sizes.QuantizeReport`
+      (``converted``: the layers; ``sizes``: :func:`model_sizes` of ``inference``).
     """
     variables = _refresh(variables, config, "export_params")
     params = traverse_util.flatten_dict(variables["params"])
-    float_bytes = sum(4 * int(np.size(v)) for v in params.values())
     layers = _layers(variables, "export_params")
-    weights = sum(int(np.size(params.pop(path + ("kernel",)))) for path in layers)
+    for path in layers:
+        del params[path + ("kernel",)]
     inference = {"params": traverse_util.unflatten_dict(params),
                  COLLECTION: traverse_util.unflatten_dict(
                      {path + ("codes",): codes for path, codes in layers.items()})}
-    return inference, _bytes_report(float_bytes, list(layers.values()), params.values(), weights)
+    return inference, _report(inference, sorted(layers))
+
+
+def model_sizes(inference) -> Sizes:
+    """The :class:`hnlq_jax.sizes.Sizes` of an inference form's quantized layers (their codes
+    and biases), e.g. after :func:`import_params`; what :func:`export_params` and
+    :func:`quantize_params` report as ``report.sizes``.
+
+    Raises:
+      ValueError: not an inference form with QDense codes.
+    """
+    layers = _layers(inference, "model_sizes")
+    params = traverse_util.flatten_dict(inference.get("params", {}))
+    biases = [np.asarray(params[path + ("bias",)]) for path in layers
+              if path + ("bias",) in params]
+    codes = list(layers.values())
+    return measure(codes, sum(4 * int(np.prod(c.shape)) for c in codes)
+                   + sum(4 * b.size for b in biases), sum(b.nbytes for b in biases))
+
+
+def _report(inference, paths, **calibrated) -> QuantizeReport:
+    """The report of an inference form whose layers ``paths`` were quantized."""
+    layers = _layers(inference, "quantize_params")
+    return QuantizeReport(converted=[("/".join(p), "Dense", tuple(layers[p].shape))
+                                     for p in paths], sizes=model_sizes(inference), **calibrated)
 
 
 def import_params(saved, config: HNLQConfig | None = None):
@@ -681,10 +706,10 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
     Returns:
       ``(inference, report)``: ``inference = {"params": params without the quantized kernels,
       "hnlq": {path: {"codes": Codes}}}`` (rotated: ``{"rotated_codes": Codes, "rotation":
-      Rotation}``) and ``report`` with the
-      byte counts of :func:`export_params` plus ``layers`` (the paths quantized) and, with
-      ``calibration``, ``proxy_loss``, ``clipped`` and ``t_bits`` (the entropy of T per weight)
-      per layer.
+      Rotation}``) and a :class:`hnlq_jax.sizes.QuantizeReport`: ``converted`` (the layers,
+      named by their ``/``-joined paths, in the order quantized), ``sizes`` and, with
+      ``calibration``, ``proxy_loss``, ``clipped`` and ``t_bits`` (the entropy of T per
+      weight) per layer.
 
     Raises:
       ValueError: no Dense layer selected; ``calibration`` not callable, run under ``jit``, or
@@ -725,7 +750,7 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
                              f"quantize: {', '.join('/'.join(p) for p in missing)}; run the "
                              "model on inputs that reach them, or leave them out with filter_fn")
         order = [p for p in seen if p in layers]
-    hnlq, report = {}, {"layers": [], "proxy_loss": {}, "clipped": {}, "t_bits": {}}
+    hnlq, report = {}, {"proxy_loss": {}, "clipped": {}, "t_bits": {}}
     for path in _progress(order, progress):
         kernel, rotation = layers[path], rotations[path]
         if sequential and calibration is not None:
@@ -753,25 +778,11 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
             w_hat = ops.decode(codes, dtype=kernel.dtype)
             params[path + ("kernel",)] = (w_hat if rotation is None
                                           else rotation.inverse(w_hat)).T
-        report["layers"].append(name)
-    float_bytes = sum(4 * int(np.size(v)) for v in traverse_util.flatten_dict(
-        variables["params"]).values())
     kept = {k: v for k, v in traverse_util.flatten_dict(variables["params"]).items()
             if k[:-1] not in layers or k[-1] != "kernel"}
     inference = {"params": traverse_util.unflatten_dict(kept),
                  COLLECTION: traverse_util.unflatten_dict(hnlq)}
-    report.update(_bytes_report(float_bytes, [v for k, v in hnlq.items() if k[-1] != "rotation"],
-                                kept.values(), sum(int(np.size(k)) for k in layers.values())))
-    return inference, report
-
-
-def _bytes_report(float_bytes: int, codes: list, kept, weights: int) -> dict:
-    """Byte counts of an inference form: float32 model vs codes plus the other params."""
-    code_bytes = sum(c.nbytes for c in codes)
-    deployed = code_bytes + sum(int(np.asarray(v).nbytes) for v in kept)
-    return {"float32_bytes": float_bytes, "deployed_bytes": int(deployed),
-            "ratio": float_bytes / max(int(deployed), 1),
-            "bits_per_weight": 8 * code_bytes / max(weights, 1)}
+    return inference, _report(inference, order, **report)
 
 
 def _progress(items, enabled: bool):

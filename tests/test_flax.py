@@ -434,10 +434,15 @@ def test_export_holds_codes_scales_and_bias_only(variables, exported):
     assert isinstance(codes, hq.Codes) and codes.config == unit(CFG)
     # 30 x 16 float32 kernel + bias vs 16 x 8 blocks of 2 index bytes, 16 x 4 T-field bytes,
     # 16 float32 scales and the bias.
-    assert report["float32_bytes"] == 4 * (30 * 16 + 16)
-    assert report["deployed_bytes"] == 16 * 8 * 2 + 16 * 4 + 4 * 16 + 4 * 16
-    assert report["deployed_bytes"] == sum(a.nbytes for a in jax.tree.leaves(inference))
-    assert report["bits_per_weight"] == codes.bits_per_value() == 8 * codes.nbytes / (16 * 30)
+    sizes = report.sizes
+    assert report.converted == [("", "Dense", (16, 30))] and sizes == hf.model_sizes(inference)
+    assert sizes.layers == 1 and sizes.weights == 16 * 30
+    assert sizes.float32_bytes == 4 * (30 * 16 + 16)
+    assert sizes.quantized_bytes == 16 * 8 * 2 + 16 * 4 + 4 * 16 + 4 * 16
+    assert sizes.quantized_bytes == sum(a.nbytes for a in jax.tree.leaves(inference))
+    assert sizes.bits_per_weight == codes.bits_per_value() == 8 * codes.nbytes / (16 * 30)
+    assert sizes.packed_code_bytes == hq.pack(codes).nbytes < sizes.code_bytes
+    assert sizes.ratio_to_float32 == sizes.quantized_bytes / sizes.float32_bytes
     m = QDense(16, CFG)
     np.testing.assert_array_equal(m.apply(inference, X),
                                   m.apply(hf.refresh_codes(variables, CFG), X, deterministic=True))

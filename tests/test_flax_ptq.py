@@ -95,10 +95,11 @@ def test_codes_equal_gptq_rows(rotate, kwargs):
         _same_codes(layer["rotated_codes" if rotate else "codes"], want.codes)
         assert set(layer) == ({"rotated_codes", "rotation"} if rotate else {"codes"})
         assert layer.get("rotation") == rotation
-        assert report["proxy_loss"][name] == pytest.approx(want.loss, rel=1e-6)
-        assert report["t_bits"][name] == want.t_bits
+        assert report.proxy_loss[name] == pytest.approx(want.loss, rel=1e-6)
+        assert report.t_bits[name] == want.t_bits
     assert "kernel" not in inference["params"]["a"] and "bias" in inference["params"]["a"]
-    assert report["layers"] == ["a", "b"] and report["clipped"] == {"a": 0, "b": 0}
+    assert [n for n, *_ in report.converted] == ["a", "b"]
+    assert report.clipped == {"a": 0, "b": 0}
 
 
 def test_sequential_calibrates_through_the_quantized_layers():
@@ -116,7 +117,7 @@ def test_sequential_calibrates_through_the_quantized_layers():
 
 def test_calibration_beats_round_to_nearest():
     rtn, report = quantize_params(VARS, CFG)
-    assert report["proxy_loss"] == {}
+    assert report.proxy_loss == {}
     # without calibration: rows_codes of kernel^T at the calibrated beta, as QDense exports
     _same_codes(rtn["hnlq"]["b"]["codes"],
                 rows_codes(VARS["params"]["b"]["kernel"].T, CFG,
@@ -182,7 +183,7 @@ def test_rotated_layouts_read_by_import_params():
 
 def test_filter_fn_keeps_layers_in_float():
     inference, report = quantize_params(VARS, CFG, _run, filter_fn=lambda path, k: path != ("b",))
-    assert report["layers"] == ["a"] and "b" not in inference["hnlq"]
+    assert [n for n, *_ in report.converted] == ["a"] and "b" not in inference["hnlq"]
     assert "kernel" in inference["params"]["b"]
 
 

@@ -339,15 +339,20 @@ def test_quantize_model_report_and_no_float_weight():
             torch.uint8
         assert sd[f"{name}._extra_state"]["format_version"] == hq.FORMAT_VERSION
     quantized = {id(m): m for m in model.modules() if isinstance(m, QuantizedLinear)}.values()
-    assert report.quantized_bytes == sum(
+    sizes = report.sizes
+    assert sizes == tb.model_sizes(model) and sizes.layers == 3  # the shared one once
+    assert sizes.quantized_bytes == sum(
         t.nbytes for m in quantized for t in m.state_dict().values()
         if isinstance(t, torch.Tensor))
-    assert report.float32_bytes == 4 * (16 * 16 + 16 + 16 * 4 + 16 * 16 + 16)
-    assert report.weights == sum(m.out_features * m.in_features for m in quantized) == 576
-    assert report.code_bytes == sum(m.codes().nbytes for m in quantized)
-    assert report.bits_per_weight == 8 * report.code_bytes / 576
-    assert str(report).startswith("quantize_model: converted 4 linear layer(s): 2,432 bytes")
-    assert f"{report.bits_per_weight:.3f} bits per weight" in str(report)
+    assert sizes.float32_bytes == 4 * (16 * 16 + 16 + 16 * 4 + 16 * 16 + 16)
+    assert sizes.weights == sum(m.out_features * m.in_features for m in quantized) == 576
+    assert sizes.code_bytes == sum(m.codes().nbytes for m in quantized)
+    assert sizes.bits_per_weight == 8 * sizes.code_bytes / 576
+    assert sizes.packed_code_bytes == sum(hq.pack(m.codes().to_jax()).nbytes for m in quantized)
+    assert sizes.packed_bits_per_weight == 8 * sizes.packed_code_bytes / 576
+    assert str(report).startswith("3 quantized layer(s), 576 weights: "
+                                  f"{sizes.bits_per_weight:.3f} bits/weight in memory, "
+                                  f"{sizes.packed_bits_per_weight:.3f} packed; 2,432 bytes")
     assert "kept odd (_Scaled)" in str(report)
     # forward: the JAX path bit for bit
     x = torch.randn(3, 16)
@@ -357,10 +362,6 @@ def test_quantize_model_report_and_no_float_weight():
     with pytest.warns(UserWarning, match="odd"):
         again = quantize_model(model, CFG)
     assert [n for n, *_ in again.converted] == ["a.0"]
-    # no linear layer: no ratio (not "nanx")
-    nothing = quantize_model(torch.nn.Sequential(torch.nn.ReLU()), CFG)
-    assert str(nothing) == ("quantize_model: converted 0 linear layer(s): 0 bytes as float32 "
-                            "-> 0 bytes")
     with pytest.raises(ValueError, match="itself an nn.Linear"):
         quantize_model(torch.nn.Linear(4, 4), CFG)
     with pytest.raises(TypeError, match="HNLQConfig"):
@@ -444,7 +445,8 @@ def test_state_dict_bytes_at_most_0_17_of_float32():
     float_bytes = sum(t.nbytes for t in mlp.state_dict().values())
     report = quantize_model(mlp, CFG)  # D4 q=4 M=2
     q_bytes = sum(t.nbytes for t in mlp.state_dict().values() if isinstance(t, torch.Tensor))
-    assert report.float32_bytes == float_bytes and report.quantized_bytes == q_bytes
+    assert report.sizes.float32_bytes == float_bytes and report.sizes.quantized_bytes == q_bytes
+    assert report.sizes.ratio_to_float32 == q_bytes / float_bytes
     assert q_bytes <= 0.17 * float_bytes, q_bytes / float_bytes  # measured 0.159
     saved = io.BytesIO()
     torch.save(mlp.state_dict(), saved)  # the file too (extra state and pickling included)
@@ -486,6 +488,18 @@ def test_compiled_qlinear_training_steps_match_eager():
                 layer.weight -= 0.1 * layer.weight.grad
                 layer.weight.grad = None
         assert torch.equal(eager.index, twin.index) and int(eager.step) == int(twin.step)
+
+
+def test_report_says_why_nothing_was_converted():
+    """A model without linears, and one whose linears were all kept, each say so."""
+    report = quantize_model(torch.nn.Sequential(torch.nn.ReLU()), CFG)
+    assert report.converted == [] and report.sizes == tb.model_sizes(torch.nn.ReLU())
+    assert str(report) == "converted nothing: the model has no weight layer this converts"
+    report = quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 8)), CFG,
+                            filter_fn=lambda name, m: False)
+    assert str(report).splitlines() == [
+        "converted nothing: all 1 weight layer(s) were kept (below)", "  kept 0 (Linear): filter_fn"]
+    assert str(tb.model_sizes(torch.nn.ReLU())) == "no quantized layers"
 
 
 def test_qlinear_freezes_into_quantized_linear():

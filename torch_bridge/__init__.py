@@ -12,8 +12,9 @@
 * :func:`jax_function`: any JAX function as a differentiable torch function (its ``jax.vjp``)
 * :class:`QLinear`: quantization-aware training (float master weight, cached codes)
 * :func:`quantize_model`, :class:`QuantizedLinear`: post-training quantization to layers that
-  hold only codes, scales and bias; :func:`load_quantized` restores such a model from its state
-  dict without encoding
+  hold only codes, scales and bias (the report: :class:`hnlq_jax.sizes.QuantizeReport`);
+  :func:`load_quantized` restores such a model from its state dict without encoding, and
+  :func:`model_sizes` reports its sizes
 * :func:`hnlq_hook`, :class:`HNLQHookState`: a DDP communication hook sending HNLQ codes
 """
 
@@ -23,8 +24,9 @@ from torch_bridge.codec import Codes, decode, encode, encode_rows, matmul, quant
 from torch_bridge.ddp import HNLQHookState, hnlq_hook
 from torch_bridge.interop import to_jax, to_torch, x64_for
 from torch_bridge.qlinear import QLinear
-from torch_bridge.quantized import QuantizedLinear, QuantizeReport, load_quantized, quantize_model
+from torch_bridge.quantized import (QuantizedLinear, QuantizeReport, load_quantized, model_sizes,
+                                    quantize_model)
 
 __all__ = ["Codes", "HNLQHookState", "QLinear", "QuantizeReport", "QuantizedLinear", "decode",
            "encode", "encode_rows", "hnlq_hook", "jax_function", "load_quantized", "lut", "matmul",
-           "quantize", "quantize_model", "to_jax", "to_torch", "x64_for"]
+           "model_sizes", "quantize", "quantize_model", "to_jax", "to_torch", "x64_for"]

@@ -30,7 +30,6 @@ config.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import torch
@@ -42,11 +41,13 @@ from hnlq_jax.codes import (check_checksum, check_saved_header, checksum, index_
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.ops import IMPLEMENTATIONS
 from hnlq_jax.rows import calibrate_rows, check_finite_weight, unit
+from hnlq_jax.sizes import QuantizeReport, Sizes, measure
 from torch_bridge import ops
 from torch_bridge.codec import Codes, decode, encode_rows
 from torch_bridge.interop import to_jax, to_torch, x64_for
 
-__all__ = ["CodesLayer", "QuantizeReport", "QuantizedLinear", "load_quantized", "quantize_model"]
+__all__ = ["CodesLayer", "QuantizeReport", "QuantizedLinear", "load_quantized", "model_sizes",
+           "quantize_model"]
 
 _CODES = ("index", "tfield", "scale")
 
@@ -356,65 +357,20 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
                 + ("" if self.rotation is None else f", rotation_seed={self.rotation.seed}"))
 
 
-def _state_bytes(module: torch.nn.Module) -> int:
-    return sum(t.nbytes for t in module.state_dict().values() if isinstance(t, torch.Tensor))
+def model_sizes(model: torch.nn.Module) -> Sizes:
+    """The :class:`hnlq_jax.sizes.Sizes` of a model's :class:`QuantizedLinear` layers (a shared
+    layer counted once), e.g. after :func:`load_quantized`; what :func:`quantize_model`
+    reports as ``report.sizes``."""
+    return _sizes({id(m): m for m in model.modules() if isinstance(m, QuantizedLinear)}.values())
 
 
-@dataclasses.dataclass
-class QuantizeReport:
-    """What :func:`quantize_model` converted and what it kept.
-
-    Attributes:
-      converted: ``(name, type name, (out, in))`` of each replaced layer.
-      skipped: ``(name, type name, reason)`` of each ``nn.Linear`` left in place.
-      float32_bytes: the converted layers' weight and bias as float32.
-      quantized_bytes: the tensor bytes of their state dicts now (codes, scales, bias).
-      weights: the number of weights quantized (``out * in`` summed over the layers).
-      code_bytes: the bytes of their codes (index, T field, row scales), what
-        :attr:`bits_per_weight` counts.
-      proxy_loss: with ``calibration``, ``{name: tr(dW H dW^T)}`` of each layer coded by
-        compensated rounding (:attr:`hnlq_jax.ptq.PTQResult.loss`, with ``H`` the sum over all
-        calibration tokens); empty otherwise.
-      clipped: with ``calibration``, ``{name: blocks shrunk to encode}``
-        (:attr:`~hnlq_jax.ptq.PTQResult.clipped`, normally 0).
-      tokens: with ``calibration``, ``{name: input rows seen}`` of each layer.
-      t_bits: with ``calibration``, ``{name: entropy of T per weight}``
-        (:attr:`~hnlq_jax.ptq.PTQResult.t_bits`, what ``t_budget`` bounds).
-    """
-
-    converted: list = dataclasses.field(default_factory=list)
-    skipped: list = dataclasses.field(default_factory=list)
-    float32_bytes: int = 0
-    quantized_bytes: int = 0
-    weights: int = 0
-    code_bytes: int = 0
-    proxy_loss: dict = dataclasses.field(default_factory=dict)
-    clipped: dict = dataclasses.field(default_factory=dict)
-    tokens: dict = dataclasses.field(default_factory=dict)
-    t_bits: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def ratio(self) -> float:
-        """``quantized_bytes / float32_bytes``."""
-        return self.quantized_bytes / self.float32_bytes if self.float32_bytes else float("nan")
-
-    @property
-    def bits_per_weight(self) -> float:
-        """``8 code_bytes / weights``: the bits each quantized weight takes in memory (16 for
-        bfloat16, 8 for int8, 4 for int4 without their scales)."""
-        return 8 * self.code_bytes / self.weights if self.weights else float("nan")
-
-    def __str__(self) -> str:
-        lines = [f"quantize_model: converted {len(self.converted)} linear layer(s): "
-                 f"{self.float32_bytes:,} bytes as float32 -> {self.quantized_bytes:,} bytes"
-                 + (f" ({self.ratio:.3f}x, {self.bits_per_weight:.3f} bits per weight)"
-                    if self.float32_bytes else "")]
-        lines += [f"  {name}: proxy loss {loss:.6g} over {self.tokens.get(name, 0):,} "
-                  f"input rows, {self.clipped.get(name, 0)} clipped block(s), T "
-                  f"{self.t_bits.get(name, 0.0):.3f} bits/weight"
-                  for name, loss in self.proxy_loss.items()]
-        lines += [f"  kept {name} ({kind}): {reason}" for name, kind, reason in self.skipped]
-        return "\n".join(lines)
+def _sizes(layers) -> Sizes:
+    layers = list(layers)
+    biases = [q.bias for q in layers if q.bias is not None]
+    return measure([q.codes().to_jax() for q in layers],
+                   sum(4 * (q.out_features * q.in_features) for q in layers)
+                   + sum(4 * b.numel() for b in biases),
+                   sum(b.nbytes for b in biases))
 
 
 def _why_not(module: torch.nn.Linear) -> str | None:
@@ -605,16 +561,12 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
         if result is not None:
             report.proxy_loss[name], report.clipped[name] = result.loss, result.clipped
             report.tokens[name], report.t_bits[name] = rows, result.t_bits
-        report.float32_bytes += 4 * (child.weight.numel() + q.out_features * (
-            child.bias is not None))
-        report.quantized_bytes += _state_bytes(q)
-        report.weights += child.weight.numel()
-        report.code_bytes += q.codes().nbytes
     for key in done:
         install(key)
     for name, parent, child_name, child in chosen:
         report.converted.append((name, type(child).__name__,
                                  (child.out_features, child.in_features)))
+    report.sizes = _sizes(done.values())
     unexpected = [s for s in report.skipped if s[2] not in ("filter_fn", "already quantized")]
     if unexpected:
         warnings.warn(f"quantize_model: kept {len(unexpected)} linear layer(s) in float: "

@@ -137,7 +137,8 @@ def wire_bytes(x, config: HNLQConfig, axis_size: int, method: str = "all_gather"
 
     Returns:
       dict with ``payload`` (P), ``sent`` (bytes per device), ``float32_allreduce`` and
-      ``ratio`` (float32_allreduce / sent).
+      ``ratio_to_float32`` (``sent / float32_allreduce``, the name and direction of every size
+      ratio in the library, :mod:`hnlq_jax.sizes`).
     """
     n = int(axis_size)
     if n < 1:
@@ -147,7 +148,7 @@ def wire_bytes(x, config: HNLQConfig, axis_size: int, method: str = "all_gather"
     sent = (n - 1) * P if method == "all_gather" else 2 * (n - 1) * P // n
     base = 2 * (n - 1) * 4 * size / n
     return {"payload": P, "sent": sent, "float32_allreduce": base,
-            "ratio": base / sent if sent else 1.0}
+            "ratio_to_float32": sent / base if base else 1.0}
 
 
 # --------------------------------------------------------------------------- optax
@@ -160,8 +161,8 @@ class CompressState(NamedTuple):
       step: int32 count of updates.
       residual: per-leaf float32 error-feedback residuals (``()`` for leaves sent plainly or
         without error feedback).
-      stats: ``bytes_sent`` and ``float32_bytes`` of the last step (per device), their
-        ``ratio``, ``overload_rate`` (fraction of this step's coded blocks with T > 0, over
+      stats: ``bytes_sent`` and ``float32_bytes`` of the last step (per device),
+        ``ratio_to_float32`` (``bytes_sent / float32_bytes``), ``overload_rate`` (fraction of this step's coded blocks with T > 0, over
         all devices), ``rescaled_chunks`` (chunks whose scale the wire's rate control raised
         to fit the T capacity) and ``failed_chunks`` (chunks of non-finite values, sent as
         NaN), both summed over the devices' own payloads.
@@ -174,7 +175,7 @@ class CompressState(NamedTuple):
 
 def _zero_stats():
     return {"bytes_sent": jnp.zeros((), jnp.float32), "float32_bytes": jnp.zeros((), jnp.float32),
-            "ratio": jnp.ones((), jnp.float32), "overload_rate": jnp.zeros((), jnp.float32),
+            "ratio_to_float32": jnp.ones((), jnp.float32), "overload_rate": jnp.zeros((), jnp.float32),
             "rescaled_chunks": jnp.zeros((), jnp.int32), "failed_chunks": jnp.zeros((), jnp.int32)}
 
 
@@ -274,8 +275,9 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
         stats = {"bytes_sent": jnp.asarray(sent, jnp.float32),
                  "float32_bytes": jnp.asarray(total, jnp.float32),
                  # one device sends nothing either way: 1, as wire_bytes reports
-                 "ratio": jnp.where(sent > 0, jnp.asarray(total, jnp.float32)
-                                    / jnp.maximum(jnp.asarray(sent, jnp.float32), 1), 1.0),
+                 "ratio_to_float32": jnp.where(
+                     total > 0, jnp.asarray(sent, jnp.float32)
+                     / jnp.maximum(jnp.asarray(total, jnp.float32), 1), 1.0),
                  "overload_rate": (info.overloaded / (blocks * n)).astype(jnp.float32),
                  "rescaled_chunks": info.rescaled, "failed_chunks": info.failed}
         return (treedef.unflatten(out),

@@ -164,7 +164,7 @@ def test_two_ranks_gloo(tmp_path, free_port):
         assert e["warmup"] == 0.0 and e["small"] == 0.0
         assert 0.0 < e["coded_rel"] < 0.6  # the coded steps really were quantized
         assert 0.0 < e["reduce_scatter_rel"] < 0.6
-        assert e["iter"] == 3 and e["stats"]["ratio"] > 4
+        assert e["iter"] == 3 and e["stats"]["ratio_to_float32"] < 0.25
         assert r["high_rate"] < 1e-3  # q=16, M=4: the built-in all-reduce to 1e-4
         assert r["float64"]["dtypes"] == ["torch.float64"] and r["float64"]["rel"] < 1e-3
         t = r["train"]

@@ -92,7 +92,7 @@ class HNLQHookState:
         again from a zero residual.
       stats: the last completed iteration: ``bytes_sent`` (by this rank), ``float32_bytes``
         (what a ring all-reduce of float32 sends: ``2 (world - 1) / world`` per value),
-        ``ratio``, ``overload_rate`` (fraction of coded blocks with T > 0) and
+        ``ratio_to_float32`` (``bytes_sent / float32_bytes``), ``overload_rate`` (fraction of coded blocks with T > 0) and
         ``rescaled_chunks`` (chunks the wire's rate control coded at a larger scale).
       total_bytes_sent, total_float32_bytes: sums over all iterations.
 
@@ -121,7 +121,7 @@ class HNLQHookState:
         self.implementation = implementation
         self.iter = 0
         self.residuals: dict[int, tuple] = {}
-        self.stats = {"bytes_sent": 0.0, "float32_bytes": 0.0, "ratio": 1.0,
+        self.stats = {"bytes_sent": 0.0, "float32_bytes": 0.0, "ratio_to_float32": 1.0,
                       "overload_rate": 0.0, "rescaled_chunks": 0}
         self.total_bytes_sent = 0.0
         self.total_float32_bytes = 0.0
@@ -165,7 +165,7 @@ class HNLQHookState:
             s[i] += v
         if bucket.is_last():
             self.stats = {"bytes_sent": s[0], "float32_bytes": s[1],
-                          "ratio": s[1] / s[0] if s[0] else 1.0,
+                          "ratio_to_float32": s[0] / s[1] if s[1] else 1.0,
                           "overload_rate": s[2] / s[3] if s[3] else 0.0,
                           "rescaled_chunks": s[4]}
             self.total_bytes_sent += s[0]

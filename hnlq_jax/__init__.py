@@ -20,8 +20,8 @@ kernels), :mod:`hnlq_jax.rows` (the per-row weight format), :mod:`hnlq_jax.rd` (
 rate-distortion experiment), :mod:`hnlq_jax.ptq` (post-training quantization: Hessian-aware
 compensated rounding), :mod:`hnlq_jax.incoherence` (the randomized Hadamard rotation of a layer's
 input side), :mod:`hnlq_jax.sizes` (what a quantized model weighs: the reports of
-``quantize_model`` / ``quantize_params``); imported explicitly: :mod:`hnlq_jax.wire` (the wire format of
-compressed collectives), :mod:`hnlq_jax.dist` (compressed means over devices and the optax
+``quantize_model`` / ``quantize_params``); imported explicitly: :mod:`hnlq_jax.wire` (the wire
+format of compressed collectives), :mod:`hnlq_jax.dist` (compressed means over devices and the optax
 gradient compressor) and, with the ``flax`` extra, :mod:`hnlq_jax.flax` (``QDense``,
 ``QuantDotGeneral``). The formats and the math are in ``docs/``.
 """

@@ -162,8 +162,8 @@ class CompressState(NamedTuple):
       residual: per-leaf float32 error-feedback residuals (``()`` for leaves sent plainly or
         without error feedback).
       stats: ``bytes_sent`` and ``float32_bytes`` of the last step (per device),
-        ``ratio_to_float32`` (``bytes_sent / float32_bytes``), ``overload_rate`` (fraction of this step's coded blocks with T > 0, over
-        all devices), ``rescaled_chunks`` (chunks whose scale the wire's rate control raised
+        ``ratio_to_float32`` (``bytes_sent / float32_bytes``), ``overload_rate`` (fraction of
+        this step's coded blocks with T > 0, over all devices), ``rescaled_chunks`` (chunks whose scale the wire's rate control raised
         to fit the T capacity) and ``failed_chunks`` (chunks of non-finite values, sent as
         NaN), both summed over the devices' own payloads.
     """
@@ -175,7 +175,8 @@ class CompressState(NamedTuple):
 
 def _zero_stats():
     return {"bytes_sent": jnp.zeros((), jnp.float32), "float32_bytes": jnp.zeros((), jnp.float32),
-            "ratio_to_float32": jnp.ones((), jnp.float32), "overload_rate": jnp.zeros((), jnp.float32),
+            "ratio_to_float32": jnp.ones((), jnp.float32),
+            "overload_rate": jnp.zeros((), jnp.float32),
             "rescaled_chunks": jnp.zeros((), jnp.int32), "failed_chunks": jnp.zeros((), jnp.int32)}
 
 

@@ -551,16 +551,13 @@ def model_sizes(inference) -> Sizes:
     """
     layers = _layers(inference, "model_sizes")
     params = traverse_util.flatten_dict(inference.get("params", {}))
-    biases = [np.asarray(params[path + ("bias",)]) for path in layers
-              if path + ("bias",) in params]
-    codes = list(layers.values())
-    return measure(codes, sum(4 * int(np.prod(c.shape)) for c in codes)
-                   + sum(4 * b.size for b in biases), sum(b.nbytes for b in biases))
+    return measure(layers.values(), [np.asarray(params[path + ("bias",)]) for path in layers
+                                     if path + ("bias",) in params])
 
 
 def _report(inference, paths, **calibrated) -> QuantizeReport:
     """The report of an inference form whose layers ``paths`` were quantized."""
-    layers = _layers(inference, "quantize_params")
+    layers = _codes_in(inference[COLLECTION])
     return QuantizeReport(converted=[("/".join(p), "Dense", tuple(layers[p].shape))
                                      for p in paths], sizes=model_sizes(inference), **calibrated)
 

@@ -35,8 +35,8 @@ from hnlq_jax.buckets import run_rows
 from hnlq_jax.codes import as_array
 from hnlq_jax.config import saved_int
 
-__all__ = ["IMPLEMENTATIONS", "KIND", "default_implementation", "MAX_MIXER", "ROTATION_VERSION", "Rotation", "mixer",
-           "paley_hadamard", "signs", "split_size", "tables"]
+__all__ = ["IMPLEMENTATIONS", "KIND", "MAX_MIXER", "ROTATION_VERSION", "Rotation",
+           "default_implementation", "mixer", "paley_hadamard", "signs", "split_size", "tables"]
 
 KIND = "randomized_hadamard"
 # "native": the CPU kernel (hnlq_jax.kernels.cpu.rotate), float32, the default where it is
@@ -126,6 +126,7 @@ def mixer(n: int, seed: int) -> np.ndarray:
     return q * np.where(np.diag(r) < 0, -1.0, 1.0)[None, :]
 
 
+@functools.lru_cache(maxsize=None)  # the torch op asks on every call
 def default_implementation(n: int, dtype, platform: str) -> str:
     """What ``implementation=None`` runs for a rotation of size ``n`` of ``dtype`` arrays on
     ``platform``: the native CPU kernel where it is built, for float32 and half precision, when

@@ -68,18 +68,20 @@ class Sizes:
                 f"float32 -> {self.quantized_bytes:,} bytes ({self.ratio_to_float32:.3f}x)")
 
 
-def measure(codes: Iterable[Codes], float32_bytes: int, other_bytes: int) -> Sizes:
-    """The :class:`Sizes` of layers given their weights' codes.
+def measure(codes: Iterable[Codes], biases: Iterable) -> Sizes:
+    """The :class:`Sizes` of layers given their weights' codes and their biases.
 
     Args:
       codes: each quantized layer's weight codes (row codes ``[out, in]``).
-      float32_bytes: the layers' weights and biases as float32.
-      other_bytes: what the layers hold besides their codes (biases).
+      biases: the biases those layers hold (NumPy or JAX arrays, torch tensors: anything
+        with ``shape`` and ``nbytes``).
     """
-    codes = list(codes)
+    codes, biases = list(codes), list(biases)
+    weights = sum(math.prod(c.shape) for c in codes)
     code_bytes = sum(c.nbytes for c in codes)
-    return Sizes(layers=len(codes), weights=sum(math.prod(c.shape) for c in codes),
-                 float32_bytes=int(float32_bytes), quantized_bytes=int(code_bytes + other_bytes),
+    return Sizes(layers=len(codes), weights=weights,
+                 float32_bytes=4 * (weights + sum(math.prod(b.shape) for b in biases)),
+                 quantized_bytes=int(code_bytes + sum(b.nbytes for b in biases)),
                  code_bytes=int(code_bytes),
                  packed_code_bytes=sum(pack(c).nbytes for c in codes))
 

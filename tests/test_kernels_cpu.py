@@ -217,7 +217,8 @@ def test_rotate_matches_xla(n, rows, seed, inverse):
     if hq.incoherence.split_size(n)[1] == 1:
         np.testing.assert_array_equal(got, want)
     else:
-        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * max(1.0, np.abs(x).max(initial=0)))
+        atol = 2e-6 * max(1.0, np.abs(x).max(initial=0))
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol)
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: fn(v, "native"))(x)), got)
     np.testing.assert_array_equal(
         np.asarray(jax.vmap(lambda v: fn(v, "native"))(jnp.asarray(x))), got)

@@ -498,7 +498,8 @@ def test_report_says_why_nothing_was_converted():
     report = quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 8)), CFG,
                             filter_fn=lambda name, m: False)
     assert str(report).splitlines() == [
-        "converted nothing: all 1 weight layer(s) were kept (below)", "  kept 0 (Linear): filter_fn"]
+        "converted nothing: all 1 weight layer(s) were kept (below)",
+        "  kept 0 (Linear): filter_fn"]
     assert str(tb.model_sizes(torch.nn.ReLU())) == "no quantized layers"
 
 

@@ -92,7 +92,8 @@ class HNLQHookState:
         again from a zero residual.
       stats: the last completed iteration: ``bytes_sent`` (by this rank), ``float32_bytes``
         (what a ring all-reduce of float32 sends: ``2 (world - 1) / world`` per value),
-        ``ratio_to_float32`` (``bytes_sent / float32_bytes``), ``overload_rate`` (fraction of coded blocks with T > 0) and
+        ``ratio_to_float32`` (``bytes_sent / float32_bytes``), ``overload_rate`` (fraction of
+        coded blocks with T > 0) and
         ``rescaled_chunks`` (chunks the wire's rate control coded at a larger scale).
       total_bytes_sent, total_float32_bytes: sums over all iterations.
 

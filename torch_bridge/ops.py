@@ -373,9 +373,9 @@ def rotate(x: torch.Tensor, n: int, seed: int, inverse: bool) -> torch.Tensor:
     """``x @ R`` (``inverse``: ``x @ R^T``) of :class:`hnlq_jax.incoherence.Rotation(n, seed)`
     over the last axis, bit for bit its ``apply`` / ``inverse`` (where these take the native
     kernel on a CPU, it is called on the tensor's memory: no JAX dispatch)."""
-    rotation = hq.incoherence.Rotation(n, seed)
+    rotation = hq.incoherence.Rotation(n, seed)  # checks n and seed
     if _rotates_on_host(x, n):
-        return _rotate_host(x, rotation, inverse)
+        return _rotate_host(x, n, seed, inverse)
     with x64_for(x):
         rows, pad = _bucket_rows(x)
         return _rows_back(rotation.inverse(rows) if inverse else rotation.apply(rows), x, pad)
@@ -389,14 +389,15 @@ def _rotates_on_host(x: torch.Tensor, n: int) -> bool:
             and hq.incoherence.default_implementation(n, jax_dtype(x.dtype), "cpu") == "native")
 
 
-def _rotate_host(x: torch.Tensor, rotation, inverse: bool) -> torch.Tensor:
-    """The native rotation kernel on the memory of a CPU tensor (no JAX dispatch)."""
+def _rotate_host(x: torch.Tensor, n: int, seed: int, inverse: bool) -> torch.Tensor:
+    """The native kernel of ``Rotation(n, seed)`` on the memory of a CPU tensor (no JAX
+    dispatch)."""
     rows = x.to(torch.float32).contiguous()
     y = torch.empty_like(rows)
-    k, _, _ = hq.incoherence.split_size(rotation.n)
-    signs, mixer = hq.incoherence.tables(rotation.n, rotation.seed, np.dtype(np.float32))
-    hq.kernels.cpu.rotate_host(y.data_ptr(), rows.data_ptr(), rows.numel() // rotation.n, signs,
-                               mixer, k, inverse, torch.get_num_threads())
+    k, _, _ = hq.incoherence.split_size(n)
+    signs, mixer = hq.incoherence.tables(n, seed, np.dtype(np.float32))
+    hq.kernels.cpu.rotate_host(y.data_ptr(), rows.data_ptr(), rows.numel() // n, signs, mixer, k,
+                               inverse, torch.get_num_threads())
     return y.to(x.dtype)
 
 
@@ -451,4 +452,4 @@ def rotate_direct(x: torch.Tensor, n: int, seed: int, inverse: bool) -> Optional
     the native kernel and :func:`direct` allows it (bit for bit); else ``None``."""
     if not direct(x) or not _rotates_on_host(x, n):
         return None
-    return _rotate_host(x, hq.incoherence.Rotation(n, seed), inverse)
+    return _rotate_host(x, n, seed, inverse)

@@ -366,11 +366,8 @@ def model_sizes(model: torch.nn.Module) -> Sizes:
 
 def _sizes(layers) -> Sizes:
     layers = list(layers)
-    biases = [q.bias for q in layers if q.bias is not None]
     return measure([q.codes().to_jax() for q in layers],
-                   sum(4 * (q.out_features * q.in_features) for q in layers)
-                   + sum(4 * b.numel() for b in biases),
-                   sum(b.nbytes for b in biases))
+                   [q.bias.detach() for q in layers if q.bias is not None])
 
 
 def _why_not(module: torch.nn.Linear) -> str | None:

@@ -218,7 +218,7 @@ __attribute__((target("avx2,fma"))) void decode_row_avx2(const Problem& p, int64
 #endif  // HNLQ_X86
 
 // A call's state: the problem and the row tiles that the calling thread and its helpers
-// claim (threads.h).
+// claim (common.h).
 struct Shared : Tasks {
   alignas(32) float pair_steps[256 * 8];
   Problem p;

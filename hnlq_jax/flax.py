@@ -661,8 +661,9 @@ def _collect_hessians(run, variables, targets, order: list | None = None) -> dic
 
 
 def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_fn=None,
-                    calibrate: bool = True, rotate: bool = False, act_order: bool = False,
-                    damp: float = ptq.DAMP, criterion: str = "loss", grid=ptq.DEFAULT_GRID,
+                    calibrate: bool = True, rotate: bool | None = None,
+                    act_order: bool | None = None, damp: float | None = None,
+                    criterion: str | None = None, grid=ptq.DEFAULT_GRID,
                     t_budget=None, sequential: bool = False, seed: int = 0,
                     progress: bool = False):
     """Post-training quantization of a Flax model's Dense layers into the QDense inference form.
@@ -671,7 +672,9 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
     by ``filter_fn``) is coded as the row codes of ``kernel^T``: by round-to-nearest
     (:func:`hnlq_jax.rows.rows_codes` at the calibrated beta) without ``calibration``, or by
     compensated rounding (:func:`hnlq_jax.ptq.gptq_rows`) against the Hessian of its inputs
-    with it. The result is what :func:`export_params` returns, so the same architecture built
+    with it, by default in the recommended setting (rotated, activation order,
+    ``criterion="f"``, ``damp=0.1``: :data:`hnlq_jax.ptq.RECOMMENDED`; any option given
+    overrides it). The result is what :func:`export_params` returns, so the same architecture built
     with :class:`QDense` layers applies it (``model.apply(inference, x)``) and it saves and
     loads the same way (:func:`import_params`).
 
@@ -694,8 +697,10 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
       rotate: incoherence processing: layer ``k`` (in sorted path order) gets
         ``Rotation(in, seed + k)``, stored as ``hnlq/<path>/rotation`` beside the codes of
         ``W R`` (``hnlq/<path>/rotated_codes``) and applied by ``QDense`` to its input.
+        ``None`` (default): with ``calibration`` the recommended ``True``, else ``False``.
       act_order, damp, criterion, grid, t_budget: as :func:`~hnlq_jax.ptq.gptq_rows` (with
-        ``calibration``).
+        ``calibration``); ``None`` (default) for ``act_order``, ``damp`` and ``criterion`` is
+        the recommended setting, :data:`hnlq_jax.ptq.RECOMMENDED`.
       sequential: collect one layer's H at a time (above).
       seed: base seed of the rotations.
       progress: a tqdm progress bar over the layers (needs ``tqdm``).
@@ -729,6 +734,8 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
     ptq.check_calibration_options(fn, calibration, act_order=act_order, damp=damp,
                                   criterion=criterion, grid=grid, t_budget=t_budget,
                                   sequential=sequential)
+    rotate, act_order, damp, criterion = ptq.recommended(calibration, rotate, act_order,
+                                                        damp, criterion)
     params = traverse_util.flatten_dict(variables["params"])
     layers = {path: k for path, k in sorted(_dense_layers(variables["params"]).items())
               if filter_fn is None or filter_fn(path, k)}

@@ -41,8 +41,8 @@ from hnlq_jax.rows import calibrate_rows, check_finite_weight, row_rms, unit
 from hnlq_jax.stats import entropy_bits, t_counts
 
 __all__ = ["CALIBRATION_OPTIONS", "DAMP", "DEFAULT_GRID", "GROUP_COLUMNS", "PTQResult",
-           "check_calibration_options", "gptq_rows", "hessian", "hessian_update", "layer_context",
-           "layer_name", "proxy_loss"]
+           "RECOMMENDED", "check_calibration_options", "gptq_rows", "hessian", "hessian_update",
+           "layer_context", "layer_name", "proxy_loss", "recommended"]
 
 # Damping, relative to the mean of diag(H) (GPTQ's default).
 DAMP = 0.01
@@ -62,9 +62,14 @@ def _dtype():
 
 
 # The options of the model-level front doors (torch_bridge.quantize_model,
-# hnlq_jax.flax.quantize_params) that only compensated rounding uses, at their defaults.
-CALIBRATION_OPTIONS = {"act_order": False, "damp": DAMP, "criterion": "loss",
+# hnlq_jax.flax.quantize_params) that only compensated rounding uses, at their defaults (None:
+# the RECOMMENDED value).
+CALIBRATION_OPTIONS = {"act_order": None, "damp": None, "criterion": None,
                        "grid": DEFAULT_GRID, "t_budget": None, "sequential": False}
+# What those front doors do, given calibration, for each option left at None: the setting
+# measured best on a pretrained model (docs/ptq.md, "Which setting"). Without calibration
+# (round-to-nearest) rotate=None is False.
+RECOMMENDED = {"rotate": True, "act_order": True, "criterion": "f", "damp": 0.1}
 
 
 def check_calibration_options(fn: str, calibration, **options):
@@ -79,6 +84,16 @@ def check_calibration_options(fn: str, calibration, **options):
                          f"only to compensated rounding, and no calibration was given: pass "
                          f"calibration=run, or leave {'it' if len(changed) == 1 else 'them'} "
                          f"at the default for round-to-nearest")
+
+
+def recommended(calibration, rotate, act_order, damp, criterion) -> tuple:
+    """``(rotate, act_order, damp, criterion)`` with each ``None`` replaced by its
+    :data:`RECOMMENDED` value when ``calibration`` is given; without it ``rotate=None`` is
+    ``False`` (round-to-nearest uses none of the others)."""
+    if calibration is None:
+        return bool(rotate), act_order, damp, criterion
+    given = {"rotate": rotate, "act_order": act_order, "damp": damp, "criterion": criterion}
+    return tuple(RECOMMENDED[k] if v is None else v for k, v in given.items())
 
 
 def _is_default(value, default) -> bool:

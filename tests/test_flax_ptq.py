@@ -75,21 +75,25 @@ def _hessian(xs):
     return H
 
 
-@pytest.mark.parametrize("rotate, kwargs", [
-    (False, {}), (True, {}), (False, {"criterion": "f", "grid": (1.0, 1.5, 2.0), "t_budget": 0.1})],
-    ids=["plain", "rotated", "budget"])
-def test_codes_equal_gptq_rows(rotate, kwargs):
-    inference, report = quantize_params(VARS, CFG, _run, rotate=rotate, seed=5, damp=0.02,
-                                        **kwargs)
+@pytest.mark.parametrize("kwargs", [
+    {"rotate": False, "act_order": False, "criterion": "loss"}, {},
+    {"rotate": False, "criterion": "f", "grid": (1.0, 1.5, 2.0), "t_budget": 0.1}],
+    ids=["plain", "recommended", "budget"])
+def test_codes_equal_gptq_rows(kwargs):
+    """The codes are gptq_rows' on the same H, with each option left out at its recommended
+    value (hnlq_jax.ptq.RECOMMENDED)."""
+    inference, report = quantize_params(VARS, CFG, _run, seed=5, damp=0.02, **kwargs)
+    options = {**ptq.RECOMMENDED, "damp": 0.02, **kwargs}
+    rotate = options.pop("rotate")
     p = VARS["params"]
     hidden = [nn.relu(c @ p["a"]["kernel"] + p["a"]["bias"]) for c in jnp.split(CAL, 4)]
     for name, xs, k in (("a", jnp.split(CAL, 4), 0), ("b", hidden, 1)):
         rotation = Rotation(p[name]["kernel"].shape[0], 5 + k) if rotate else None
-        want = ptq.gptq_rows(p[name]["kernel"].T, _hessian(xs), CFG, damp=0.02,
-                             rotation=rotation, **kwargs)
+        want = ptq.gptq_rows(p[name]["kernel"].T, _hessian(xs), CFG, rotation=rotation,
+                             **options)
         if "t_budget" in kwargs:  # the budget changed the choice
-            free = ptq.gptq_rows(p[name]["kernel"].T, _hessian(xs), CFG, damp=0.02,
-                                 criterion="f", grid=kwargs["grid"])
+            free = ptq.gptq_rows(p[name]["kernel"].T, _hessian(xs), CFG,
+                                 **{**options, "t_budget": None})
             assert want.t_bits <= kwargs["t_budget"] < free.t_bits
         layer = inference["hnlq"][name]
         _same_codes(layer["rotated_codes" if rotate else "codes"], want.codes)
@@ -103,7 +107,8 @@ def test_codes_equal_gptq_rows(rotate, kwargs):
 
 
 def test_sequential_calibrates_through_the_quantized_layers():
-    inference, _ = quantize_params(VARS, CFG, _run, sequential=True)
+    inference, _ = quantize_params(VARS, CFG, _run, sequential=True, rotate=False,
+                                   act_order=False, criterion="loss", damp=ptq.DAMP)
     p = VARS["params"]
     codes_a = inference["hnlq"]["a"]["codes"]
     _same_codes(codes_a, ptq.gptq_rows(p["a"]["kernel"].T, _hessian(jnp.split(CAL, 4)),
@@ -123,7 +128,7 @@ def test_calibration_beats_round_to_nearest():
                 rows_codes(VARS["params"]["b"]["kernel"].T, CFG,
                            calibrate_rows(VARS["params"]["b"]["kernel"].T, CFG)))
     e_rtn = _err(rtn)
-    for kwargs in ({}, {"rotate": True, "act_order": True}, {"sequential": True}):
+    for kwargs in ({}, {"rotate": False, "act_order": False}, {"sequential": True}):
         e = _err(quantize_params(VARS, CFG, _run, **kwargs)[0])
         assert e < 0.8 * e_rtn, (kwargs, e, e_rtn)
 
@@ -144,7 +149,7 @@ def test_rotated_form_saves_and_loads_bit_exact(tmp_path):
         serialization.from_bytes(other, path.read_bytes())
     # Into a target without rotations (or the reverse): the codes of W R must not restore
     # where they would be applied to unrotated inputs.
-    plain, _ = quantize_params(VARS, CFG, _run)
+    plain, _ = quantize_params(VARS, CFG, _run, rotate=False)
     with pytest.raises(ValueError, match="codes"):
         serialization.from_bytes(plain, path.read_bytes())
     with pytest.raises(ValueError, match="rotated_codes"):

@@ -288,19 +288,18 @@ def test_half_precision_input():
 
 
 @pytest.mark.parametrize("options", [
-    {"damp": np.float64(ptq.DAMP)}, {"grid": list(ptq.DEFAULT_GRID)},
-    {"grid": np.asarray(ptq.DEFAULT_GRID)}, {"act_order": np.False_}, {"t_budget": None},
-    {"criterion": "loss"}, {"sequential": False},
-], ids=["damp-numpy", "grid-list", "grid-array", "act-order-numpy", "budget", "criterion",
-        "sequential"])
+    {"damp": None}, {"grid": list(ptq.DEFAULT_GRID)}, {"grid": np.asarray(ptq.DEFAULT_GRID)},
+    {"act_order": None}, {"t_budget": None}, {"criterion": None}, {"sequential": np.False_},
+], ids=["damp", "grid-list", "grid-array", "act-order", "budget", "criterion",
+        "sequential-numpy"])
 def test_calibration_options_at_default_pass_without_calibration(options):
     ptq.check_calibration_options("f", None, **options)
 
 
 @pytest.mark.parametrize("options, named", [
-    ({"damp": 0.02}, "damp"), ({"grid": (0.9, 1.0)}, "grid"), ({"act_order": True}, "act_order"),
-    ({"t_budget": 0.0}, "t_budget"), ({"criterion": "mse"}, "criterion"),
-    ({"sequential": True, "damp": ptq.DAMP}, "sequential applies"),
+    ({"damp": ptq.DAMP}, "damp"), ({"grid": (0.9, 1.0)}, "grid"),
+    ({"act_order": False}, "act_order"), ({"t_budget": 0.0}, "t_budget"),
+    ({"criterion": "loss"}, "criterion"), ({"sequential": True, "damp": None}, "sequential applies"),
 ], ids=["damp", "grid", "act-order", "budget-zero", "criterion", "sequential"])
 def test_calibration_options_changed_need_calibration(options, named):
     with pytest.raises(ValueError, match=f"f: {named}"):

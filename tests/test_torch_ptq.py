@@ -56,8 +56,8 @@ def test_calibrated_beats_round_to_nearest_and_reports_losses():
     rtn, gptq, rot = _copy(ref), _copy(ref), _copy(ref)
     r0 = quantize_model(rtn, CFG)
     assert r0.proxy_loss == {}
-    r1 = quantize_model(gptq, CFG, calibration=_run)
-    r2 = quantize_model(rot, CFG, calibration=_run, rotate=True, act_order=True)
+    r1 = quantize_model(gptq, CFG, calibration=_run, rotate=False)
+    r2 = quantize_model(rot, CFG, calibration=_run)  # the recommended setting: rotated
     e_rtn, e_gptq, e_rot = _err(rtn, ref), _err(gptq, ref), _err(rot, ref)
     assert e_gptq < 0.8 * e_rtn and e_rot < 0.8 * e_rtn, (e_rtn, e_gptq, e_rot)
     for r in (r1, r2):
@@ -73,13 +73,16 @@ def test_calibrated_beats_round_to_nearest_and_reports_losses():
 BUDGET = {"criterion": "f", "grid": (1.0, 1.5, 2.0), "t_budget": 0.1}
 
 
-@pytest.mark.parametrize("rotate, kwargs", [(False, {}), (True, {}), (True, BUDGET)],
-                         ids=["plain", "rotated", "rotated-budget"])
-def test_codes_equal_gptq_rows_in_jax(rotate, kwargs):
+@pytest.mark.parametrize("kwargs", [{}, {"rotate": False, "act_order": False}, BUDGET],
+                         ids=["recommended", "plain", "budget"])
+def test_codes_equal_gptq_rows_in_jax(kwargs):
+    """The codes are gptq_rows' on the same H, with each option left out at its recommended
+    value (hnlq_jax.ptq.RECOMMENDED)."""
     ref = _mlp(3)
     model = _copy(ref)
-    report = quantize_model(model, CFG, calibration=_run, rotate=rotate, seed=7, damp=0.02,
-                            **kwargs)
+    report = quantize_model(model, CFG, calibration=_run, seed=7, damp=0.02, **kwargs)
+    options = {**hq.ptq.RECOMMENDED, "damp": 0.02, **kwargs}
+    rotate = options.pop("rotate")
     # The same H, accumulated the same way (hessian_update per call), and gptq_rows in JAX.
     seen = {0: [], 2: []}
     hooks = [ref[i].register_forward_pre_hook(lambda m, a, i=i: seen[i].append(a[0].detach()))
@@ -91,11 +94,11 @@ def test_codes_equal_gptq_rows_in_jax(rotate, kwargs):
     for k, i in enumerate(seen):
         rotation = Rotation(ref[i].in_features, 7 + k) if rotate else None
         w, H = ref[i].weight.detach().numpy(), _hessian(seen[i])
-        want = hq.ptq.gptq_rows(w, H, CFG, damp=0.02, rotation=rotation, **kwargs)
+        want = hq.ptq.gptq_rows(w, H, CFG, rotation=rotation, **options)
         _assert_codes(model[i].codes(), want.codes)
         if "t_budget" in kwargs:  # the budget changed the choice
-            free = hq.ptq.gptq_rows(w, H, CFG, damp=0.02, rotation=rotation,
-                                    criterion="f", grid=kwargs["grid"])
+            free = hq.ptq.gptq_rows(w, H, CFG, rotation=rotation,
+                                    **{**options, "t_budget": None})
             assert want.t_bits <= 0.1 < free.t_bits
         assert report.t_bits[str(i)] == want.t_bits
         # the layer's forward is PTQResult.matmul plus the bias, bit for bit
@@ -121,7 +124,8 @@ def _assert_codes(got, want):
 def test_sequential_calibrates_through_the_quantized_layers():
     ref = _mlp(4)
     model = _copy(ref)
-    r = quantize_model(model, CFG, calibration=_run, sequential=True, criterion="f")
+    r = quantize_model(model, CFG, calibration=_run, sequential=True, criterion="f",
+                       rotate=False, act_order=False, damp=hq.ptq.DAMP)
     assert r.tokens == {"0": 256, "2": 256}
     w0 = ref[0].weight.detach().numpy()
     _assert_codes(model[0].codes(),

@@ -14,7 +14,8 @@
 * :func:`quantize_model`, :class:`QuantizedLinear`: post-training quantization to layers that
   hold only codes, scales and bias (the report: :class:`hnlq_jax.sizes.QuantizeReport`);
   :func:`load_quantized` restores such a model from its state dict without encoding, and
-  :func:`model_sizes` reports its sizes
+  :func:`model_sizes` reports its sizes; :class:`SplitMultiheadAttention` is the
+  ``nn.MultiheadAttention`` whose projections it converts
 * :func:`hnlq_hook`, :class:`HNLQHookState`: a DDP communication hook sending HNLQ codes
 """
 
@@ -23,10 +24,12 @@ from torch_bridge.autograd import jax_function
 from torch_bridge.codec import Codes, decode, encode, encode_rows, matmul, quantize
 from torch_bridge.ddp import HNLQHookState, hnlq_hook
 from torch_bridge.interop import to_jax, to_torch, x64_for
+from torch_bridge.attention import SplitMultiheadAttention
 from torch_bridge.qlinear import QLinear
 from torch_bridge.quantized import (QuantizedLinear, QuantizeReport, load_quantized, model_sizes,
                                     quantize_model)
 
-__all__ = ["Codes", "HNLQHookState", "QLinear", "QuantizeReport", "QuantizedLinear", "decode",
-           "encode", "encode_rows", "hnlq_hook", "jax_function", "load_quantized", "lut", "matmul",
-           "model_sizes", "quantize", "quantize_model", "to_jax", "to_torch", "x64_for"]
+__all__ = ["Codes", "HNLQHookState", "QLinear", "QuantizeReport", "QuantizedLinear",
+           "SplitMultiheadAttention", "decode", "encode", "encode_rows", "hnlq_hook",
+           "jax_function", "load_quantized", "lut", "matmul", "model_sizes", "quantize",
+           "quantize_model", "to_jax", "to_torch", "x64_for"]

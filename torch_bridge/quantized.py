@@ -43,6 +43,7 @@ from hnlq_jax.ops import IMPLEMENTATIONS
 from hnlq_jax.rows import calibrate_rows, check_finite_weight, unit
 from hnlq_jax.sizes import QuantizeReport, Sizes, measure
 from torch_bridge import ops
+from torch_bridge.attention import SplitMultiheadAttention, why_not_split
 from torch_bridge.codec import Codes, decode, encode_rows
 from torch_bridge.interop import to_jax, to_torch, x64_for
 
@@ -50,6 +51,7 @@ __all__ = ["CodesLayer", "QuantizeReport", "QuantizedLinear", "load_quantized", 
            "quantize_model"]
 
 _CODES = ("index", "tfield", "scale")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
 def calibrated_beta(weight: torch.Tensor, config: HNLQConfig, calibrate: bool):
@@ -313,7 +315,7 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The decoded weight ``[out, in]``, computed on each access and never stored (for code
-        that reads ``.weight`` directly, e.g. ``nn.MultiheadAttention``'s ``out_proj``)."""
+        that reads ``.weight`` directly)."""
         w = decode(self.codes(), dtype=self.scale.dtype, implementation=self.implementation)
         if self.rotation is not None:  # W = W' R^T
             w = torch.ops.hnlq.rotate(w, self.rotation.n, self.rotation.seed, True)
@@ -385,6 +387,38 @@ def _why_not(module: torch.nn.Linear) -> str | None:
     return None
 
 
+def _children(model: torch.nn.Module, kind):
+    """``(name, parent, child name, child)`` of every child of type ``kind`` of ``model``, once
+    per place it sits in (a module shared by several parents is listed under each)."""
+    seen = set()
+    for parent_name, parent in model.named_modules(remove_duplicate=False):
+        for child_name, child in parent.named_children():
+            if isinstance(child, kind) and (id(parent), child_name) not in seen:
+                seen.add((id(parent), child_name))
+                yield (f"{parent_name}.{child_name}" if parent_name else child_name, parent,
+                       child_name, child)
+
+
+def _split_attentions(model: torch.nn.Module, decide) -> None:
+    """Puts a :class:`SplitMultiheadAttention` (float copies of the projections) in place of
+    each ``nn.MultiheadAttention`` of ``model`` for which ``decide(name, attention, split)``
+    is true (a shared one is split once), so that its projections are linear modules."""
+    splits = {}
+    for name, parent, child_name, child in list(_children(model, torch.nn.MultiheadAttention)):
+        if id(child) not in splits:
+            split = (SplitMultiheadAttention.from_attention(child)
+                     if why_not_split(child) is None else None)
+            splits[id(child)] = split if decide(name, child, split) else None
+        if splits[id(child)] is not None:
+            setattr(parent, child_name, splits[id(child)])
+    for encoder in model.modules():
+        if isinstance(encoder, torch.nn.TransformerEncoder) and any(
+                isinstance(layer.self_attn, SplitMultiheadAttention) for layer in encoder.layers):
+            # What the encoder's constructor decides for attention with separate projections:
+            # its nested-tensor path would hand the layers nested tensors.
+            encoder.use_nested_tensor = False
+
+
 def _collect_hessians(model, targets: dict, run) -> dict:
     """``{id(layer): (H, rows)}``: ``H = sum x^T x`` of each target layer's inputs over one call
     ``run(model)`` (forward pre-hooks, :func:`hnlq_jax.ptq.hessian_update`)."""
@@ -428,24 +462,31 @@ def _progress(items, enabled: bool, total: int):
 
 def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *,
                    calibrate: bool = True, implementation=None, calibration=None,
-                   rotate: bool = False, act_order: bool = False, damp: float = hptq.DAMP,
-                   criterion: str = "loss", grid=hptq.DEFAULT_GRID, t_budget=None,
+                   rotate: bool | None = None, act_order: bool | None = None,
+                   damp: float | None = None, criterion: str | None = None,
+                   grid=hptq.DEFAULT_GRID, t_budget=None,
                    sequential: bool = False, seed: int = 0,
                    progress: bool = False) -> QuantizeReport:
     """Replaces the ``nn.Linear`` layers of ``model``, in place, by :class:`QuantizedLinear`.
 
-    Converted: every ``nn.Linear`` and every subclass that does not override ``forward`` (e.g.
-    ``nn.MultiheadAttention``'s ``out_proj``, which the attention reads as ``out_proj.weight``:
-    :attr:`QuantizedLinear.weight` decodes it), and :class:`~torch_bridge.QLinear` layers (from
-    their cached codes). Kept in float, with a warning and an entry in the report: subclasses
-    with their own ``forward`` and ``QLinear`` layers that quantize activations. A layer
-    shared by several parents is converted once and replaced everywhere.
+    Converted: every ``nn.Linear`` and every subclass that does not override ``forward``,
+    :class:`~torch_bridge.QLinear` layers (from their cached codes), and the four projections
+    of every ``nn.MultiheadAttention`` (also inside ``nn.TransformerEncoderLayer`` and
+    friends): each is first replaced by a :class:`~torch_bridge.SplitMultiheadAttention`, the
+    same attention with ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` as linear layers
+    (named so in the report and ``filter_fn``), whose linears are then converted like any
+    other. Kept in float, with a warning and an entry in the report: subclasses with their own
+    ``forward``, ``QLinear`` layers that quantize activations, and attentions with
+    ``add_bias_kv`` or ``add_zero_attn``. A layer shared by several parents is converted once
+    and replaced everywhere.
 
     **Calibration** (``calibration=run``): forward pre-hooks on the layers to convert collect
     ``H = sum x^T x`` of each one's inputs (:func:`hnlq_jax.ptq.hessian_update`, float32, or
     float64 for float64 inputs) during one call ``run(model)`` of the still-float model
     (under ``torch.no_grad()``); each layer is then coded by
-    :func:`hnlq_jax.ptq.gptq_rows` (compensated rounding) instead of round-to-nearest. All
+    :func:`hnlq_jax.ptq.gptq_rows` (compensated rounding) instead of round-to-nearest, by
+    default in the recommended setting (rotated, activation order, ``criterion="f"``,
+    ``damp=0.1``: :data:`hnlq_jax.ptq.RECOMMENDED`; any option given overrides it). All
     layers' Hessians are held at once: ``4 * in^2`` bytes per layer. With ``sequential=True``
     the layers are taken one at a time in ``named_modules`` order (which should be the order
     the forward pass reaches them): ``run(model)`` is called once per layer, with only that
@@ -469,11 +510,13 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
         order, counting each shared layer once) gets
         ``Rotation(in_features, seed + k)`` (:mod:`hnlq_jax.incoherence`), codes of the
         rotated weight and applies the rotation to its inputs; with or without calibration.
+        ``None`` (default): with ``calibration`` the recommended ``True``, else ``False``.
       act_order, damp, criterion, grid, t_budget: as :func:`hnlq_jax.ptq.gptq_rows` (with
         ``calibration`` only). ``criterion="f"`` trades the proxy loss against the entropy of
         T (fewer overloads, fewer packed bits) with one beta per layer; ``t_budget`` caps that
         entropy (bits per weight) in every layer; a ``grid`` reaching above 1 lets either
-        choose larger betas.
+        choose larger betas. ``None`` (default) for ``act_order``, ``damp`` and ``criterion``
+        is the recommended setting, :data:`hnlq_jax.ptq.RECOMMENDED`.
       sequential: collect one layer's H at a time from the partly quantized model (above).
       seed: the base seed of the rotations.
       progress: a tqdm progress bar over the layers being coded (needs ``tqdm``).
@@ -501,27 +544,34 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
                         f"{type(calibration).__name__}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"quantize_model: seed must be a non-negative int, got {seed!r}")
-    if criterion not in ("loss", "f"):
+    if criterion not in (None, "loss", "f"):
         raise ValueError(f"quantize_model: criterion must be 'loss' or 'f', got {criterion!r}")
     for name, flag in (("sequential", sequential), ("rotate", rotate), ("calibrate", calibrate),
-                       ("progress", progress)):
-        if not isinstance(flag, bool):
+                       ("progress", progress), ("act_order", act_order)):
+        if not isinstance(flag, bool) and not (flag is None and name in ("rotate",
+                                                                          "act_order")):
             raise TypeError(f"quantize_model: {name} must be a bool, got {flag!r}")
     hptq.check_calibration_options("quantize_model", calibration, act_order=act_order,
                                    damp=damp, criterion=criterion, grid=grid,
                                    t_budget=t_budget, sequential=sequential)
+    rotate, act_order, damp, criterion = hptq.recommended(calibration, rotate, act_order,
+                                                         damp, criterion)
     report = QuantizeReport()
-    sites, seen = [], set()
-    for parent_name, parent in model.named_modules(remove_duplicate=False):
-        for child_name, child in parent.named_children():
-            if isinstance(child, torch.nn.Linear) and (id(parent), child_name) not in seen:
-                seen.add((id(parent), child_name))
-                name = f"{parent_name}.{child_name}" if parent_name else child_name
-                sites.append((name, parent, child_name, child))
+
+    def split(name, attention, split):
+        why = why_not_split(attention)
+        if why is not None:
+            report.skipped.append((name, type(attention).__name__, why))
+            return False
+        return filter_fn is None or any(filter_fn(f"{name}.{p}", getattr(split, p))
+                                        for p in _PROJECTIONS)
+
+    _split_attentions(model, split)
     chosen = []
-    for name, parent, child_name, child in sites:
+    for name, parent, child_name, child in _children(model, torch.nn.Linear):
         why = ("filter_fn" if filter_fn is not None and not filter_fn(name, child)
-               else _why_not(child))
+               else "a projection of an nn.MultiheadAttention kept in float (above)"
+               if isinstance(parent, torch.nn.MultiheadAttention) else _why_not(child))
         if why is not None:
             report.skipped.append((name, type(child).__name__, why))
         else:
@@ -566,7 +616,7 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
     report.sizes = _sizes(done.values())
     unexpected = [s for s in report.skipped if s[2] not in ("filter_fn", "already quantized")]
     if unexpected:
-        warnings.warn(f"quantize_model: kept {len(unexpected)} linear layer(s) in float: "
+        warnings.warn(f"quantize_model: kept {len(unexpected)} weight layer(s) in float: "
                       + "; ".join(f"{n} ({k}): {r}" for n, k, r in unexpected), stacklevel=2)
     return report
 
@@ -579,9 +629,11 @@ def load_quantized(model: torch.nn.Module, state_dict: dict, *, implementation=N
     Each ``nn.Linear`` of ``model`` whose entry in ``state_dict`` holds HNLQ codes (the
     ``_extra_state`` a :class:`QuantizedLinear` saves: format version, config, in_features,
     rotation) is replaced, in place, by an empty ``QuantizedLinear`` built from that extra state
-    (on the linear's device; scales and bias in the saved scales' dtype); then the whole state
-    dict loads, its codes checked as every load checks them. The result computes bit for bit as
-    the model that was saved.
+    (on the linear's device; scales and bias in the saved scales' dtype), after each
+    ``nn.MultiheadAttention`` whose projections were saved as ``q_proj`` / ``k_proj`` /
+    ``v_proj`` is split as :func:`quantize_model` splits it; then the whole state dict loads,
+    its codes checked as every load checks them. The result computes bit for bit as the model
+    that was saved.
 
     Args:
       model: the float model (e.g. freshly built from its config: its float weights are
@@ -599,6 +651,8 @@ def load_quantized(model: torch.nn.Module, state_dict: dict, *, implementation=N
         saved shape, a corrupted or foreign header, or codes out of range (naming the layer);
         torch's errors for missing or unexpected keys when ``strict``.
     """
+    _split_attentions(model, lambda name, attention, split: any(
+        key.startswith(f"{name}.{p}.") for key in state_dict for p in _PROJECTIONS[:3]))
     for key, state in state_dict.items():
         if not key.endswith("_extra_state") or not (isinstance(state, dict)
                                                     and "format_version" in state):

@@ -673,7 +673,7 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
     (:func:`hnlq_jax.rows.rows_codes` at the calibrated beta) without ``calibration``, or by
     compensated rounding (:func:`hnlq_jax.ptq.gptq_rows`) against the Hessian of its inputs
     with it, by default in the recommended setting (rotated, activation order,
-    ``criterion="f"``, ``damp=0.1``: :data:`hnlq_jax.ptq.RECOMMENDED`; any option given
+    ``criterion="f"``, ``damp=0.01``: :data:`hnlq_jax.ptq.RECOMMENDED`; any option given
     overrides it). The result is what :func:`export_params` returns, so the same architecture built
     with :class:`QDense` layers applies it (``model.apply(inference, x)``) and it saves and
     loads the same way (:func:`import_params`).

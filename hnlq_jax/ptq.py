@@ -69,7 +69,7 @@ CALIBRATION_OPTIONS = {"act_order": None, "damp": None, "criterion": None,
 # What those front doors do, given calibration, for each option left at None: the setting
 # measured best on a pretrained model (docs/ptq.md, "Which setting"). Without calibration
 # (round-to-nearest) rotate=None is False.
-RECOMMENDED = {"rotate": True, "act_order": True, "criterion": "f", "damp": 0.1}
+RECOMMENDED = {"rotate": True, "act_order": True, "criterion": "f", "damp": DAMP}
 
 
 def check_calibration_options(fn: str, calibration, **options):

@@ -486,7 +486,7 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
     (under ``torch.no_grad()``); each layer is then coded by
     :func:`hnlq_jax.ptq.gptq_rows` (compensated rounding) instead of round-to-nearest, by
     default in the recommended setting (rotated, activation order, ``criterion="f"``,
-    ``damp=0.1``: :data:`hnlq_jax.ptq.RECOMMENDED`; any option given overrides it). All
+    ``damp=0.01``: :data:`hnlq_jax.ptq.RECOMMENDED`; any option given overrides it). All
     layers' Hessians are held at once: ``4 * in^2`` bytes per layer. With ``sequential=True``
     the layers are taken one at a time in ``named_modules`` order (which should be the order
     the forward pass reaches them): ``run(model)`` is called once per layer, with only that

@@ -6,7 +6,10 @@
 // buffer that stays in L1 and multiplies the chunk into every activation row while it is hot.
 // The dense weight never exists in memory. Decoding is decode_rows.h's, so the decoded weights
 // are the XLA reference's bit for bit (only the sums run in another order); bf16 rounds them
-// to bfloat16 when the activations are bfloat16.
+// to bfloat16 when the activations are bfloat16. The register path without dither or bf16
+// sums x * (c * 2^(alpha T)) and multiplies each row's sums once by beta * cart * row_scale
+// (Dot): the decode's three per-weight multiplies become one per row. For row codes
+// (beta = 1, cart and the steps powers of two) each term is still x * w_hat exactly.
 //
 // Inputs: x f32[B, K] and the codes' arguments (decode_rows.h). Output y f32[B, N].
 
@@ -29,13 +32,19 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
 }
-// A sink that multiplies decoded registers into NB activation rows' sums.
-template <int NB>
+// A sink that multiplies decoded registers into NB activation rows' sums. Folded: the sums
+// are of x * (c * s), and the row's factor beta * cart * row_scale is applied once, to the
+// sums (p.fold: no dither, no bf16 rounding; each term then differs from x * w_hat by float
+// rounding only, the NaN of a failed block included); else of x * w_hat, the weights decoded
+// bit for bit (finish_avx2).
+template <int NB, bool Fold>
 struct Dot {
   const float* x;  // activation row 0 at the first decoded weight
   int64_t K;       // row stride of x
+  RowConsts k;
   __m256 acc[NB];
-  __attribute__((target("avx2,fma"))) void operator()(int64_t o, __m256 w) {
+  __attribute__((target("avx2,fma"))) void operator()(int64_t o, __m256i c, __m256 s) {
+    const __m256 w = Fold ? _mm256_mul_ps(_mm256_cvtepi32_ps(c), s) : finish_avx2(k, c, s);
     for (int b = 0; b < NB; ++b)
       acc[b] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + b * K + o), acc[b]);
   }
@@ -44,16 +53,17 @@ struct Dot {
 // Small batches (NB rows of x): each weight register is multiplied into the sums as it is
 // decoded, with no buffer. Row r's whole registers (those inside K) go this way; the ragged
 // end through decode_row and scalar sums. y[b * N + r] = the row's product with x row b.
-template <typename Index, int D, int NB>
+template <typename Index, int D, int NB, bool Fold>
 __attribute__((target("avx2,fma"))) void row_dot_avx2(const Problem& p, int64_t r) {
-  Dot<NB> sink{p.x, p.K, {}};
+  Dot<NB, Fold> sink{p.x, p.K, row_consts_of<D>(p, r), {}};
   for (int b = 0; b < NB; ++b) sink.acc[b] = _mm256_setzero_ps();
   const int64_t whole = p.K / 8 * (8 / D);  // blocks in whole registers inside K
   const int64_t j = D == 4 ? pairs_avx2(p, r, 0, whole, sink)
                            : horner_avx2<Index>(p, r, 0, whole, sink);
+  const float factor = Fold ? p.beta * p.cart * (p.scale ? p.scale[r] : 1.0f) : 1.0f;
   float tail[16];
   float sums[NB];
-  for (int b = 0; b < NB; ++b) sums[b] = hsum(sink.acc[b]);
+  for (int b = 0; b < NB; ++b) sums[b] = Fold ? hsum(sink.acc[b]) * factor : hsum(sink.acc[b]);
   for (int64_t j0 = j; j0 < p.nb; j0 += 16 / D) {
     const int64_t j1 = std::min(p.nb, j0 + 16 / D);
     decode_row<Index, D>(p, r, j0, j1, tail);
@@ -61,6 +71,18 @@ __attribute__((target("avx2,fma"))) void row_dot_avx2(const Problem& p, int64_t 
       for (int b = 0; b < NB; ++b) sums[b] += p.x[b * p.K + k] * tail[k - j0 * D];
   }
   for (int b = 0; b < NB; ++b) p.y[b * p.N + r] = sums[b];
+}
+#endif
+
+#ifdef HNLQ_X86
+template <typename Index, int D, bool Fold>
+__attribute__((target("avx2,fma"))) void rows_dot(const Problem& p, int64_t r) {
+  switch (p.B) {
+    case 1: return row_dot_avx2<Index, D, 1, Fold>(p, r);
+    case 2: return row_dot_avx2<Index, D, 2, Fold>(p, r);
+    case 3: return row_dot_avx2<Index, D, 3, Fold>(p, r);
+    default: return row_dot_avx2<Index, D, 4, Fold>(p, r);
+  }
 }
 #endif
 
@@ -153,14 +175,8 @@ inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0
 #ifdef HNLQ_X86
   if constexpr (AVX2 && (D == 4 || D == 8)) {  // small batches: no buffer
     if (p.mode == (D == 4 ? kPairs : kHorner) && p.B <= kFusedRows) {
-      for (int64_t r = r0; r < r0 + R; ++r) {
-        switch (p.B) {
-          case 1: row_dot_avx2<Index, D, 1>(p, r); break;
-          case 2: row_dot_avx2<Index, D, 2>(p, r); break;
-          case 3: row_dot_avx2<Index, D, 3>(p, r); break;
-          default: row_dot_avx2<Index, D, 4>(p, r); break;
-        }
-      }
+      for (int64_t r = r0; r < r0 + R; ++r) p.fold ? rows_dot<Index, D, true>(p, r)
+                                                    : rows_dot<Index, D, false>(p, r);
       return;
     }
   }

@@ -52,6 +52,8 @@ struct Problem {
   int64_t B, K, N, nb, M, d, tb, qd, q;
   float beta, cart;
   bool t4, bf16, u16;
+  bool fold;                   // no dither and no bf16 rounding: a product may apply
+                               // beta * cart * row_scale once per row (decode_matmul.cc)
   int64_t mode;                // a Mode: the codebook's layout
   const float* pair_steps;     // 4-bit T: [256][8] steps of both blocks of a byte; else null
 };
@@ -134,10 +136,17 @@ __attribute__((target("avx2,fma"))) inline __m256 finish_avx2(const RowConsts& k
   return w;
 }
 
-__attribute__((target("avx2,fma"))) inline RowConsts row_consts(const Problem& p, int64_t r,
-                                                                __m256 z) {
+// The constants of row r's decode for a register of 8 weights of d-blocks (d = 4: two blocks,
+// the dither twice; d = 8: one).
+template <int D>
+__attribute__((target("avx2,fma"))) inline RowConsts row_consts_of(const Problem& p,
+                                                                   int64_t r) {
+  const float* z = p.dither;
   return RowConsts{_mm256_set1_ps(p.beta), _mm256_set1_ps(p.cart),
-                   _mm256_set1_ps(p.scale ? p.scale[r] : 1.0f), z, p.scale != nullptr, p.bf16};
+                   _mm256_set1_ps(p.scale ? p.scale[r] : 1.0f),
+                   D == 4 ? _mm256_setr_ps(z[0], z[1], z[2], z[3], z[0], z[1], z[2], z[3])
+                          : _mm256_loadu_ps(z),
+                   p.scale != nullptr, p.bf16};
 }
 
 inline float step_of(const Problem& p, const uint8_t* tf, int64_t j) {
@@ -145,17 +154,16 @@ inline float step_of(const Problem& p, const uint8_t* tf, int64_t j) {
 }
 
 // Decodes blocks [j0, j1) of row r (j0 even) a register at a time, handing each register of 8
-// weights to sink(offset of its first weight from block j0, weights); returns the first block
-// not decoded (the caller finishes the rest with decode_row).
+// weights to sink(offset of its first weight from block j0, c, s): the int32 lattice
+// coordinates c and the blocks' steps s (2^(alpha T), NaN for a failed block), which
+// finish_avx2 turns into the weights; returns the first block not decoded (the caller
+// finishes the rest with decode_row).
 template <typename Sink>
 __attribute__((target("avx2,fma"))) inline int64_t pairs_avx2(const Problem& p, int64_t r,
                                                               int64_t j0, int64_t j1,
                                                               Sink& sink) {
   const uint16_t* key = static_cast<const uint16_t*>(p.index) + (r * p.nb + j0);
   const uint8_t* tf = p.tfield + r * p.tb;
-  const RowConsts k = row_consts(
-      p, r, _mm256_setr_ps(p.dither[0], p.dither[1], p.dither[2], p.dither[3], p.dither[0],
-                           p.dither[1], p.dither[2], p.dither[3]));
   const int32_t* table = reinterpret_cast<const int32_t*>(p.codebook);
   const float* pair_steps = p.pair_steps;  // non-null with a 4-bit field: both blocks' T a byte
   int64_t j = j0;
@@ -164,7 +172,7 @@ __attribute__((target("avx2,fma"))) inline int64_t pairs_avx2(const Problem& p, 
     const __m256 s = pair_steps ? _mm256_loadu_ps(pair_steps + 8 * tf[j >> 1])
                                 : _mm256_set_m128(_mm_set1_ps(step_of(p, tf, j + 1)),
                                                   _mm_set1_ps(step_of(p, tf, j)));
-    sink((j - j0) * 4, finish_avx2(k, _mm256_cvtepi8_epi32(raw), s));
+    sink((j - j0) * 4, _mm256_cvtepi8_epi32(raw), s);
   }
   return j;
 }
@@ -175,7 +183,6 @@ __attribute__((target("avx2,fma"))) inline int64_t horner_avx2(const Problem& p,
                                                                Sink& sink) {
   const Index* idx = static_cast<const Index*>(p.index) + (r * p.nb + j0) * p.M;
   const uint8_t* tf = p.tfield + r * p.tb;
-  const RowConsts rk = row_consts(p, r, _mm256_loadu_ps(p.dither));
   const int8_t* codebook = p.codebook;
   const int64_t M = p.M, qd = p.qd;
   const int shifts = __builtin_ctzll(static_cast<unsigned long long>(p.q));
@@ -192,7 +199,7 @@ __attribute__((target("avx2,fma"))) inline int64_t horner_avx2(const Problem& p,
       c = _mm_add_epi8(c, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codebook + k * 8)));
     }
     if (bad) s = nan;
-    sink((j - j0) * 8, finish_avx2(rk, _mm256_cvtepi8_epi32(c), _mm256_set1_ps(s)));
+    sink((j - j0) * 8, _mm256_cvtepi8_epi32(c), _mm256_set1_ps(s));
   }
   return j1;
 }
@@ -200,8 +207,9 @@ __attribute__((target("avx2,fma"))) inline int64_t horner_avx2(const Problem& p,
 // A sink that stores decoded registers into a buffer.
 struct Store {
   float* out;
-  __attribute__((target("avx2,fma"))) void operator()(int64_t o, __m256 w) {
-    _mm256_storeu_ps(out + o, w);
+  RowConsts k;
+  __attribute__((target("avx2,fma"))) void operator()(int64_t o, __m256i c, __m256 s) {
+    _mm256_storeu_ps(out + o, finish_avx2(k, c, s));
   }
 };
 
@@ -209,7 +217,7 @@ struct Store {
 template <typename Index, int D>
 __attribute__((target("avx2,fma"))) void decode_row_avx2(const Problem& p, int64_t r,
                                                           int64_t j0, int64_t j1, float* out) {
-  Store sink{out};
+  Store sink{out, row_consts_of<D>(p, r)};
   int64_t j = j0;
   if (D == 4 && p.mode == kPairs) j = pairs_avx2(p, r, j0, j1, sink);
   if (D == 8 && p.mode == kHorner) j = horner_avx2<Index>(p, r, j0, j1, sink);
@@ -311,6 +319,7 @@ inline ffi::Error set_codes(const char* kernel, const CodesView& v, const Attrs&
   if (e.failure()) return e;
   p.index = v.index; p.tfield = v.tfield; p.scale = v.scales ? v.scale : nullptr;
   p.codebook = v.codebook; p.pow2 = v.pow2; p.dither = v.dither;
+  p.fold = !p.bf16 && std::all_of(v.dither, v.dither + p.d, [](float z) { return z == 0.0f; });
   p.pair_steps = nullptr;
   if (a.t4) {
     for (int t = 0; t < 256; ++t)

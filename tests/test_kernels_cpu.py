@@ -14,8 +14,9 @@ from hnlq_jax.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"{cpu.why_unavailable()}")
 
-# Every layout the kernel has (pairs: D4 q4 M2; int8 Horner: E8 q2/q4; generic: the rest),
-# both T field widths, dithers, a lattice of each dimension the kernel takes
+# Every layout the kernel has (pairs: D4 q4 M2; int8 Horner: E8 q2; packed 4-bit words: E8
+# q4; generic: the rest), with and without a dither (the register product folds the row's
+# factors only without), both T field widths, a lattice of each dimension the kernel takes
 CONFIGS = {
     "D4-q4-M2": hq.HNLQConfig("D4", 4, 2, beta=0.2016),
     "D4-q3-M3": hq.HNLQConfig("D4", 3, 3, beta=0.3),
@@ -23,6 +24,7 @@ CONFIGS = {
     "E8-q4-M2": hq.HNLQConfig("E8", 4, 2, beta=0.25),
     "E8-q2-M3-dither": hq.HNLQConfig("E8", 2, 3, beta=0.4, dither=tuple(np.linspace(-.2, .2, 8))),
     "E8-q4-M3": hq.HNLQConfig("E8", 4, 3, beta=0.1),
+    "E8-q2-M2": hq.HNLQConfig("E8", 2, 2, beta=0.3),
     "Z2-q8-M2": hq.HNLQConfig("Z2", 8, 2, beta=0.2),
     "D4-q4-M2-dither": hq.HNLQConfig("D4", 4, 2, beta=0.2016, dither=(0.01, -0.02, 0.03, 0.0)),
 }

@@ -85,18 +85,24 @@ def unsupported(config: HNLQConfig) -> str | None:
 
 
 # The codebook argument's layouts (the kernel's Mode): r itself; the two-level table of
-# a 16-bit key k0 + 256 k1; r with int8 Horner sums.
-_GENERIC, _PAIRS, _HORNER = 0, 1, 2
+# a 16-bit key k0 + 256 k1; r with int8 Horner sums; r as 32-bit words of 4-bit coordinates
+# (excess 7) with int32 sums.
+_GENERIC, _PAIRS, _HORNER, _PACKED = 0, 1, 2, 3
 
 
 def _mode(config: HNLQConfig, table) -> int:
-    """The fastest layout whose int8 sums cannot wrap for ``config``."""
+    """The fastest layout for ``config`` whose sums cannot wrap."""
     q, M, top = config.q, config.M, int(np.abs(table).max())
     fits = top * sum(q**m for m in range(M)) <= 127  # |sum_m q^m r_m| in every partial sum
     if fits and config.d == 4 and M == 2 and q**4 == 256:
         return _PAIRS
-    if fits and config.d == 8 and not q & (q - 1):
-        return _HORNER
+    if config.d == 8 and not q & (q - 1):
+        # A table too large for L2 as 8 bytes a row (E8 q = 4: 512 KiB) in half the bytes,
+        # where every coordinate is a 4-bit excess-7 value.
+        if len(table) >= 2**16 and table.min() >= -7 and table.max() <= 8:
+            return _PACKED
+        if fits:
+            return _HORNER
     return _GENERIC
 
 
@@ -106,7 +112,8 @@ def _tables(config: HNLQConfig):
 
     The codebook is padded to the index dtype's whole range so that any stored index reads in
     bounds (the kernel marks indices >= q^d failed); in the pair layout it is the table of
-    ``r(k0) + q r(k1)`` over all 65,536 keys. ``pow2[u]`` is ``2^(alpha (u - 1))`` for a valid
+    ``r(k0) + q r(k1)`` over all 65,536 keys, in the packed layout one 32-bit word a row
+    (two an 8-byte row of the argument). ``pow2[u]`` is ``2^(alpha (u - 1))`` for a valid
     T field value u and NaN otherwise (u = 0: a failed block; u > max_T + 1: corrupted).
     """
     table = codebook_table(config.lattice, config.q)
@@ -117,6 +124,10 @@ def _tables(config: HNLQConfig):
     if mode == _PAIRS:  # key = k0 + 256 k1 (little-endian uint16 of the two index bytes)
         codebook = (table[:, None, :] * config.q + table[None, :, :]).reshape(-1, 4)
         codebook = codebook.astype(np.int8)
+    if mode == _PACKED:  # word k = sum_i (r_i + 7) 16^i, two words an 8-byte row
+        words = np.zeros(rows, np.uint32)
+        words[:len(table)] = np.sum((table + 7).astype(np.uint32) << (4 * np.arange(8)), axis=1)
+        codebook = words.view(np.int8).reshape(-1, 8)
     steps = pow2_table(config.alpha, config.max_T).astype(np.float32)  # as _numerics.pow2
     pow2 = np.full(256, np.nan, np.float32)
     pow2[1:config.max_T + 2] = steps

@@ -58,8 +58,7 @@ __attribute__((target("avx2,fma"))) void row_dot_avx2(const Problem& p, int64_t 
   Dot<NB, Fold> sink{p.x, p.K, row_consts_of<D>(p, r), {}};
   for (int b = 0; b < NB; ++b) sink.acc[b] = _mm256_setzero_ps();
   const int64_t whole = p.K / 8 * (8 / D);  // blocks in whole registers inside K
-  const int64_t j = D == 4 ? pairs_avx2(p, r, 0, whole, sink)
-                           : horner_avx2<Index>(p, r, 0, whole, sink);
+  const int64_t j = registers_avx2<Index, D>(p, r, 0, whole, sink);
   const float factor = Fold ? p.beta * p.cart * (p.scale ? p.scale[r] : 1.0f) : 1.0f;
   float tail[16];
   float sums[NB];
@@ -174,7 +173,7 @@ inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0
   const int64_t blocks = kChunk / d;  // blocks per chunk; kChunk is a multiple of d
 #ifdef HNLQ_X86
   if constexpr (AVX2 && (D == 4 || D == 8)) {  // small batches: no buffer
-    if (p.mode == (D == 4 ? kPairs : kHorner) && p.B <= kFusedRows) {
+    if (registers_apply<D>(p) && p.B <= kFusedRows) {
       for (int64_t r = r0; r < r0 + R; ++r) p.fold ? rows_dot<Index, D, true>(p, r)
                                                     : rows_dot<Index, D, false>(p, r);
       return;

@@ -37,8 +37,14 @@
 namespace hnlq {
 
 // The codebook argument's layout (chosen by hnlq_jax.kernels.cpu, see pairs_avx2 and
-// horner_avx2): kGeneric and kHorner pass r itself, kPairs the two-level table.
-enum Mode : int64_t { kGeneric = 0, kPairs = 1, kHorner = 2 };
+// horner_avx2): kGeneric and kHorner pass r itself, kPairs the two-level table, kPacked r as
+// one 32-bit word a row (8 coordinates of 4 bits, excess 7: r_i = nibble_i - 7), half the
+// bytes of kHorner's table (E8 q = 4: 256 KiB, which stays in a 512 KiB L2).
+enum Mode : int64_t { kGeneric = 0, kPairs = 1, kHorner = 2, kPacked = 3 };
+
+inline int32_t packed_coordinate(uint32_t word, int i) {
+  return static_cast<int32_t>((word >> (4 * i)) & 15u) - 7;
+}
 
 struct Problem {
   const float* x;
@@ -91,6 +97,12 @@ inline __attribute__((always_inline)) void decode_row(const Problem& p, int64_t 
     for (int64_t m = 0; m < (p.mode == kPairs ? 0 : p.M); ++m, weight *= p.q) {
       const int64_t k = idx[m];
       bad |= k >= p.qd;
+      if (p.mode == kPacked) {
+        const uint32_t word = reinterpret_cast<const uint32_t*>(p.codebook)[k];
+        for (int i = 0; i < d; ++i)
+          c[i] += static_cast<int32_t>(weight) * packed_coordinate(word, i);
+        continue;
+      }
       const int8_t* row = p.codebook + k * d;
       for (int i = 0; i < d; ++i) c[i] += static_cast<int32_t>(weight) * row[i];
     }
@@ -204,6 +216,60 @@ __attribute__((target("avx2,fma"))) inline int64_t horner_avx2(const Problem& p,
   return j1;
 }
 
+// kHorner's sums from the kPacked table: each level's word spread over 8 int32 lanes by
+// variable shifts, c = (...(n_{M-1} q + n_{M-2}) q + ...) + n_0 - 7 (q^{M-1} + ... + 1).
+template <typename Index, typename Sink>
+__attribute__((target("avx2,fma"))) inline int64_t packed_avx2(const Problem& p, int64_t r,
+                                                               int64_t j0, int64_t j1,
+                                                               Sink& sink) {
+  const Index* idx = static_cast<const Index*>(p.index) + (r * p.nb + j0) * p.M;
+  const uint8_t* tf = p.tfield + r * p.tb;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(p.codebook);
+  const int64_t M = p.M, qd = p.qd;
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(p.q));
+  int32_t ones = 0;  // q^{M-1} + ... + 1
+  for (int64_t m = 0; m < M; ++m) ones = ones * static_cast<int32_t>(p.q) + 1;
+  const __m256i lanes = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i nibble = _mm256_set1_epi32(15), bias = _mm256_set1_epi32(-7 * ones);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t j = j0; j < j1; ++j, idx += M) {
+    float s = step_of(p, tf, j);
+    int64_t k = idx[M - 1];
+    bool bad = k >= qd;
+    __m256i c = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(words[k])), lanes), nibble);
+    for (int64_t m = M - 2; m >= 0; --m) {
+      k = idx[m];
+      bad |= k >= qd;
+      const __m256i n = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(words[k])), lanes), nibble);
+      c = _mm256_add_epi32(_mm256_slli_epi32(c, shift), n);
+    }
+    if (bad) s = nan;
+    sink((j - j0) * 8, _mm256_add_epi32(c, bias), _mm256_set1_ps(s));
+  }
+  return j1;
+}
+
+// The register decode of blocks [j0, j1) of row r in the codebook's layout (kPairs for d = 4,
+// kHorner or kPacked for d = 8; the caller checked that one applies).
+template <typename Index, int D, typename Sink>
+__attribute__((target("avx2,fma"))) inline int64_t registers_avx2(const Problem& p, int64_t r,
+                                                                  int64_t j0, int64_t j1,
+                                                                  Sink& sink) {
+  if constexpr (D == 4)
+    return pairs_avx2(p, r, j0, j1, sink);
+  else
+    return p.mode == kPacked ? packed_avx2<Index>(p, r, j0, j1, sink)
+                             : horner_avx2<Index>(p, r, j0, j1, sink);
+}
+
+// Whether the register decode applies to the codes (else decode_row, a weight at a time).
+template <int D>
+inline bool registers_apply(const Problem& p) {
+  return D == 4 ? p.mode == kPairs : D == 8 && (p.mode == kHorner || p.mode == kPacked);
+}
+
 // A sink that stores decoded registers into a buffer.
 struct Store {
   float* out;
@@ -218,9 +284,7 @@ template <typename Index, int D>
 __attribute__((target("avx2,fma"))) void decode_row_avx2(const Problem& p, int64_t r,
                                                           int64_t j0, int64_t j1, float* out) {
   Store sink{out, row_consts_of<D>(p, r)};
-  int64_t j = j0;
-  if (D == 4 && p.mode == kPairs) j = pairs_avx2(p, r, j0, j1, sink);
-  if (D == 8 && p.mode == kHorner) j = horner_avx2<Index>(p, r, j0, j1, sink);
+  const int64_t j = registers_apply<D>(p) ? registers_avx2<Index, D>(p, r, j0, j1, sink) : j0;
   if (j < j1) decode_row<Index, D>(p, r, j, j1, out + (j - j0) * D);
 }
 #endif  // HNLQ_X86
@@ -304,12 +368,13 @@ inline ffi::Error set_codes(const char* kernel, const CodesView& v, const Attrs&
   p.beta = a.beta; p.cart = a.cart; p.t4 = a.t4; p.bf16 = a.bf16; p.u16 = v.u16;
   p.mode = a.mode;
   const int64_t range = v.u16 ? 65536 : 256;
-  const bool pairs = a.mode == kPairs;
+  const bool pairs = a.mode == kPairs, packed = a.mode == kPacked;
   ffi::Error e = check(
       p.d >= 1 && p.d <= 8 && 512 % p.d == 0 && a.qd >= 1 && a.qd <= range && p.M >= 1 &&
-          a.q >= 2 && v.rows == (pairs ? 65536 : range) && a.mode >= kGeneric &&
-          a.mode <= kHorner && (!pairs || (!v.u16 && p.M == 2 && a.qd == 256)) &&
-          (a.mode != kHorner || (p.d == 8 && (a.q & (a.q - 1)) == 0)),
+          a.q >= 2 && v.rows == (pairs ? 65536 : packed ? range / 2 : range) &&
+          a.mode >= kGeneric && a.mode <= kPacked &&
+          (!pairs || (!v.u16 && p.M == 2 && a.qd == 256)) &&
+          ((a.mode != kHorner && !packed) || (p.d == 8 && (a.q & (a.q - 1)) == 0)),
       kernel, "codebook must be s8[index range, d <= 8] in a layout that fits the codes");
   if (e.failure()) return e;
   e = check(p.N >= 0 && p.nb >= 1 && p.K > (p.nb - 1) * p.d && p.K <= p.nb * p.d &&

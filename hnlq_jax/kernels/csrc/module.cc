@@ -42,7 +42,9 @@ struct DirectArgs {
                            reinterpret_cast<const uint8_t*>(tfield), N, tb,
                            reinterpret_cast<const float*>(scale), has_scale ? N : 0,
                            reinterpret_cast<const int8_t*>(codebook),
-                           u16 ? 65536 : (mode == hnlq::kPairs ? 65536 : 256), d,
+                           mode == hnlq::kPairs ? 65536
+                               : (u16 ? 65536 : 256) / (mode == hnlq::kPacked ? 2 : 1),
+                           d,
                            reinterpret_cast<const float*>(pow2), 256,
                            reinterpret_cast<const float*>(dither), d};
   }

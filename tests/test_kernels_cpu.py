@@ -53,6 +53,19 @@ def test_decoded_weights_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
+def test_a_row_does_not_depend_on_the_batch(name):
+    """A row of x gives the same bits in a batch of up to 4 rows (decoded registers straight
+    into the sums) as in a larger one (through the buffer), for rows of up to 512 weights: both
+    paths fold the row's factors alike (or neither, with a dither)."""
+    codes = _weight(CONFIGS[name], 13, 203)
+    x = np.random.default_rng(4).standard_normal((9, 203)).astype(np.float32)
+    native = jax.jit(lambda x, c: hq.matmul(x, c, implementation="native"))
+    full = np.asarray(native(x, codes))
+    for b in (1, 2, 4):
+        np.testing.assert_array_equal(np.asarray(native(x[:b], codes)), full[:b])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
 def test_decode_bit_for_bit(name):
     """hq.decode's native kernel equals the XLA path exactly: row codes of a ragged row
     (scale applied), block codes with leading axes, eagerly (a bucket's flat batch as rows of

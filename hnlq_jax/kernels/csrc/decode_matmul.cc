@@ -6,9 +6,9 @@
 // buffer that stays in L1 and multiplies the chunk into every activation row while it is hot.
 // The dense weight never exists in memory. Decoding is decode_rows.h's, so the decoded weights
 // are the XLA reference's bit for bit (only the sums run in another order); bf16 rounds them
-// to bfloat16 when the activations are bfloat16. The register path without dither or bf16
-// sums x * (c * 2^(alpha T)) and multiplies each row's sums once by beta * cart * row_scale
-// (Dot): the decode's three per-weight multiplies become one per row. For row codes
+// to bfloat16 when the activations are bfloat16. With AVX2, without dither or bf16, both
+// paths sum x * (c * 2^(alpha T)) and multiply each row's sums once by beta * cart * row_scale
+// (Dot, row_tile): the decode's three per-weight multiplies become one per row. For row codes
 // (beta = 1, cart and the steps powers of two) each term is still x * w_hat exactly.
 //
 // Inputs: x f32[B, K] and the codes' arguments (decode_rows.h). Output y f32[B, N].
@@ -32,11 +32,16 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
 }
+// What a folded product multiplies row r's sums by.
+inline float row_factor(const Problem& p, int64_t r) {
+  return p.beta * p.cart * (p.scale ? p.scale[r] : 1.0f);
+}
+
 // A sink that multiplies decoded registers into NB activation rows' sums. Folded: the sums
 // are of x * (c * s), and the row's factor beta * cart * row_scale is applied once, to the
 // sums (p.fold: no dither, no bf16 rounding; each term then differs from x * w_hat by float
-// rounding only, the NaN of a failed block included); else of x * w_hat, the weights decoded
-// bit for bit (finish_avx2).
+// rounding only, the NaN of a failed block included; the buffer path folds alike, so that
+// both give the same sums); else of x * w_hat, the weights decoded bit for bit (finish_avx2).
 template <int NB, bool Fold>
 struct Dot {
   const float* x;  // activation row 0 at the first decoded weight
@@ -59,17 +64,17 @@ __attribute__((target("avx2,fma"))) void row_dot_avx2(const Problem& p, int64_t 
   for (int b = 0; b < NB; ++b) sink.acc[b] = _mm256_setzero_ps();
   const int64_t whole = p.K / 8 * (8 / D);  // blocks in whole registers inside K
   const int64_t j = registers_avx2<Index, D>(p, r, 0, whole, sink);
-  const float factor = Fold ? p.beta * p.cart * (p.scale ? p.scale[r] : 1.0f) : 1.0f;
   float tail[16];
   float sums[NB];
-  for (int b = 0; b < NB; ++b) sums[b] = Fold ? hsum(sink.acc[b]) * factor : hsum(sink.acc[b]);
+  for (int b = 0; b < NB; ++b) sums[b] = hsum(sink.acc[b]);
   for (int64_t j0 = j; j0 < p.nb; j0 += 16 / D) {
     const int64_t j1 = std::min(p.nb, j0 + 16 / D);
-    decode_row<Index, D>(p, r, j0, j1, tail);
+    decode_row<Index, D, Fold>(p, r, j0, j1, tail);
     for (int64_t k = j0 * D; k < std::min(p.K, j1 * D); ++k)
       for (int b = 0; b < NB; ++b) sums[b] += p.x[b * p.K + k] * tail[k - j0 * D];
   }
-  for (int b = 0; b < NB; ++b) p.y[b * p.N + r] = sums[b];
+  const float factor = Fold ? row_factor(p, r) : 1.0f;
+  for (int b = 0; b < NB; ++b) p.y[b * p.N + r] = Fold ? sums[b] * factor : sums[b];
 }
 #endif
 
@@ -188,10 +193,17 @@ inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0
 #ifdef HNLQ_X86
     if (AVX2) {
       for (int64_t r = 0; r < R; ++r) {
-        if constexpr (D == 4 || D == 8)
-          decode_row_avx2<Index, D>(p, r0 + r, j0, j1, buf + r * kChunk);
-        else
-          decode_row<Index, D>(p, r0 + r, j0, j1, buf + r * kChunk);
+        float* out = buf + r * kChunk;
+        if constexpr (D == 4 || D == 8) {
+          if (p.fold)
+            decode_row_avx2<Index, D, true>(p, r0 + r, j0, j1, out);
+          else
+            decode_row_avx2<Index, D>(p, r0 + r, j0, j1, out);
+        } else if (p.fold) {
+          decode_row<Index, D, true>(p, r0 + r, j0, j1, out);
+        } else {
+          decode_row<Index, D>(p, r0 + r, j0, j1, out);
+        }
       }
       tile_product_avx2(p, k0, len, buf, kChunk, R, acc);
       continue;
@@ -200,8 +212,12 @@ inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0
     for (int64_t r = 0; r < R; ++r) decode_row<Index, D>(p, r0 + r, j0, j1, buf + r * kChunk);
     tile_product(p, k0, len, buf, kChunk, R, acc);
   }
+  // With AVX2 the sums of folded codes are of x * (c * 2^(alpha T)), as on the register path
+  // (a row's result then does not depend on the batch size, up to kChunk weights a row).
+  const bool folded = AVX2 && p.fold;
   for (int64_t b = 0; b < p.B; ++b)
-    for (int64_t r = 0; r < R; ++r) p.y[b * p.N + r0 + r] = acc[b * R + r];
+    for (int64_t r = 0; r < R; ++r)
+      p.y[b * p.N + r0 + r] = folded ? acc[b * R + r] * row_factor(p, r0 + r) : acc[b * R + r];
 }
 
 // One call's row tiles, claimed until none is left.

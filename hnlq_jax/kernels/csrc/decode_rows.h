@@ -74,8 +74,9 @@ inline float round_bf16(float w) {
   return w;
 }
 
-// Decodes blocks [j0, j1) of row r into out[(j - j0) * d + i].
-template <typename Index, int D>
+// Decodes blocks [j0, j1) of row r into out[(j - j0) * d + i]; Unscaled (p.fold codes only):
+// c * 2^(alpha T), without the row's factor beta * cart * row_scale (decode_matmul.cc).
+template <typename Index, int D, bool Unscaled = false>
 inline __attribute__((always_inline)) void decode_row(const Problem& p, int64_t r, int64_t j0,
                                                        int64_t j1, float* out) {
   const int d = D > 0 ? D : static_cast<int>(p.d);
@@ -109,6 +110,10 @@ inline __attribute__((always_inline)) void decode_row(const Problem& p, int64_t 
     if (bad) s = nan;
     float* o = out + (j - j0) * d;
     for (int i = 0; i < d; ++i) {
+      if (Unscaled) {
+        o[i] = static_cast<float>(c[i]) * s;
+        continue;
+      }
       float w = (p.beta * (static_cast<float>(c[i]) * p.cart - p.dither[i])) * s;
       if (p.scale) w *= rs;
       o[i] = p.bf16 ? round_bf16(w) : w;
@@ -270,22 +275,24 @@ inline bool registers_apply(const Problem& p) {
   return D == 4 ? p.mode == kPairs : D == 8 && (p.mode == kHorner || p.mode == kPacked);
 }
 
-// A sink that stores decoded registers into a buffer.
+// A sink that stores decoded registers into a buffer (Unscaled: as decode_row's).
+template <bool Unscaled>
 struct Store {
   float* out;
   RowConsts k;
   __attribute__((target("avx2,fma"))) void operator()(int64_t o, __m256i c, __m256 s) {
-    _mm256_storeu_ps(out + o, finish_avx2(k, c, s));
+    _mm256_storeu_ps(out + o, Unscaled ? _mm256_mul_ps(_mm256_cvtepi32_ps(c), s)
+                                       : finish_avx2(k, c, s));
   }
 };
 
 // Decodes blocks [j0, j1) of row r into out with the register layouts where they apply.
-template <typename Index, int D>
+template <typename Index, int D, bool Unscaled = false>
 __attribute__((target("avx2,fma"))) void decode_row_avx2(const Problem& p, int64_t r,
                                                           int64_t j0, int64_t j1, float* out) {
-  Store sink{out, row_consts_of<D>(p, r)};
+  Store<Unscaled> sink{out, row_consts_of<D>(p, r)};
   const int64_t j = registers_apply<D>(p) ? registers_avx2<Index, D>(p, r, j0, j1, sink) : j0;
-  if (j < j1) decode_row<Index, D>(p, r, j, j1, out + (j - j0) * D);
+  if (j < j1) decode_row<Index, D, Unscaled>(p, r, j, j1, out + (j - j0) * D);
 }
 #endif  // HNLQ_X86
 

@@ -734,7 +734,7 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
     ptq.check_calibration_options(fn, calibration, act_order=act_order, damp=damp,
                                   criterion=criterion, grid=grid, t_budget=t_budget,
                                   sequential=sequential)
-    rotate, act_order, damp, criterion = ptq.recommended(calibration, rotate, act_order,
+    rotate, act_order, damp, criterion = ptq.recommended(fn, calibration, rotate, act_order,
                                                         damp, criterion)
     params = traverse_util.flatten_dict(variables["params"])
     layers = {path: k for path, k in sorted(_dense_layers(variables["params"]).items())

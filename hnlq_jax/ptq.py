@@ -86,10 +86,18 @@ def check_calibration_options(fn: str, calibration, **options):
                          f"at the default for round-to-nearest")
 
 
-def recommended(calibration, rotate, act_order, damp, criterion) -> tuple:
+def recommended(fn: str, calibration, rotate, act_order, damp, criterion) -> tuple:
     """``(rotate, act_order, damp, criterion)`` with each ``None`` replaced by its
     :data:`RECOMMENDED` value when ``calibration`` is given; without it ``rotate=None`` is
-    ``False`` (round-to-nearest uses none of the others)."""
+    ``False`` (round-to-nearest uses none of the others).
+
+    Raises:
+      TypeError: ``rotate`` or ``act_order`` neither a bool nor ``None`` (naming ``fn``).
+    """
+    for name, flag in (("rotate", rotate), ("act_order", act_order)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{fn}: {name} must be a bool, got {flag!r} (or None: the "
+                            "recommended setting)")
     if calibration is None:
         return bool(rotate), act_order, damp, criterion
     given = {"rotate": rotate, "act_order": act_order, "damp": damp, "criterion": criterion}

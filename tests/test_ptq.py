@@ -305,3 +305,16 @@ def test_calibration_options_changed_need_calibration(options, named):
     with pytest.raises(ValueError, match=f"f: {named}"):
         ptq.check_calibration_options("f", None, **options)
     ptq.check_calibration_options("f", object(), **options)  # with calibration: used
+
+
+def test_recommended_fills_only_what_is_left_out_and_refuses_non_bool_flags():
+    run = object()
+    assert ptq.recommended("f", run, None, None, None, None) == tuple(
+        ptq.RECOMMENDED[k] for k in ("rotate", "act_order", "damp", "criterion"))
+    assert ptq.recommended("f", run, False, None, 0.2, "loss") == (
+        False, ptq.RECOMMENDED["act_order"], 0.2, "loss")
+    assert ptq.recommended("f", None, None, None, None, None) == (False, None, None, None)
+    for bad in ({"rotate": "yes"}, {"act_order": 1}):
+        args = {"rotate": None, "act_order": None, **bad}
+        with pytest.raises(TypeError, match=f"f: {next(iter(bad))} must be a bool"):
+            ptq.recommended("f", run, args["rotate"], args["act_order"], None, None)

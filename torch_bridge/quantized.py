@@ -546,16 +546,15 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
         raise ValueError(f"quantize_model: seed must be a non-negative int, got {seed!r}")
     if criterion not in (None, "loss", "f"):
         raise ValueError(f"quantize_model: criterion must be 'loss' or 'f', got {criterion!r}")
-    for name, flag in (("sequential", sequential), ("rotate", rotate), ("calibrate", calibrate),
-                       ("progress", progress), ("act_order", act_order)):
-        if not isinstance(flag, bool) and not (flag is None and name in ("rotate",
-                                                                          "act_order")):
+    for name, flag in (("sequential", sequential), ("calibrate", calibrate),
+                       ("progress", progress)):
+        if not isinstance(flag, bool):
             raise TypeError(f"quantize_model: {name} must be a bool, got {flag!r}")
     hptq.check_calibration_options("quantize_model", calibration, act_order=act_order,
                                    damp=damp, criterion=criterion, grid=grid,
                                    t_budget=t_budget, sequential=sequential)
-    rotate, act_order, damp, criterion = hptq.recommended(calibration, rotate, act_order,
-                                                         damp, criterion)
+    rotate, act_order, damp, criterion = hptq.recommended("quantize_model", calibration,
+                                                         rotate, act_order, damp, criterion)
     report = QuantizeReport()
 
     def split(name, attention, split):

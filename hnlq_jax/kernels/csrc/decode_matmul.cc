@@ -73,8 +73,7 @@ __attribute__((target("avx2,fma"))) void row_dot_avx2(const Problem& p, int64_t 
     for (int64_t k = j0 * D; k < std::min(p.K, j1 * D); ++k)
       for (int b = 0; b < NB; ++b) sums[b] += p.x[b * p.K + k] * tail[k - j0 * D];
   }
-  const float factor = Fold ? row_factor(p, r) : 1.0f;
-  for (int b = 0; b < NB; ++b) p.y[b * p.N + r] = Fold ? sums[b] * factor : sums[b];
+  for (int b = 0; b < NB; ++b) p.y[b * p.N + r] = Fold ? sums[b] * row_factor(p, r) : sums[b];
 }
 #endif
 

@@ -13,7 +13,8 @@ in one process (best of ``--repeat``):
 and reports the share of blocks that each rescaling step sees (``T - t0`` histogram: t0 is the
 norm-based lower bound every block starts from), the work of the search in units of one
 attempt over all blocks, and the optimized HLO's size (fusions and instructions) of one
-attempt. Writes ``experiments/results/profile_encode.json`` and the table into
+attempt, and the time XLA takes to compile the search for one chunk (the encoder's compile cost:
+a first call per shape pays it). Writes ``experiments/results/profile_encode.json`` and the table into
 ``docs/performance.md``.
 
 Usage: ``python experiments/profile_encode.py [--repeat 9]``
@@ -25,6 +26,7 @@ import argparse
 import json
 import pathlib
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,15 @@ def hlo_size(fn, *args) -> dict:
     text = jax.jit(fn).lower(*args).compile().as_text()
     return {"fusions": len(re.findall(r"^\s*\S+ = \S+ fusion\(", text, re.M)),
             "instructions": len(re.findall(r"^\s*(ROOT )?%?\S+ = ", text, re.M))}
+
+
+def compile_seconds(fn, *args) -> float:
+    """Seconds to lower and compile ``fn(*args)``, from no cache (in memory or on disk)."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax.clear_caches()
+    t = time.perf_counter()
+    jax.jit(fn).lower(*args).compile()
+    return time.perf_counter() - t
 
 
 def profile(name: str, repeat: int) -> dict:
@@ -84,13 +95,14 @@ def profile(name: str, repeat: int) -> dict:
         "ideal_attempts": sum(unresolved) / N,
         "search_in_attempts": times["search"] / times["one attempt"],
         "hlo_one_attempt": hlo_size(attempt, xt),
+        "compile_search_s": compile_seconds(search, x),
     }
 
 
 def table(rows) -> str:
     lines = ["| lattice | level 0 | one attempt | search (= attempts) | encode | ideal attempts "
-             "| blocks per step (% of N) | HLO of one attempt |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| blocks per step (% of N) | HLO of one attempt | compile of the search |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = {k: f"{1e3 * v:.2f} ms" for k, v in r["seconds"].items()}
         share = " / ".join(f"{100 * u / r['n']:.1f}" for u in r["unresolved_before_step"])
@@ -98,7 +110,8 @@ def table(rows) -> str:
         lines.append(f"| {r['lattice']} q=4 M=2 | {t['level 0']} | {t['one attempt']} | "
                      f"{t['search']} ({r['search_in_attempts']:.1f}) | {t['encode']} "
                      f"({r['vec_per_s']['encode']:.3g} vec/s) | {r['ideal_attempts']:.2f} | "
-                     f"{share} | {h['fusions']} fusions, {h['instructions']} instructions |")
+                     f"{share} | {h['fusions']} fusions, {h['instructions']} instructions | "
+                     f"{r['compile_search_s']:.1f} s |")
     return "\n".join(lines)
 
 

@@ -239,13 +239,13 @@ def _search(st: _Search, config: HNLQConfig, scales, z) -> _Search:
 
     One attempt over all n blocks; the blocks still active (a quarter to a half for Gaussian
     data at a calibrated beta) are gathered into the smaller buffer of n/4 or n/2 that holds
-    them and solved there recursively, so each rescaling step costs work in proportion to the
-    blocks that still overload: about 1.5 passes over the data in all, against one full pass
-    per step for a plain loop (which runs when even n/2 is too small, and below
-    ``_COMPACT_MIN`` blocks). Every buffer size is another compiled copy of the attempt: a
-    third size, n/8, ran no faster and made the compile 1.2-1.3x longer (docs/performance.md).
-    The sub-buffer carries only what an unresolved block needs (x, t); a block's result
-    depends on its own data only, so codes do not depend on batching.
+    them and the remaining steps loop over that buffer; a plain loop over all n runs when even
+    n/2 is too small, and below ``_COMPACT_MIN`` blocks. Every buffer size is another compiled
+    copy of the attempt, so the compaction is one level deep: four copies. Compacting the
+    buffers again (recursively) saved a fifth of E8's steady encode time and none of D4's, for
+    13 copies per 2^15-block chunk and a 2-3x longer compile (docs/performance.md, "Where
+    encode spends"). The buffers carry only what an unresolved block needs (x, t); a block's
+    result depends on its own data only, so codes do not depend on batching.
     """
     n = st.x.shape[1]
 
@@ -263,9 +263,9 @@ def _search(st: _Search, config: HNLQConfig, scales, z) -> _Search:
         take = jnp.minimum(idx, n - 1)
         t = s.t[take]
         # Built from t, so that under shard_map they carry x's varying axes.
-        sub = _Search(s.x[:, take], t, s.active[take] & (idx < n),
-                      jnp.broadcast_to(jnp.zeros_like(t), (config.d, cap)), jnp.full_like(t, -1))
-        sub = _search(sub, config, scales, z)
+        sub = loop(_Search(s.x[:, take], t, s.active[take] & (idx < n),
+                           jnp.broadcast_to(jnp.zeros_like(t), (config.d, cap)),
+                           jnp.full_like(t, -1)))
         return s._replace(active=jnp.zeros_like(s.active),
                           digits=s.digits.at[:, idx].set(sub.digits, mode="drop"),
                           T=s.T.at[idx].set(sub.T, mode="drop"))
@@ -352,8 +352,7 @@ def encode_blocks(x, config: HNLQConfig, beta):
         # passes over its arrays, which at 10^6 blocks would each go to memory. The chunks
         # split N evenly, rounded up to a multiple of 1024 blocks (odd sizes vectorize badly:
         # E8 several times slower at 10^6 blocks). A chunk's program is also what XLA
-        # compiles: a search over more than _CHUNK blocks at once would compile about twice
-        # as many copies of the attempt (its compaction nests once more).
+        # compiles: the search it holds is at most _CHUNK blocks.
         nc = -(-N // _CHUNK)
         size = -(-N // (1024 * nc)) * 1024
         xc = jnp.pad(x, ((0, nc * size - N), (0, 0))).reshape(nc, size, x.shape[1])

@@ -247,18 +247,42 @@ def test_new_size_in_a_compiled_bucket_compiles_only_small_glue(compiles):
     assert (n_encode, n_decode, n_quantize) == (3, 3, 1)
 
 
-def test_batch_shape_independence():
-    """Same codes whatever the batch: large batches take the compacted T search."""
+def _first_attempt_overloads(x, cfg):
+    """Share of the blocks of ``x`` that overload at the encoder's first step, the norm bound
+    t0."""
+    from hnlq_jax import codec
+
+    _, thresholds = codec.scale_tables(cfg, cfg.beta, jnp.float32)
+    t0 = np.sum(np.asarray(thresholds)[None] < np.linalg.norm(x, axis=1)[:, None], axis=1)
+    return np.mean(np.asarray(hq.encode(x, cfg).T) > t0)
+
+
+@pytest.mark.parametrize("near", [0.0, 0.25, 1.0])
+def test_batch_shape_independence(near):
+    """Same codes whatever the batch. A batch above 4096 blocks gathers the blocks left after
+    the first attempt into a buffer of a quarter (Gaussian data: 24 % left) or a half (a
+    quarter of the blocks near the bound: 43 %) of the batch, or loops over all of it (every
+    block near the bound, where none fits at its first step t0)."""
+    from hnlq_jax import codec
+
     cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
-    x = np.random.default_rng(0).normal(size=(20000, 4)).astype(np.float32)
+    rng = np.random.default_rng(0)
+    n = 16384  # a bucket of its own: the search sees exactly these blocks
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    # Norms just below the bound of step 2, along a minimal vector: step t0 never fits.
+    th = np.asarray(codec.scale_tables(cfg, cfg.beta, jnp.float32)[1])
+    k = int(near * n)
+    x[:k] = rng.uniform(0.6, 0.95, size=(k, 1)) * th[2] * np.array([1, 1, 0, 0]) / np.sqrt(2)
+    x = rng.permutation(x)
+    share = _first_attempt_overloads(x, cfg)
+    assert {0.0: 0.15 < share <= 0.25, 0.25: 0.3 < share <= 0.5, 1.0: share > 0.5}[near]
     big = hq.encode(x, cfg)
-    assert np.mean(np.asarray(big.T) > 0) > 0.15  # the compaction path is exercised
-    parts = [hq.encode(x[i : i + 1000], cfg) for i in range(0, 20000, 1000)]
+    parts = [hq.encode(x[i : i + 1024], cfg) for i in range(0, n, 1024)]
     np.testing.assert_array_equal(big.labels, np.concatenate([p.labels for p in parts]))
     np.testing.assert_array_equal(big.T, np.concatenate([p.T for p in parts]))
     one = hq.encode(x[123], cfg)
     np.testing.assert_array_equal(one.labels, big.labels[123])
-    stacked = hq.encode(x.reshape(10, 50, 40, 4), cfg)
+    stacked = hq.encode(x.reshape(16, 32, 32, 4), cfg)
     np.testing.assert_array_equal(stacked.T.reshape(-1), big.T)
 
 

@@ -30,7 +30,7 @@ from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_
 from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = ["IMPLEMENTATIONS", "FAILURES", "encode", "decode", "quantize", "matmul",
-           "default_implementation", "resolve", "bucket"]
+           "default_implementation", "resolve", "bucket", "encode_padded"]
 
 IMPLEMENTATIONS = {
     "encode": ("xla", "pallas"),
@@ -143,7 +143,7 @@ def encode(x, config: HNLQConfig, *, implementation=None, interpret=None,
         impl = "xla"
     if not is_concrete(x):
         return _encode(x, config, impl, interpret)
-    index, T = _encode_bucket(_to_bucket(x), config, impl, interpret)
+    index, T = encode_padded(x, config, impl, interpret)
     codes, T, any_failed = _codes_from_bucket(index, T, x.shape[:-1], config)
     if failures == "raise" and any_failed:
         _raise_on_failures(x, np.asarray(T) < 0, config, "encode")
@@ -196,6 +196,15 @@ def encode_flat(flat, config: HNLQConfig, impl: str, interpret):
 
 
 _encode_bucket = jax.jit(encode_flat, static_argnums=(1, 2, 3))
+
+
+def encode_padded(x, config: HNLQConfig, impl: str, interpret=None):
+    """The eager encoder: ``(index [B, M], T [B] int32)`` of the blocks of a concrete
+    ``x[..., d]`` flattened and zero-padded to ``B = bucket(N)`` blocks (the first ``N`` rows
+    are ``x``'s), with no input checks. One compiled encoder per bucket: a new shape compiles
+    only the small padding program.
+    """
+    return _encode_bucket(_to_bucket(x), config, impl, interpret)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))

@@ -16,7 +16,7 @@ import numpy as np
 
 from hnlq_jax import ops
 from hnlq_jax.codec import check_x, encode_blocks, to_blocks
-from hnlq_jax.codes import Codes, concrete_all, pack_t
+from hnlq_jax.codes import Codes, concrete_all, is_concrete, pack_t
 from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.stats import search_beta
 
@@ -107,9 +107,13 @@ def calibrate_rows(w, config: HNLQConfig):
     return search_beta(blocks[idx], config, scale=1.0).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
 def rows_codes(w, config: HNLQConfig, beta, implementation: str = "xla") -> Codes:
     """Row codes of ``w[..., k]`` with per-row scales ``c = beta * rms`` (``beta`` may be traced).
+
+    Traced (under ``jit``), one program. Eager, three: the row scales and blocks, the encoder
+    on the blocks padded to their :func:`hnlq_jax.ops.bucket` (compiled once per bucket: the
+    encoder's compile takes seconds, so a model's layer shapes share it), and the codes'
+    assembly; the first and last compile in a fraction of a second per new shape.
 
     Returns:
       Row :class:`Codes` with blocks ``[..., ceil(k/d)]``, ``scale = c`` (float32 or wider) and
@@ -121,21 +125,47 @@ def rows_codes(w, config: HNLQConfig, beta, implementation: str = "xla") -> Code
     if jnp.ndim(beta) != 0:  # an array would broadcast against the rows, or fail in XLA
         raise ValueError(f"rows_codes: beta must be a scalar (one beta per layer), got shape "
                          f"{jnp.shape(beta)}")
+    if not (is_concrete(w) and is_concrete(beta)):
+        return _rows_codes(w, config, beta, implementation)
+    blocks, c = _scaled_blocks_jit(w, config, beta)
+    index, T = ops.encode_padded(blocks, unit(config), implementation)
+    return _assemble_jit(index, T, c, config, w.shape[-1])
+
+
+def _scaled_blocks(w, config: HNLQConfig, beta):
+    """``(blocks [..., ceil(k/d), d], c [...])``: the rows of ``w`` over ``c = beta * rms``."""
     w = w.astype(jnp.promote_types(w.dtype, jnp.float32))  # half precision: code in float32
     c = beta * row_rms(w)
-    blocks = to_blocks(divide_rows(w, c), config.d)  # [..., nb, d]
+    return to_blocks(divide_rows(w, c), config.d), c
+
+
+def _assemble(index, T, c, config: HNLQConfig, n: int) -> Codes:
+    """Row codes from the first ``prod(c.shape) * ceil(n/d)`` blocks' ``index [.., M]`` and
+    ``T [..]`` (a bucket's, or exactly those)."""
     ucfg = unit(config)
-    flat = blocks.reshape(-1, config.d)
-    if implementation == "xla":
-        index, T = encode_blocks(flat, ucfg, 1.0)
-    else:
-        index, T = ops.encode_flat(flat, ucfg, implementation, None)
-    lead = blocks.shape[:-1]
+    lead = c.shape + (-(-n // config.d),)
+    N = int(np.prod(lead, dtype=np.int64))
     # A scale beyond the float range (beta times a row RMS near the largest float) cannot
     # decode its row: its blocks fail (T = -1), as blocks beyond the overload reach do.
-    T = jnp.where(jnp.isfinite(c)[..., None], T.reshape(lead), -1)
-    codes = Codes(index.reshape(lead + (config.M,)), pack_t(T, ucfg), ucfg)
-    return codes.with_rows(scale=c, n=w.shape[-1])
+    T = jnp.where(jnp.isfinite(c)[..., None], T[:N].reshape(lead), -1)
+    codes = Codes(index[:N].reshape(lead + (config.M,)), pack_t(T, ucfg), ucfg)
+    return codes.with_rows(scale=c, n=n)
+
+
+_scaled_blocks_jit = jax.jit(_scaled_blocks, static_argnums=1)
+_assemble_jit = jax.jit(_assemble, static_argnums=(3, 4))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _rows_codes(w, config: HNLQConfig, beta, implementation: str) -> Codes:
+    """:func:`rows_codes` as one program (inlined under an outer trace)."""
+    blocks, c = _scaled_blocks(w, config, beta)
+    flat = blocks.reshape(-1, config.d)
+    if implementation == "xla":
+        index, T = encode_blocks(flat, unit(config), 1.0)
+    else:
+        index, T = ops.encode_flat(flat, unit(config), implementation, None)
+    return _assemble(index, T, c, config, w.shape[-1])
 
 
 def _all_fit(codes: Codes):

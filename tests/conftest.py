@@ -146,13 +146,14 @@ def free_port():
 
 @pytest.fixture
 def compiles():
-    """A list that gains one entry per XLA compile while the test runs. The persistent cache is
-    off meanwhile, so that a program the process lacks is compiled, never read from it."""
+    """A list that gains one entry per XLA compile while the test runs, the compiled function's
+    name (``"jit(encode_flat)"``). The persistent cache is off meanwhile, so that a program the
+    process lacks is compiled, never read from it."""
     seen = []
 
     def listener(event, duration, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(event)
+            seen.append(kwargs.get("fun_name", "?"))
 
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()  # is_cache_used() memoizes the setting

@@ -118,6 +118,29 @@ def test_row_codes_decode_and_scale():
     assert np.all(rel < 0.15)  # the 100x row is as accurate as the others
 
 
+@pytest.mark.parametrize("cfg", [D4, hq.HNLQConfig("E8", 2, 2)])
+def test_eager_row_codes_share_the_encoder_across_shapes(cfg, compiles):
+    """Eager row codes encode their blocks on a bucket (ops.bucket): weights of new shapes
+    whose blocks fall in a compiled bucket compile only the small scale and assembly programs,
+    never the encoder; the codes equal the one-program traced path's bit for bit, a row with
+    no finite scale included (its blocks fail)."""
+    rng = np.random.default_rng(7)
+    shapes = [(40, 60), (60, 40), (33, 70), (3, 5, 41)]  # 165 to 600 blocks: one bucket, 1024
+    for i, shape in enumerate(shapes):
+        w = rng.normal(size=shape).astype(np.float32)
+        if i == 2:  # a row of 3e38: beta * RMS overflows for E8 (beta > 1), not for D4
+            w[0] = 3e38
+        beta = jnp.float32(hq.gaussian_beta(cfg))
+        compiles.clear()
+        eager = hq.rows.rows_codes(w, cfg, beta)
+        if i:  # the first shape compiled the bucket's encoder
+            assert "jit(encode_flat)" not in compiles, compiles
+        traced = jax.jit(hq.rows.rows_codes, static_argnums=1)(w, cfg, beta)
+        for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(traced)):
+            np.testing.assert_array_equal(a, b)
+        assert eager.n == shape[-1] and eager.config == traced.config
+
+
 def test_extreme_entry_does_not_poison_its_row():
     """A 1e30 entry (its square overflows float32) gives a finite row scale; the other rows and
     the other entries of its row keep decoding to finite values."""

@@ -14,8 +14,8 @@ and reports the share of blocks that each rescaling step sees (``T - t0`` histog
 norm-based lower bound every block starts from), the work of the search in units of one
 attempt over all blocks, and the optimized HLO's size (fusions and instructions) of one
 attempt, and the time XLA takes to compile the search for one chunk (the encoder's compile cost:
-a first call per shape pays it). Writes ``experiments/results/profile_encode.json`` and the table into
-``docs/performance.md``.
+a first call per shape bucket pays it). Writes ``experiments/results/profile_encode.json`` and
+the table into ``docs/performance.md``.
 
 Usage: ``python experiments/profile_encode.py [--repeat 9]``
 """

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import ops
-from hnlq_jax.codec import check_x, encode_blocks, to_blocks
+from hnlq_jax.codec import check_x, to_blocks
 from hnlq_jax.codes import Codes, concrete_all, is_concrete, pack_t
 from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.stats import search_beta
@@ -160,11 +160,7 @@ _assemble_jit = jax.jit(_assemble, static_argnums=(3, 4))
 def _rows_codes(w, config: HNLQConfig, beta, implementation: str) -> Codes:
     """:func:`rows_codes` as one program (inlined under an outer trace)."""
     blocks, c = _scaled_blocks(w, config, beta)
-    flat = blocks.reshape(-1, config.d)
-    if implementation == "xla":
-        index, T = encode_blocks(flat, unit(config), 1.0)
-    else:
-        index, T = ops.encode_flat(flat, unit(config), implementation, None)
+    index, T = ops.encode_flat(blocks.reshape(-1, config.d), unit(config), implementation, None)
     return _assemble(index, T, c, config, w.shape[-1])
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import ops
+from hnlq_jax._numerics import mean_square
 from hnlq_jax.codec import check_x, to_blocks
 from hnlq_jax.codes import Codes, concrete_all, is_concrete, pack_t
 from hnlq_jax.config import HNLQConfig, check_config
@@ -47,11 +48,14 @@ def row_rms(w):
 
     Computed as ``m sqrt(mean((w/m)^2))`` with ``m = max |w_row|``, so an entry near the float
     range (1e20 squares to inf in float32) gives a finite scale instead of a NaN row; the
-    division is :func:`divide_rows`, safe up to the largest float.
+    division is :func:`divide_rows`, safe up to the largest float. The mean is
+    :func:`~hnlq_jax._numerics.mean_square` (entries rounded to 12 significant bits, a fixed
+    summation order): the same bits in every program, eager or jitted, fused with a transpose
+    or not, so the codes are too.
     """
     m = jnp.max(jnp.abs(w), axis=-1, initial=0.0)
     m = jnp.where(m > 0, m, 1.0)
-    rms = m * jnp.sqrt(jnp.mean(jnp.square(divide_rows(w, m)), axis=-1))
+    rms = m * jnp.sqrt(mean_square(divide_rows(w, m)))
     return jnp.where(rms > 0, rms, 1.0)
 
 

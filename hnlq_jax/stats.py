@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hnlq_jax._numerics import mean_square
 from hnlq_jax.codec import check_x, decode_blocks, encode_blocks
 from hnlq_jax.codes import Codes, check_codes, is_concrete
 from hnlq_jax.config import HNLQConfig, check_config
@@ -224,9 +225,10 @@ def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step
     x, grid, scale = _grid_args(x, config, criterion, num, step, scale, "search_beta")
     if isinstance(scale, str):
         # Relative to the power of two of the largest entry (exact: the RMS of ordinary data is
-        # unchanged bit for bit), else squares of tiny or huge data under- or overflow float32.
+        # unchanged bit for bit), else squares of tiny or huge data under- or overflow float32;
+        # mean_square: the same beta eager and under jit.
         e = _top_exponent(x)
-        rms = jnp.ldexp(jnp.sqrt(jnp.mean(jnp.square(jnp.ldexp(x, -e)))), e)
+        rms = jnp.ldexp(jnp.sqrt(mean_square(jnp.ldexp(x, -e).reshape(-1))), e)
         scale = jnp.where(rms > 0, rms, 1)
     betas = scale * jnp.asarray(grid, x.dtype)
     (mse, _, _, f, _), _ = _beta_grid(x, config, betas)

@@ -112,7 +112,8 @@ def test_quantized_kernel_is_the_codec(variables):
     codes = variables["hnlq"]["codes"]
     c = np.asarray(codes.scale)
     rms = np.sqrt(np.mean(W.T.astype(np.float64) ** 2, axis=1))
-    np.testing.assert_allclose(c, float(variables["hnlq"]["beta"]) * rms, rtol=1e-6)
+    # within 2^-11: hnlq_jax._numerics.mean_square rounds the entries to 12 significant bits
+    np.testing.assert_allclose(c, float(variables["hnlq"]["beta"]) * rms, rtol=2**-11)
     ref = hq.encode(hq.to_blocks(jnp.asarray(W.T / c[:, None]), 4), unit(CFG))
     np.testing.assert_array_equal(codes.labels, ref.labels)
     np.testing.assert_array_equal(codes.T, ref.T)

@@ -34,7 +34,7 @@ def reference(w, H, config, beta, damp=0.01, act_order=False):
     w, H = np.array(w, np.float64), np.array(H, np.float64)
     out, n = w.shape
     d, nb = config.d, -(-w.shape[1] // config.d)
-    c = beta * np.sqrt(np.mean(w**2, axis=1))  # row scales of the original weight
+    c = beta * np.asarray(rows.row_rms(jnp.asarray(w)))  # row scales of the original weight
     dead = np.diag(H) == 0
     H[dead, dead] = 1
     w[:, dead] = 0

@@ -196,6 +196,19 @@ def pow2_table(alpha: float, max_T: int) -> np.ndarray:
     return np.array([2.0 ** (alpha * t) for t in range(max_T + 1)], dtype=np.float64)
 
 
+def check_saved_kind(state, fn: str, kind: str, version: int, fields: tuple) -> None:
+    """A saved record (a rotation, a kernel layout) must be a dict of ``kind`` at ``version``
+    with ``fields`` besides; ``fn`` names the reader in the ``ValueError``."""
+    keys = ("kind", "version") + fields
+    if not isinstance(state, dict) or not set(keys) <= set(state):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{fn}: expected a dict with {', '.join(keys[:-1])} and {keys[-1]}, "
+                         f"got {got}")
+    if state["kind"] != kind or saved_int(state["version"]) != version:
+        raise ValueError(f"{fn}: saved kind {state['kind']!r} version {state['version']!r}; "
+                         f"this version reads {kind!r} version {version}")
+
+
 def saved_int(value) -> int | None:
     """An integer field of a saved artifact (format version, sizes, seeds) as an ``int``: a
     Python int, NumPy integer or 0-d integer array (as a checkpoint may restore it); ``None``

@@ -41,6 +41,7 @@ version raises.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -58,6 +59,7 @@ from hnlq_jax.codes import (Codes, check_checksum, check_codes, check_saved_head
                             is_concrete, read_saved_header, saved_header)
 from hnlq_jax.config import HNLQConfig, check_beta, check_config, saved_int
 from hnlq_jax.incoherence import Rotation
+from hnlq_jax.layouts import KernelLayout, LayerCall, dense_call, layer_call
 from hnlq_jax.sizes import QuantizeReport, Sizes, measure
 from hnlq_jax.rows import (bucket_rows, calibrate_rows, check_finite_weight, check_row_failures,
                            rows_codes, unit)
@@ -73,6 +75,7 @@ __all__ = [
     "model_sizes",
     "quantize_params",
     "refresh_codes",
+    "use_codes",
 ]
 
 STE_MODES = ("identity", "clipped")
@@ -83,6 +86,9 @@ COLLECTION = "hnlq"
 # "rotation": restoring a rotated export into a target without rotations (or the reverse) then
 # fails on the missing key, where a shared "codes" key would restore and compute garbage.
 CODES_KEYS = {False: "codes", True: "rotated_codes"}
+# A layer's kernel layout (hnlq_jax.layouts.KernelLayout) sits beside its codes unless the
+# kernel is the nn.Dense [in, out] (the only layout of earlier saves, and of QDense).
+LAYOUT_KEY = "layout"
 # QDense's default refresh interval: a training step then costs <= 2x a float step on the
 # digits MLP at the accuracy of refreshing every step (experiments/qat_digits.py, 3 seeds;
 # docs/flax.md, "Refresh schedule"). Encoding the kernel every step costs 6-7x on CPU there.
@@ -338,35 +344,18 @@ class QDense(nn.Module):
         """The inference form: ``matmul(x, codes) + bias`` (no kernel exists), or
         ``matmul(rotation.apply(x), codes) + bias`` when it holds a rotation
         (:func:`quantize_params` with ``rotate=True``)."""
-        rotated = self.has_variable(COLLECTION, CODES_KEYS[True])
-        if not (rotated or self.has_variable(COLLECTION, "codes")):
+        if not any(self.has_variable(COLLECTION, k) for k in CODES_KEYS.values()):
             raise ValueError(f"{self._where()}: neither params/kernel nor {COLLECTION}/codes "
                              "found; apply the variables of QDense.init or export_params")
-        if rotated != self.has_variable(COLLECTION, "rotation"):
-            raise ValueError(
-                f"{self._where()}: {COLLECTION}/rotated_codes (codes of W R) and "
-                f"{COLLECTION}/rotation come together, got only one; restore rotated exports "
-                "with hnlq_jax.flax.import_params")
-        stale = [k for k in ("step", "error") if self.has_variable(COLLECTION, k)]
-        if stale:  # codes without their kernel, cached by training: up to N - 1 steps old
-            raise ValueError(
-                f"{self._where()}: {COLLECTION}/codes come with {COLLECTION}/{stale[0]}, a "
-                "training cache (its codes may be quantize_every - 1 steps older than the "
-                "kernel), but no params/kernel; restore the training variables and apply "
-                "hnlq_jax.flax.export_params for the inference form")
-        codes = self.get_variable(COLLECTION, CODES_KEYS[rotated])
+        codes, rotation = _inference_codes(self, self._where())
         if isinstance(codes, Codes) and codes.n is not None and (x.ndim == 0
                                                                  or x.shape[-1] != codes.n):
             raise ValueError(f"{self._where()}: expected inputs [..., {codes.n}] "
                              f"(the layer's codes hold a [{self.features}, {codes.n}] kernel^T), "
                              f"got shape {tuple(x.shape)}")
         _check_layer_codes(codes, self.config, x.shape[-1], self.features, self._where())
-        if rotated:  # codes of W R: compute with x R
-            rotation = self.get_variable(COLLECTION, "rotation")
-            if not isinstance(rotation, Rotation) or rotation.n != x.shape[-1]:
-                raise ValueError(f"{self._where()}: {COLLECTION}/rotation must be an "
-                                 f"incoherence.Rotation of size {x.shape[-1]}, got {rotation!r}")
-            x = rotation.apply(x)
+        if rotation is not None:  # codes of W R: compute with x R
+            x = _rotated(x, rotation, self._where())
         bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
                 if self.use_bias else None)
         x, bias = nn.dtypes.promote_dtype(x, bias, dtype=self.dtype)
@@ -447,6 +436,96 @@ class QDense(nn.Module):
         return _forward(x, kernel, codes, self.ste, self.compute,
                         _act_beta(cfg, self.calibrate, self.quantize_activations), self.precision,
                         weight)
+
+
+def _inference_codes(module: nn.Module, where: str):
+    """``(codes, rotation or None)`` of a layer's inference form (no kernel): the codes
+    (``rotated_codes`` with their rotation, else ``codes``), refusing a training cache."""
+    rotated = module.has_variable(COLLECTION, CODES_KEYS[True])
+    if rotated != module.has_variable(COLLECTION, "rotation"):
+        raise ValueError(
+            f"{where}: {COLLECTION}/rotated_codes (codes of W R) and {COLLECTION}/rotation come "
+            "together, got only one; restore rotated exports with hnlq_jax.flax.import_params")
+    stale = [k for k in ("step", "error") if module.has_variable(COLLECTION, k)]
+    if stale:  # codes without their kernel, cached by training: up to N - 1 steps old
+        raise ValueError(
+            f"{where}: {COLLECTION}/codes come with {COLLECTION}/{stale[0]}, a training cache "
+            "(its codes may be quantize_every - 1 steps older than the kernel), but no "
+            "params/kernel; restore the training variables and apply "
+            "hnlq_jax.flax.export_params for the inference form")
+    codes = module.get_variable(COLLECTION, CODES_KEYS[rotated])
+    return codes, module.get_variable(COLLECTION, "rotation") if rotated else None
+
+
+def _rotated(x, rotation, where: str):
+    """``x R``: the input of a layer whose codes hold ``W R``."""
+    if not isinstance(rotation, Rotation) or rotation.n != x.shape[-1]:
+        raise ValueError(f"{where}: {COLLECTION}/rotation must be an incoherence.Rotation of "
+                         f"size {x.shape[-1]}, got {rotation!r}")
+    return rotation.apply(x)
+
+
+def _from_codes(next_fun, args, kwargs, context):
+    """:func:`use_codes`' interceptor: an ``nn.Dense`` / ``DenseGeneral`` / ``Einsum`` call
+    without a kernel but with codes is computed from the codes."""
+    module = context.module
+    if (context.method_name != "__call__" or module.has_variable("params", "kernel")
+            or not any(module.has_variable(COLLECTION, k) for k in CODES_KEYS.values())):
+        return next_fun(*args, **kwargs)
+    call = layer_call(module, args, kwargs)
+    if call is None:  # QDense and other modules compute their codes themselves
+        return next_fun(*args, **kwargs)
+    where = f"use_codes: layer {_layer_name(tuple(module.path))}"
+    if not isinstance(call, LayerCall):
+        raise ValueError(f"{where} holds codes, but this call is not a product with its kernel: "
+                         f"{call}")
+    codes, rotation = _inference_codes(module, where)
+    layout = (module.get_variable(COLLECTION, LAYOUT_KEY)
+              if module.has_variable(COLLECTION, LAYOUT_KEY) else None)
+    if layout is None and isinstance(codes, Codes) and len(codes.blocks_shape) == 2:
+        layout = KernelLayout.dense(codes.n, codes.blocks_shape[0])
+    if layout != call.layout:
+        raise ValueError(
+            f"{where}: its codes hold a kernel of {layout}, but this call uses its kernel as "
+            f"{call.layout} (roles: i contracted with the input, o output); quantize the model "
+            "with calibration= (which records each kernel's layout from its calls)")
+    _check_layer_codes(codes, codes.config, layout.k, layout.n, where)
+    x = jnp.asarray(args[0] if args else kwargs["inputs"])
+    # The float layer computes in its dtype, else in the promotion of input and parameters.
+    dtype = module.dtype if module.dtype is not None else jnp.result_type(x, module.param_dtype)
+    x2 = call.inputs(x).astype(dtype)
+    if rotation is not None:
+        x2 = _rotated(x2, rotation, where)
+    y = call.outputs(ops.matmul(x2, codes).astype(dtype))
+    if module.use_bias:
+        y = y + jnp.reshape(module.get_variable("params", "bias"), call.bias_shape()).astype(dtype)
+    return y
+
+
+@contextlib.contextmanager
+def use_codes():
+    """Applies plain Flax layers from their codes: inside it, ``model.apply(inference, x)`` of
+    the float architecture computes every ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Einsum``
+    whose kernel an inference form replaced by codes (:func:`quantize_params`,
+    :func:`import_params`) as ``hnlq_jax.matmul`` of its codes, with the layer's bias and
+    dtype; other layers, and layers that still have a kernel, run as they are.
+
+    The layers are intercepted (``flax.linen.intercept_methods``) while the model is traced:
+    enter it inside a jitted function, not around the call of one traced before.
+
+    Example::
+
+        inference, report = quantize_params(variables, config, calibration=run)
+        with use_codes():
+            y = model.apply(inference, x)
+
+    Raises (at the call of a layer):
+      ValueError: codes whose kernel layout is not the call's (a kernel quantized without
+        calibration as ``[in, out]``, used transposed by an einsum), codes of another shape,
+        or a call that is not a product with the kernel (e.g. ``batch_dims``).
+    """
+    with nn.intercept_methods(_from_codes):
+        yield
 
 
 # ------------------------------------------------------------------ variables and artifacts
@@ -538,7 +617,7 @@ def export_params(variables, config: HNLQConfig):
     inference = {"params": traverse_util.unflatten_dict(params),
                  COLLECTION: traverse_util.unflatten_dict(
                      {path + ("codes",): codes for path, codes in layers.items()})}
-    return inference, _report(inference, sorted(layers))
+    return inference, _report(inference, [(p, "QDense") for p in sorted(layers)])
 
 
 def model_sizes(inference) -> Sizes:
@@ -555,11 +634,13 @@ def model_sizes(inference) -> Sizes:
                                      if path + ("bias",) in params])
 
 
-def _report(inference, paths, **calibrated) -> QuantizeReport:
-    """The report of an inference form whose layers ``paths`` were quantized."""
-    layers = _codes_in(inference[COLLECTION])
-    return QuantizeReport(converted=[("/".join(p), "Dense", tuple(layers[p].shape))
-                                     for p in paths], sizes=model_sizes(inference), **calibrated)
+def _report(inference, layers, **fields) -> QuantizeReport:
+    """The report of an inference form whose ``layers`` (``(path, type name)``) were
+    quantized."""
+    codes = _codes_in(inference[COLLECTION])
+    return QuantizeReport(converted=[("/".join(p), kind, tuple(codes[p].shape))
+                                     for p, kind in layers], sizes=model_sizes(inference),
+                          **fields)
 
 
 def import_params(saved, config: HNLQConfig | None = None):
@@ -576,8 +657,10 @@ def import_params(saved, config: HNLQConfig | None = None):
     Returns:
       ``{"params": ..., "hnlq": {layer path: {"codes": Codes}}}`` for ``model.apply``;
       a rotated layer (:func:`quantize_params` with ``rotate=True``) holds
-      ``{"rotated_codes": Codes, "rotation": Rotation}``. Rotated layers saved before they
-      had their own key (``"codes"`` beside ``"rotation"``) are read as rotated.
+      ``{"rotated_codes": Codes, "rotation": Rotation}``; a kernel that is not ``[in, out]``
+      (``DenseGeneral``, ``Einsum``) also its ``"layout"`` (a
+      :class:`~hnlq_jax.layouts.KernelLayout`). Rotated layers saved before they had their
+      own key (``"codes"`` beside ``"rotation"``) are read as rotated.
 
     Raises:
       ValueError: no codes, codes saved in another format version or with another config
@@ -611,6 +694,15 @@ def import_params(saved, config: HNLQConfig | None = None):
         if rotation is not None:
             hnlq[path + ("rotation",)] = (rotation if isinstance(rotation, Rotation)
                                           else Rotation.from_dict(rotation))
+        layout = node.get(LAYOUT_KEY)
+        if layout is not None:
+            layout = (layout if isinstance(layout, KernelLayout)
+                      else KernelLayout.from_dict(layout))
+            codes = hnlq[path + (CODES_KEYS[rotation is not None],)]
+            if (codes.n, codes.blocks_shape[:1]) != (layout.k, (layout.n,)):
+                raise ValueError(f"{where}: codes of shape {list(codes.shape)} do not hold a "
+                                 f"kernel of {layout}; export it again")
+            hnlq[path + (LAYOUT_KEY,)] = layout
     return {"params": jax.tree.map(jnp.asarray, params),
             COLLECTION: traverse_util.unflatten_dict(hnlq)}
 
@@ -626,27 +718,43 @@ def _layer_record(collection, path: tuple) -> Mapping:
 # ------------------------------------------------------------- post-training quantization
 
 
-def _dense_layers(params) -> dict:
-    """``{path: kernel}`` of every params subtree with a 2-D ``kernel`` (the nn.Dense layout)."""
+def _kernels(params) -> dict:
+    """``{path: kernel}`` of every params subtree with a ``kernel`` of rank >= 2."""
     flat = traverse_util.flatten_dict(params)
     return {path[:-1]: v for path, v in flat.items()
-            if path[-1] == "kernel" and np.ndim(v) == 2}
+            if path[-1] == "kernel" and np.ndim(v) >= 2}
 
 
-def _collect_hessians(run, variables, targets, order: list | None = None) -> dict:
-    """``{path: (H, rows)}`` of the inputs of the Dense / QDense layers at ``targets`` over one
-    eager call ``run(variables)``; appends every Dense path reached to ``order`` (call order)."""
+def _module_call(module, args, kwargs):
+    """:func:`hnlq_jax.layouts.layer_call`, with QDense's kernel ``[in, out]`` too."""
+    if isinstance(module, QDense):
+        x = args[0] if args else kwargs["inputs"]
+        return dense_call(jnp.ndim(x), jnp.shape(x)[-1], module.features)
+    return layer_call(module, args, kwargs)
+
+
+def _collect_hessians(run, variables, targets, seen: dict | None = None) -> dict:
+    """``{path: (H, rows)}`` of the inputs (arranged ``[..., K]`` by the call's layout) of the
+    layers at ``targets`` over one eager call ``run(variables)``; records each dense-like layer
+    reached in ``seen`` (call order) as ``{path: (type name, LayerCall or why not one)}``."""
     acc = {}
 
     def interceptor(next_fun, args, kwargs, context):
-        module = context.module
-        if context.method_name == "__call__" and isinstance(module, (nn.Dense, QDense)):
-            path = tuple(module.path)
-            if order is not None and path not in order:
-                order.append(path)
-            if path in targets:
+        call = (_module_call(context.module, args, kwargs)
+                if context.method_name == "__call__" else None)
+        if call is not None:
+            path = tuple(context.module.path)
+            if seen is not None:
+                first = seen.setdefault(path, (type(context.module).__name__, call))[1]
+                if isinstance(first, LayerCall) and (not isinstance(call, LayerCall)
+                                                     or call.layout != first.layout):
+                    other = call.layout.roles if isinstance(call, LayerCall) else call
+                    seen[path] = (seen[path][0], "called with two kernel layouts "
+                                  f"({first.layout.roles}, then {other})")
+            if path in targets and isinstance(call, LayerCall):
                 H, rows = acc.get(path, (None, 0))
-                H, rows = ptq.hessian_update(H, args[0], rows)
+                H, rows = ptq.hessian_update(H, call.inputs(args[0] if args
+                                                            else kwargs["inputs"]), rows)
                 # A traced input, or a constant one whose statistics a trace still captures.
                 if isinstance(H, jax.core.Tracer):
                     raise ValueError("quantize_params: calibration ran the model under a jax "
@@ -658,6 +766,43 @@ def _collect_hessians(run, variables, targets, order: list | None = None) -> dic
     with nn.intercept_methods(interceptor):
         run(variables)
     return acc
+
+
+def _select(kernels: dict, seen: dict | None, filter_fn, fn: str):
+    """``(layouts, kinds, skipped)`` of the kernels to quantize: ``{path: KernelLayout}`` in
+    sorted path order, ``{path: type name}`` and the report's ``(name, type, reason)`` of the
+    kernels kept in float. Without calibration (``seen is None``) a 2-D kernel is ``[in, out]``
+    and the axes of a larger one are unknown."""
+    layouts, kinds, skipped, missing = {}, {}, [], []
+    for path, kernel in sorted(kernels.items()):
+        kind, call = (seen or {}).get(path, ("Dense" if kernel.ndim == 2 else
+                                             f"{kernel.ndim}-D kernel", None))
+        name = "/".join(path)
+        if filter_fn is not None and not filter_fn(path, kernel):
+            skipped.append((name, kind, "filter_fn"))
+        elif seen is None and kernel.ndim == 2:
+            layouts[path], kinds[path] = KernelLayout.dense(*kernel.shape), kind
+        elif seen is None:
+            skipped.append((name, kind, "which of its axes are inputs is known only from a "
+                            "call: quantize with calibration= to convert DenseGeneral and "
+                            "Einsum kernels"))
+        elif call is None and kernel.ndim == 2:
+            missing.append(name)
+        elif call is None:
+            skipped.append((name, kind, "no nn.Dense, DenseGeneral or Einsum used it during "
+                            "calibration"))
+        elif not isinstance(call, LayerCall):
+            skipped.append((name, kind, call))
+        elif call.layout.shape != tuple(kernel.shape):
+            raise ValueError(f"{fn}: layer {name} was called with a kernel of shape "
+                             f"{list(call.layout.shape)}, its params hold {list(kernel.shape)}")
+        else:
+            layouts[path], kinds[path] = call.layout, kind
+    if missing:
+        raise ValueError(f"{fn}: calibration never ran {len(missing)} of the layers to quantize: "
+                         f"{', '.join(missing)}; run the model on inputs that reach them, or "
+                         "leave them out with filter_fn")
+    return layouts, kinds, skipped
 
 
 def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_fn=None,
@@ -737,38 +882,37 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
     rotate, act_order, damp, criterion = ptq.recommended(fn, calibration, rotate, act_order,
                                                         damp, criterion)
     params = traverse_util.flatten_dict(variables["params"])
-    layers = {path: k for path, k in sorted(_dense_layers(variables["params"]).items())
-              if filter_fn is None or filter_fn(path, k)}
-    if not layers:
-        raise ValueError(f"{fn}: no Dense layer (a params subtree with a 2-D kernel) selected")
-    rotations = {path: Rotation(k.shape[0], seed + i) if rotate else None
-                 for i, (path, k) in enumerate(layers.items())}
-    order, hessians = list(layers), {}
-    if calibration is not None:
-        seen = []
-        first = [] if sequential else list(layers)
-        hessians = _collect_hessians(calibration, variables, set(first), seen)
-        missing = [p for p in layers if p not in seen]
-        if missing:
-            raise ValueError(f"{fn}: calibration never ran {len(missing)} of the layers to "
-                             f"quantize: {', '.join('/'.join(p) for p in missing)}; run the "
-                             "model on inputs that reach them, or leave them out with filter_fn")
-        order = [p for p in seen if p in layers]
+    kernels = _kernels(variables["params"])
+    seen, hessians = None, {}
+    if calibration is not None and kernels:
+        seen = {}
+        hessians = _collect_hessians(calibration, variables,
+                                     set() if sequential else set(kernels), seen)
+    layouts, kinds, skipped = _select(kernels, seen, filter_fn, fn)
+    if not layouts:
+        why = "; ".join(f"{n} ({k}): {r}" for n, k, r in skipped) or "the params hold no kernel"
+        raise ValueError(f"{fn}: converted nothing (no Dense, DenseGeneral or Einsum kernel "
+                         f"selected): {why}")
+    rotations = {path: Rotation(lay.k, seed + i) if rotate else None
+                 for i, (path, lay) in enumerate(layouts.items())}
+    order = list(layouts) if seen is None else [p for p in seen if p in layouts]
     hnlq, report = {}, {"proxy_loss": {}, "clipped": {}, "t_bits": {}}
     for path in _progress(order, progress):
-        kernel, rotation = layers[path], rotations[path]
+        layout, rotation = layouts[path], rotations[path]
+        kernel = params[path + ("kernel",)]
         if sequential and calibration is not None:
             hessians = _collect_hessians(calibration, {**variables, "params": (
                 traverse_util.unflatten_dict(params))}, {path})
         H = hessians.pop(path, (None, 0))[0]
         name = "/".join(path)
-        check_finite_weight(kernel, f"{fn}: layer {_layer_name(path)}", "the kernel [in, out]")
+        check_finite_weight(kernel, f"{fn}: layer {_layer_name(path)}", "the kernel")
+        w = layout.matrix(kernel)  # [out, in]
         with ptq.layer_context(fn, name):
             if H is None:
-                w = kernel.T if rotation is None else rotation.rotate_weight(kernel.T)
+                w = w if rotation is None else rotation.rotate_weight(w)
                 codes = _kernel_codes(w.T, config, _weight_beta(w.T, config, calibrate))
             else:
-                result = ptq.gptq_rows(kernel.T, H, config, damp=damp, act_order=act_order,
+                result = ptq.gptq_rows(w, H, config, damp=damp, act_order=act_order,
                                        beta=None if calibrate else config.beta, grid=grid,
                                        criterion=criterion, t_budget=t_budget,
                                        rotation=rotation)
@@ -778,15 +922,18 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
         hnlq[path + (CODES_KEYS[rotation is not None],)] = codes
         if rotation is not None:
             hnlq[path + ("rotation",)] = rotation
+        if layout.roles != "io":
+            hnlq[path + (LAYOUT_KEY,)] = layout
         if sequential:  # later layers calibrate through this one's quantized weight
             w_hat = ops.decode(codes, dtype=kernel.dtype)
-            params[path + ("kernel",)] = (w_hat if rotation is None
-                                          else rotation.inverse(w_hat)).T
+            params[path + ("kernel",)] = layout.kernel(w_hat if rotation is None
+                                                       else rotation.inverse(w_hat))
     kept = {k: v for k, v in traverse_util.flatten_dict(variables["params"]).items()
-            if k[:-1] not in layers or k[-1] != "kernel"}
+            if k[:-1] not in layouts or k[-1] != "kernel"}
     inference = {"params": traverse_util.unflatten_dict(kept),
                  COLLECTION: traverse_util.unflatten_dict(hnlq)}
-    return inference, _report(inference, order, **report)
+    return inference, _report(inference, [(p, kinds[p]) for p in order], skipped=skipped,
+                              **report)
 
 
 def _progress(items, enabled: bool):
@@ -842,13 +989,18 @@ def _restore_codes(target: Codes, state) -> Codes:
 serialization.register_serialization_state(Codes, _codes_state, _restore_codes, override=True)
 
 
-def _restore_rotation(target: Rotation, state) -> Rotation:
-    rotation = Rotation.from_dict(state)
-    if rotation != target:
-        raise ValueError(f"restoring {serialization.current_path()}: saved {rotation!r}, the "
-                         f"target has {target!r}")
-    return rotation
+def _restorer(cls):
+    """The restore function of a saved :class:`Rotation` or :class:`KernelLayout`: it must be
+    the target's (a model is built with its layers' rotations and layouts)."""
+    def restore(target, state):
+        saved = cls.from_dict(state)
+        if saved != target:
+            raise ValueError(f"restoring {serialization.current_path()}: saved {saved!r}, the "
+                             f"target has {target!r}")
+        return saved
+    return restore
 
 
-serialization.register_serialization_state(Rotation, Rotation.to_dict, _restore_rotation,
-                                           override=True)
+for _cls in (Rotation, KernelLayout):
+    serialization.register_serialization_state(_cls, _cls.to_dict, _restorer(_cls),
+                                               override=True)

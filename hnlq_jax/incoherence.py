@@ -33,7 +33,7 @@ import numpy as np
 from hnlq_jax import kernels
 from hnlq_jax.buckets import run_rows
 from hnlq_jax.codes import as_array
-from hnlq_jax.config import saved_int
+from hnlq_jax.config import check_saved_kind, saved_int
 
 __all__ = ["IMPLEMENTATIONS", "KIND", "MAX_MIXER", "ROTATION_VERSION", "Rotation",
            "default_implementation", "mixer", "paley_hadamard", "signs", "split_size", "tables"]
@@ -228,14 +228,7 @@ class Rotation:
         Raises:
           ValueError: not a dict of this kind and version, or invalid fields.
         """
-        if not isinstance(state, dict) or not {"kind", "version", "n", "seed"} <= set(state):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"Rotation.from_dict: expected a dict with kind, version, n and "
-                             f"seed, got {got}")
-        if state["kind"] != KIND or saved_int(state["version"]) != ROTATION_VERSION:
-            raise ValueError(f"Rotation.from_dict: saved kind {state['kind']!r} version "
-                             f"{state['version']!r}; this version reads {KIND!r} version "
-                             f"{ROTATION_VERSION}")
+        check_saved_kind(state, "Rotation.from_dict", KIND, ROTATION_VERSION, ("n", "seed"))
         n, seed = saved_int(state["n"]), saved_int(state["seed"])
         if n is None or seed is None:  # a float or string is refused, never truncated
             raise ValueError(f"Rotation.from_dict: invalid fields: expected integers n and "

@@ -436,7 +436,7 @@ def test_export_holds_codes_scales_and_bias_only(variables, exported):
     # 30 x 16 float32 kernel + bias vs 16 x 8 blocks of 2 index bytes, 16 x 4 T-field bytes,
     # 16 float32 scales and the bias.
     sizes = report.sizes
-    assert report.converted == [("", "Dense", (16, 30))] and sizes == hf.model_sizes(inference)
+    assert report.converted == [("", "QDense", (16, 30))] and sizes == hf.model_sizes(inference)
     assert sizes.layers == 1 and sizes.weights == 16 * 30
     assert sizes.float32_bytes == 4 * (30 * 16 + 16)
     assert sizes.quantized_bytes == 16 * 8 * 2 + 16 * 4 + 4 * 16 + 4 * 16

@@ -3,6 +3,7 @@ the QDense inference form. The codes equal ptq.gptq_rows on the same H bit for b
 and sequential), calibration beats round-to-nearest, rotated forms save and load exactly and
 refuse another rotation, and bad calls get clear errors."""
 
+import flax.core
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,9 @@ from flax import serialization
 
 import hnlq_jax as hq
 from hnlq_jax import ptq
-from hnlq_jax.flax import QDense, import_params, quantize_params
+from hnlq_jax.flax import QDense, import_params, quantize_params, use_codes
 from hnlq_jax.incoherence import Rotation
+from hnlq_jax.layouts import KernelLayout
 from hnlq_jax.rows import calibrate_rows, rows_codes
 
 CFG = hq.HNLQConfig("D4", 4, 2)
@@ -202,7 +204,7 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="never ran 1 of the layers to quantize: b;"):
         quantize_params(VARS, CFG, lambda v: First().apply({"params": {"a": v["params"]["a"]}},
                                                             CAL))
-    with pytest.raises(ValueError, match="no Dense layer"):
+    with pytest.raises(ValueError, match=r"converted nothing.*a \(Dense\): filter_fn"):
         quantize_params(VARS, CFG, filter_fn=lambda path, k: False)
     with pytest.raises(TypeError, match="calibration must be None or a callable"):
         quantize_params(VARS, CFG, calibration=CAL)
@@ -210,3 +212,170 @@ def test_clear_errors():
         quantize_params(VARS["params"], CFG)
     with pytest.raises(TypeError):
         quantize_params(VARS, "D4")
+
+
+# ------------------------------------------------------- DenseGeneral and Einsum kernels
+
+
+class Layouts(nn.Module):
+    """Dense-like layers of every kernel layout: an einsum projection ``[in, heads, dim]``,
+    a DenseGeneral over two axes ``[heads, dim, out]``, Flax's attention (DenseGeneral q/k/v
+    and out), a transposed 2-D einsum kernel ``[out, in]`` and a Dense."""
+
+    @nn.compact
+    def __call__(self, x):  # [batch, seq, 16]
+        h = nn.Einsum((16, 2, 8), "bsd,dhk->bshk", name="proj")(x)
+        h = nn.DenseGeneral(16, axis=(-2, -1), name="merge")(h)
+        h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, name="attn")(h)
+        h = nn.Einsum((12, 16), "...d,hd->...h", name="t")(h)
+        return nn.Dense(16, name="out")(nn.relu(h))
+
+
+LAYOUTS = Layouts()
+X3 = jax.random.normal(jax.random.key(3), (4, 6, 16))
+VARS3 = LAYOUTS.init(jax.random.key(4), X3)
+# Each kernel as [out, in] (the codes' matrix), written out by hand per layer.
+AS_MATRIX = {("proj",): lambda k: k.reshape(16, 16).T, ("merge",): lambda k: k.reshape(16, 16).T,
+             ("attn", "query"): lambda k: k.reshape(16, 8).T,
+             ("attn", "key"): lambda k: k.reshape(16, 8).T,
+             ("attn", "value"): lambda k: k.reshape(16, 8).T,
+             ("attn", "out"): lambda k: k.reshape(8, 16).T, ("t",): lambda k: k,
+             ("out",): lambda k: k.T}
+
+
+def _run3(variables):
+    for chunk in jnp.split(X3, 2):
+        LAYOUTS.apply(variables, chunk)
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def test_dense_general_and_einsum_codes_equal_gptq_rows():
+    """A kernel of any layout is coded as its [out, in] matrix against the Hessian of its
+    inputs arranged alike (computed here by hand from the float model's intermediates)."""
+    options = {"damp": 0.01, "act_order": False, "criterion": "f"}
+    inference, report = quantize_params(VARS3, CFG, _run3, rotate=False, **options)
+    inputs = {("proj",): [], ("merge",): [], ("t",): []}
+    for chunk in jnp.split(X3, 2):
+        _, state = LAYOUTS.apply(VARS3, chunk, capture_intermediates=True)
+        inter = state["intermediates"]
+        inputs[("proj",)].append(chunk)
+        inputs[("merge",)].append(inter["proj"]["__call__"][0].reshape(4 // 2, 6, 16))
+        inputs[("t",)].append(inter["attn"]["__call__"][0])
+    for path, xs in inputs.items():
+        kernel = _at(VARS3["params"], path)["kernel"]
+        want = ptq.gptq_rows(AS_MATRIX[path](kernel), _hessian(xs), CFG, **options)
+        _same_codes(_at(inference["hnlq"], path)["codes"], want.codes)
+    kinds = dict((name, kind) for name, kind, _ in report.converted)
+    assert kinds == {"proj": "Einsum", "merge": "DenseGeneral", "attn/query": "DenseGeneral",
+                     "attn/key": "DenseGeneral", "attn/value": "DenseGeneral",
+                     "attn/out": "DenseGeneral", "t": "Einsum", "out": "Dense"}
+    assert report.skipped == []
+    assert _at(inference["hnlq"], ("attn", "out"))["layout"] == KernelLayout((2, 4, 16), "iio")
+    assert "layout" not in inference["hnlq"]["out"]  # [in, out]: the Dense form as before
+
+
+def _decoded_model(inference):
+    """The float model's variables with every kernel decoded from the codes (by hand)."""
+    params = flax.core.unfreeze(VARS3["params"])
+    for path in AS_MATRIX:
+        layer = _at(inference["hnlq"], path)
+        w = hq.decode(layer.get("codes", layer.get("rotated_codes")))
+        if "rotation" in layer:
+            w = layer["rotation"].inverse(w)
+        kernel = _at(params, path)["kernel"]
+        # AS_MATRIX undone: every kernel but t's has its input axes first
+        _at(params, path)["kernel"] = (w if path == ("t",) else w.T).reshape(kernel.shape)
+    return {"params": params}
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_use_codes_computes_the_decoded_float_model(rotate):
+    inference, _ = quantize_params(VARS3, CFG, _run3, rotate=rotate)
+    want = LAYOUTS.apply(_decoded_model(inference), X3)
+    with use_codes():
+        eager = LAYOUTS.apply(inference, X3)
+        jitted = jax.jit(LAYOUTS.apply)(inference, X3)
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert float(jnp.max(jnp.abs(want - LAYOUTS.apply(VARS3, X3)))) > 1e-3  # quantized
+    with pytest.raises(Exception, match="kernel"):  # no codes used outside the context
+        LAYOUTS.apply(inference, X3)
+
+
+def test_layouts_save_and_load(tmp_path):
+    inference, _ = quantize_params(VARS3, CFG, _run3)
+    with use_codes():
+        y = np.asarray(LAYOUTS.apply(inference, X3))
+    saved = serialization.to_bytes(inference)
+    loaded = import_params(serialization.msgpack_restore(saved), CFG)
+    restored = serialization.from_bytes(inference, saved)
+    with use_codes():
+        for variables in (loaded, restored):
+            np.testing.assert_array_equal(np.asarray(LAYOUTS.apply(variables, X3)), y)
+    assert loaded["hnlq"]["merge"]["layout"] == inference["hnlq"]["merge"]["layout"]
+    state = serialization.msgpack_restore(saved)
+    state["hnlq"]["merge"]["layout"]["roles"] = "ioo"  # another split of the same kernel
+    with pytest.raises(ValueError, match="do not hold a kernel"):
+        import_params(state, CFG)
+    with pytest.raises(ValueError, match="KernelLayout"):
+        serialization.from_state_dict(inference, state)
+
+
+def test_without_calibration_only_dense_layouts():
+    """Round-to-nearest cannot know a >= 3-D kernel's input axes: they stay float, with the
+    reason; a 2-D einsum kernel [out, in] quantized as [in, out] is refused where it is used."""
+    inference, report = quantize_params(VARS3, CFG)
+    assert sorted(n for n, *_ in report.converted) == ["out", "t"]
+    kept = {name: why for name, _, why in report.skipped}
+    assert set(kept) == {"proj", "merge", "attn/query", "attn/key", "attn/value", "attn/out"}
+    assert all("calibration=" in why for why in kept.values())
+    with use_codes(), pytest.raises(ValueError, match="layer 't'.*roles='oi'.*calibration="):
+        LAYOUTS.apply(inference, X3)
+
+
+class Batched(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.DenseGeneral(8, batch_dims=(0,), name="b")(x)
+
+
+def test_batched_products_stay_float_with_the_reason():
+    variables = Batched().init(jax.random.key(0), X3)
+    with pytest.raises(ValueError, match=r"converted nothing.*b \(DenseGeneral\): DenseGeneral "
+                                         "with batch_dims"):
+        quantize_params(variables, CFG, lambda v: Batched().apply(v, X3))
+
+
+class TwoWays(nn.Module):
+    """One square einsum kernel used as [in, out] and as [out, in]."""
+
+    @nn.compact
+    def __call__(self, x):
+        layer = nn.Einsum((16, 16), name="e")
+        return layer(layer(x, "...d,dh->...h"), "...d,hd->...h") + nn.Dense(16, name="d")(x)
+
+
+def test_a_kernel_used_two_ways_stays_float():
+    x = X3[0]
+    variables = TwoWays().init(jax.random.key(0), x)
+    inference, report = quantize_params(variables, CFG, lambda v: TwoWays().apply(v, x))
+    assert report.skipped == [("e", "Einsum", "called with two kernel layouts (io, then oi)")]
+    assert [n for n, *_ in report.converted] == ["d"]
+    with use_codes():  # the float layer computes from its kernel, the other from its codes
+        np.testing.assert_allclose(np.asarray(TwoWays().apply(inference, x)),
+                                   np.asarray(TwoWays().apply(_decoded_dense(variables,
+                                                                             inference), x)),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _decoded_dense(variables, inference):
+    params = flax.core.unfreeze(variables["params"])
+    layer = inference["hnlq"]["d"]
+    w = layer["rotation"].inverse(hq.decode(layer["rotated_codes"]))
+    params["d"]["kernel"] = w.T
+    return {"params": params}

@@ -43,7 +43,9 @@ Metrics: cosine of each evaluation sentence's embedding to its float32 embedding
 nearest-neighbour agreement (top-1 unchanged; overlap of the 10 nearest), weight SQNR, and the
 relative proxy loss ``sum_l tr(dW_l H_l dW_l^T) / sum_l tr(W_l H_l W_l^T)`` in dB (``H_l`` the
 layer's calibration Hessian, float64). A cross-domain block calibrates on four topics and scores
-on the four others, against calibrating on held-out sentences of the scored topics.
+on the four others, against calibrating on held-out sentences of the scored topics; its
+``_vocab`` row adds as many sentences of random vocabulary words to either calibration set
+(:func:`hnlq_jax.ptq.vocabulary_sentences`).
 
 Targets (issue 17): mean cosine >= 0.995 at <= 4.6 bits per weight; at every rate point the best
 HNLQ method beats GPTQ-int (g128) at equal or fewer bits; quantizing the model with calibration
@@ -97,6 +99,8 @@ DOMAIN_B = ("weather", "travel", "health", "music")
 RECOMMENDED = "E8_q4_gptq_rot"
 # A heavier damping tried on the cross-domain split (less weight on the calibration data).
 DAMP_TRIAL = 0.1
+# Seed of the random vocabulary sentences mixed into the calibration of the "_vocab" row.
+VOCAB_SEED = 0
 # Rows fitted under GPTQ-int g128's size (t_budget): the config per rate point, the beta grid,
 # and the margin (bits per weight) left for the Rice coder's overhead and the headers.
 FIT = {3: hq.HNLQConfig("E8", 8, 1), 4: hq.HNLQConfig("E8", 4, 2)}
@@ -410,20 +414,27 @@ def cross_domain(base, args) -> dict:
     _, calib_out = split(pool(DOMAIN_A), 0, args.calibration, seed=2)
     ref = runner(ev)(base).float()
     out = {"scored_topics": list(DOMAIN_B), "other_topics": list(DOMAIN_A), "rows": {}}
+    vocab = ptq.vocabulary_sentences(base.tokenizer.get_vocab(), args.calibration,
+                                     seed=VOCAB_SEED)
+    e8 = hq.HNLQConfig("E8", 4, 2)
     for where, calib in (("in_domain", calib_in), ("cross_domain", calib_out)):
         H = hessians(base, calib)
-        rows = {"gptq_int4_g128": gptq_int_model(copy.deepcopy(base), H, 4, 128)}
+        rows = {"gptq_int4_g128": (gptq_int_model(copy.deepcopy(base), H, 4, 128), None)}
         for lattice in args.lattices:
-            rows[f"{lattice}_q4_gptq_rot"] = quantize_hnlq(base, hq.HNLQConfig(lattice, 4, 2),
-                                                            "gptq_rot", calib)[0]
+            rows[f"{lattice}_q4_gptq_rot"] = (quantize_hnlq(
+                base, hq.HNLQConfig(lattice, 4, 2), "gptq_rot", calib)[0],
+                f"{lattice}_q4_gptq_rot")
         # ten times the damping (docs/ptq.md, "Which setting")
-        rows[f"E8_q4_gptq_rot_damp{DAMP_TRIAL}"] = quantize_hnlq(
-            base, hq.HNLQConfig("E8", 4, 2), "gptq_rot", calib, damp=DAMP_TRIAL)[0]
-        for name, model in rows.items():
+        rows[f"E8_q4_gptq_rot_damp{DAMP_TRIAL}"] = (quantize_hnlq(
+            base, e8, "gptq_rot", calib, damp=DAMP_TRIAL)[0], "E8_q4_gptq_rot")
+        # random vocabulary mixed in (docs/ptq.md, "Calibration data")
+        rows["E8_q4_gptq_rot_vocab"] = (quantize_hnlq(base, e8, "gptq_rot", calib + vocab)[0],
+                                        "E8_q4_gptq_rot")
+        for name, (model, config_row) in rows.items():
             got = runner(ev)(model).float()
-            out["rows"].setdefault(name, {})[where] = compare(ref, got)
-            print(f"{where:12} {name:16} cos {out['rows'][name][where]['cosine_mean']:.5f}",
-                  flush=True)
+            row = out["rows"].setdefault(name, {"config_row": config_row})
+            row[where] = compare(ref, got)
+            print(f"{where:12} {name:22} cos {row[where]['cosine_mean']:.5f}", flush=True)
     return out
 
 
@@ -464,8 +475,8 @@ def targets(res: dict) -> dict:
     # Issue 34: calibrated on other topics, >= 0.995 at <= 4.6 bits/weight held in memory (the
     # held bits depend on the config only: the main table's row of the same config).
     cd = (res.get("cross_domain") or {}).get("rows", {})
-    held = {k: m[k.split("_damp")[0]]["bits"]["held"] for k in cd
-            if not k.startswith("gptq") and k.split("_damp")[0] in m}
+    held = {k: m[r["config_row"]]["bits"]["held"] for k, r in cd.items()
+            if r.get("config_row") in m}
     fits = [(cd[k]["cross_domain"]["cosine_mean"], k) for k, b in held.items() if b <= 4.6]
     best_cross = max(fits, default=(None, None))
     return {"cosine_0995_at_4_6_bits": {"best_cosine": best_low,
@@ -552,7 +563,21 @@ def summary(res: dict) -> str:
             + ("" if fit_name(4) not in m else
                f" Fitted under GPTQ-int4's size with `t_budget` (and a grid up to 2x), the same "
                f"setting keeps {m[fit_name(4)]['cosine_mean']:.4f} at "
-               f"{m[fit_name(4)]['bits']['packed']:.2f} bits."))
+               f"{m[fit_name(4)]['bits']['packed']:.2f} bits.")
+            + _cross_summary(res))
+
+
+def _cross_summary(res: dict) -> str:
+    """The README's cross-domain sentence: random vocabulary mixed into the calibration."""
+    rows = (res.get("cross_domain") or {}).get("rows", {})
+    if not {"E8_q4_gptq_rot", "E8_q4_gptq_rot_vocab", "gptq_int4_g128"} <= set(rows):
+        return ""
+    cos = {k: rows[k]["cross_domain"]["cosine_mean"] for k in
+           ("E8_q4_gptq_rot", "E8_q4_gptq_rot_vocab", "gptq_int4_g128")}
+    return (f" Calibrated on other topics than the ones scored, it keeps "
+            f"{cos['E8_q4_gptq_rot']:.4f}, and {cos['E8_q4_gptq_rot_vocab']:.4f} with as many "
+            f"sentences of random vocabulary words mixed into the calibration "
+            f"(GPTQ-int4 g128: {cos['gptq_int4_g128']:.4f}).")
 
 
 def plot(res: dict, path: pathlib.Path):

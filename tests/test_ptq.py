@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import hnlq_jax as hq
 from hnlq_jax import ptq, rows
@@ -318,3 +320,30 @@ def test_recommended_fills_only_what_is_left_out_and_refuses_non_bool_flags():
         args = {"rotate": None, "act_order": None, **bad}
         with pytest.raises(TypeError, match=f"f: {next(iter(bad))} must be a bool"):
             ptq.recommended("f", run, args["rotate"], args["act_order"], None, None)
+
+
+@given(st.lists(st.text(alphabet="abcXYZ#[]1 ", min_size=1, max_size=6), min_size=1,
+                max_size=30), st.integers(0, 20), st.integers(1, 5), st.integers(0, 99))
+def test_vocabulary_sentences(vocab, n, words, seed):
+    """Sentences of whole alphabetic words (>= 3 letters) of the vocabulary only, seeded, and
+    every such word can be drawn."""
+    pool = {w for w in vocab if w.isalpha() and len(w) > 2}
+    if not pool:
+        with pytest.raises(ValueError, match="no alphabetic entries"):
+            ptq.vocabulary_sentences(vocab, n, words=words, seed=seed)
+        return
+    got = ptq.vocabulary_sentences(vocab, n, words=words, seed=seed)
+    assert got == ptq.vocabulary_sentences(list(reversed(vocab)), n, words=words, seed=seed)
+    assert len(got) == n
+    for sentence in got:
+        assert sentence.endswith(".")
+        drawn = sentence[:-1].split(" ")
+        assert len(drawn) == words and set(drawn) <= pool
+    many = ptq.vocabulary_sentences(vocab, 200, words=5, seed=seed)
+    assert {w for s in many for w in s[:-1].split(" ")} == pool
+
+
+@pytest.mark.parametrize("kwargs", [{"n": -1}, {"n": 2.0}, {"words": 0}, {"n": True}])
+def test_vocabulary_sentences_bad_input(kwargs):
+    with pytest.raises(ValueError, match="vocabulary_sentences"):
+        ptq.vocabulary_sentences(["word"], **{"n": 2, **kwargs})

@@ -1,6 +1,7 @@
 """Quantization-aware training and quantized inference in Flax: :class:`QDense`,
 :class:`QuantDotGeneral` and the inference form (:func:`export_params`), which post-training
-quantization of a float model's Dense layers also produces (:func:`quantize_params`).
+quantization of a float model's Dense, DenseGeneral and Einsum layers also produces
+(:func:`quantize_params`); the float model itself computes from it inside :func:`use_codes`.
 
 **Weight format.** A kernel ``W[in, out]`` is held as the row :class:`~hnlq_jax.Codes` of
 ``W^T`` (:func:`hnlq_jax.rows.rows_codes`): output unit ``j`` is divided by
@@ -811,25 +812,30 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
                     criterion: str | None = None, grid=ptq.DEFAULT_GRID,
                     t_budget=None, sequential: bool = False, seed: int = 0,
                     progress: bool = False):
-    """Post-training quantization of a Flax model's Dense layers into the QDense inference form.
+    """Post-training quantization of a Flax model's dense-like layers into the inference form.
 
-    Every params subtree with a 2-D ``kernel [in, out]`` (``nn.Dense`` / ``QDense``, selected
-    by ``filter_fn``) is coded as the row codes of ``kernel^T``: by round-to-nearest
+    Every params subtree with a ``kernel`` that an ``nn.Dense``, ``QDense``, ``nn.DenseGeneral``
+    or ``nn.Einsum`` call uses as a product (selected by ``filter_fn``; without
+    ``calibration`` only 2-D kernels, taken as ``[in, out]``, since only a call tells which
+    axes of a larger kernel are inputs) is coded as the row codes of its ``[out, in]`` matrix
+    (:class:`hnlq_jax.layouts.KernelLayout`; ``kernel^T`` for a Dense): by round-to-nearest
     (:func:`hnlq_jax.rows.rows_codes` at the calibrated beta) without ``calibration``, or by
     compensated rounding (:func:`hnlq_jax.ptq.gptq_rows`) against the Hessian of its inputs
     with it, by default in the recommended setting (rotated, activation order,
     ``criterion="f"``, ``damp=0.01``: :data:`hnlq_jax.ptq.RECOMMENDED`; any option given
     overrides it). The result is what :func:`export_params` returns, so the same architecture built
-    with :class:`QDense` layers applies it (``model.apply(inference, x)``) and it saves and
-    loads the same way (:func:`import_params`).
+    with :class:`QDense` layers applies it (``model.apply(inference, x)``; Dense layers only),
+    as does the float model inside :func:`use_codes` (every kind above), and it saves and loads
+    the same way (:func:`import_params`).
 
     **Calibration** (``calibration=run``): ``run(variables)`` applies the float model to
-    calibration data, eagerly (not under ``jit``), e.g.
-    ``lambda v: [model.apply(v, x) for x in batches]``. Method interception
-    (``flax.linen.intercept_methods``) collects ``H = sum x^T x`` of every Dense layer's inputs
-    in one call; with ``sequential=True`` one layer at a time in the order the forward pass
-    reaches them, each from a model whose earlier layers compute with their quantized weights
-    (decoded into the float model's params), so only one H is held, for one call per layer.
+    calibration data, eagerly (not under ``jit``), e.g. ``lambda v: [model.apply(v, x) for x in
+    batches]``. Method interception (``flax.linen.intercept_methods``) records each layer's
+    kernel layout and collects ``H = sum x^T x`` of its inputs (arranged ``[..., in]`` by the
+    layout) in one call; with ``sequential=True`` one layer at a time in the order the forward
+    pass reaches them, each from a model whose earlier layers compute with their quantized
+    weights (decoded into the float model's params), so only one H is held, for one call per
+    layer.
 
     Args:
       variables: the float model's variables ``{"params": ...}``.
@@ -840,8 +846,9 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
       calibrate: beta from :func:`hnlq_jax.rows.calibrate_rows` (with ``calibration``, the
         search of :func:`~hnlq_jax.ptq.gptq_rows` around it); ``False``: ``config.beta``.
       rotate: incoherence processing: layer ``k`` (in sorted path order) gets
-        ``Rotation(in, seed + k)``, stored as ``hnlq/<path>/rotation`` beside the codes of
-        ``W R`` (``hnlq/<path>/rotated_codes``) and applied by ``QDense`` to its input.
+        ``Rotation(in, seed + k)`` (``in``: the matrix's columns), stored as
+        ``hnlq/<path>/rotation`` beside the codes of ``W R`` (``hnlq/<path>/rotated_codes``)
+        and applied to the layer's input.
         ``None`` (default): with ``calibration`` the recommended ``True``, else ``False``.
       act_order, damp, criterion, grid, t_budget: as :func:`~hnlq_jax.ptq.gptq_rows` (with
         ``calibration``); ``None`` (default) for ``act_order``, ``damp`` and ``criterion`` is
@@ -853,14 +860,17 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
     Returns:
       ``(inference, report)``: ``inference = {"params": params without the quantized kernels,
       "hnlq": {path: {"codes": Codes}}}`` (rotated: ``{"rotated_codes": Codes, "rotation":
-      Rotation}``) and a :class:`hnlq_jax.sizes.QuantizeReport`: ``converted`` (the layers,
-      named by their ``/``-joined paths, in the order quantized), ``sizes`` and, with
+      Rotation}``; a kernel not ``[in, out]`` also ``"layout"``) and a
+      :class:`hnlq_jax.sizes.QuantizeReport`: ``converted`` (the layers, named by their
+      ``/``-joined paths, with their module type, in the order quantized), ``skipped`` (the
+      kernels kept in float, with the reason), ``sizes`` and, with
       ``calibration``, ``proxy_loss``, ``clipped`` and ``t_bits`` (the entropy of T per
       weight) per layer.
 
     Raises:
-      ValueError: no Dense layer selected; ``calibration`` not callable, run under ``jit``, or
-        never reaching a selected layer (the message names them); the errors of
+      ValueError: nothing to convert (the message lists each kernel and why it stayed float);
+        ``calibration`` not callable, run under ``jit``, or never reaching a selected 2-D
+        kernel (the message names them); the errors of
         :func:`~hnlq_jax.ptq.gptq_rows`.
     """
     fn = "quantize_params"

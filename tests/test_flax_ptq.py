@@ -379,3 +379,21 @@ def _decoded_dense(variables, inference):
     w = layer["rotation"].inverse(hq.decode(layer["rotated_codes"]))
     params["d"]["kernel"] = w.T
     return {"params": params}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, None])
+def test_use_codes_computes_in_the_layers_dtype(dtype):
+    """As the float layer: in its dtype, else in the promotion of input and parameters."""
+    model = nn.DenseGeneral((2, 8), dtype=dtype)
+    x = X3.astype(jnp.bfloat16)
+    variables = model.init(jax.random.key(0), x)
+    inference, _ = quantize_params(variables, CFG, lambda v: model.apply(v, x))
+    with use_codes():
+        y = model.apply(inference, x)
+    layer = inference["hnlq"]
+    w = layer["rotation"].inverse(hq.decode(layer["rotated_codes"]))  # [16 out, 16 in]
+    decoded = {"params": {**variables["params"], "kernel": w.T.reshape(16, 2, 8)}}
+    want = model.apply(decoded, x)
+    assert y.dtype == want.dtype and y.shape == want.shape
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32),
+                               rtol=0.02, atol=0.02)  # bfloat16 rounding

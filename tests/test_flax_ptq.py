@@ -258,8 +258,10 @@ def test_dense_general_and_einsum_codes_equal_gptq_rows():
     """A kernel of any layout is coded as its [out, in] matrix against the Hessian of its
     inputs arranged alike (computed here by hand from the float model's intermediates)."""
     options = {"damp": 0.01, "act_order": False, "criterion": "f"}
-    inference, report = quantize_params(VARS3, CFG, _run3, rotate=False, **options)
     inputs = {("proj",): [], ("merge",): [], ("t",): []}
+    inference, report = quantize_params(VARS3, CFG, _run3, rotate=False,
+                                        filter_fn=lambda path, k: path in inputs
+                                        or path == ("out",), **options)
     for chunk in jnp.split(X3, 2):
         _, state = LAYOUTS.apply(VARS3, chunk, capture_intermediates=True)
         inter = state["intermediates"]
@@ -270,12 +272,14 @@ def test_dense_general_and_einsum_codes_equal_gptq_rows():
         kernel = _at(VARS3["params"], path)["kernel"]
         want = ptq.gptq_rows(AS_MATRIX[path](kernel), _hessian(xs), CFG, **options)
         _same_codes(_at(inference["hnlq"], path)["codes"], want.codes)
-    kinds = dict((name, kind) for name, kind, _ in report.converted)
+    kinds = dict((name, kind) for name, kind, _ in report.converted + report.skipped)
     assert kinds == {"proj": "Einsum", "merge": "DenseGeneral", "attn/query": "DenseGeneral",
                      "attn/key": "DenseGeneral", "attn/value": "DenseGeneral",
                      "attn/out": "DenseGeneral", "t": "Einsum", "out": "Dense"}
-    assert report.skipped == []
-    assert _at(inference["hnlq"], ("attn", "out"))["layout"] == KernelLayout((2, 4, 16), "iio")
+    assert [n for n, *_ in report.converted] == ["proj", "merge", "t", "out"]  # call order
+    assert {why for *_, why in report.skipped} == {"filter_fn"}
+    assert inference["hnlq"]["merge"]["layout"] == KernelLayout((2, 8, 16), "iio")
+    assert inference["hnlq"]["t"]["layout"] == KernelLayout((12, 16), "oi")
     assert "layout" not in inference["hnlq"]["out"]  # [in, out]: the Dense form as before
 
 

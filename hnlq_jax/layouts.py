@@ -219,12 +219,15 @@ def layer_call(module, args, kwargs):
 
     Returns:
       A :class:`LayerCall`; a string saying why this call is not such a product (e.g. a
-      ``DenseGeneral`` with ``batch_dims``, a batched einsum); or ``None`` when the module is
-      not an ``nn.Dense``, ``nn.DenseGeneral`` or ``nn.Einsum`` (subclasses included only
-      where they keep the parent's ``__call__``).
+      ``DenseGeneral`` with ``batch_dims``, a batched einsum, a subclass with its own
+      ``__call__``); or ``None`` when the module is not an ``nn.Dense``, ``nn.DenseGeneral`` or
+      ``nn.Einsum``.
     """
     kind = type(module)
     if kind.__call__ not in (nn.Dense.__call__, nn.DenseGeneral.__call__, nn.Einsum.__call__):
+        if isinstance(module, (nn.Dense, nn.DenseGeneral, nn.Einsum)):
+            return (f"a subclass of a Flax dense layer with its own __call__ ({kind.__name__}: "
+                    "what it computes with the kernel is not known)")
         return None
     x_shape = jnp.shape(args[0] if args else kwargs["inputs"])
     x_ndim = len(x_shape)

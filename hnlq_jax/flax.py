@@ -729,8 +729,9 @@ def _kernels(params) -> dict:
 def _module_call(module, args, kwargs):
     """:func:`hnlq_jax.layouts.layer_call`, with QDense's kernel ``[in, out]`` too."""
     if isinstance(module, QDense):
-        x = args[0] if args else kwargs["inputs"]
-        return dense_call(jnp.ndim(x), jnp.shape(x)[-1], module.features)
+        shape = jnp.shape(args[0] if args else kwargs["inputs"])
+        # a scalar input: QDense's own call raises the clear error
+        return dense_call(len(shape), shape[-1], module.features) if shape else "a scalar input"
     return layer_call(module, args, kwargs)
 
 

@@ -145,8 +145,9 @@ class LayerCall:
 
     def inputs(self, x):
         """``x2[..., K]``: the input's kept axes, then its contracted ones in kernel order."""
-        ins = "".join(self.rhs[a] for a in self.layout.in_axes)
-        x2 = jnp.einsum(f"{self.lhs}->{self._kept}{ins}", x)
+        order = self._kept + "".join(self.rhs[a] for a in self.layout.in_axes)
+        # A Dense call's order is the input's own: no transpose op on the serving path.
+        x2 = x if order == self.lhs else jnp.einsum(f"{self.lhs}->{order}", x)
         return x2.reshape(*x2.shape[:len(self._kept)], self.layout.k)
 
     def outputs(self, y2):
@@ -154,7 +155,8 @@ class LayerCall:
         outs = "".join(self.rhs[a] for a in self.layout.out_axes)
         sizes = tuple(self.layout.shape[a] for a in self.layout.out_axes)
         y = y2.reshape(*y2.shape[:-1], *sizes)
-        return jnp.einsum(f"{self._kept}{outs}->{self.out}", y)
+        order = self._kept + outs
+        return y if order == self.out else jnp.einsum(f"{order}->{self.out}", y)
 
     def bias_shape(self) -> tuple:
         """The shape a bias of the kernel's output axes broadcasts to (as the layers add it)."""

@@ -24,6 +24,7 @@ def level_reps(labels, cfg):
     return np.asarray(hq.codebook(cfg))[idx]
 
 
+@pytest.mark.golden
 @pytest.mark.parametrize("name", GOLDEN)
 def test_golden_x64(name, x64):
     g = load_golden(name)
@@ -62,6 +63,7 @@ def test_golden_x64(name, x64):
     np.testing.assert_array_equal(np.asarray(c0.T) == -1, g["overload_T0"])
 
 
+@pytest.mark.golden
 @pytest.mark.parametrize("name", GOLDEN)
 def test_golden_float32(name):
     """Rows of kind 0/1 agree in float32: no such input sits within rounding of a face."""

@@ -85,6 +85,7 @@ def test_encode_decode_bit_exact(cfg):
                                       _jit_decode(ref, levels=levels, **XLA))
 
 
+@pytest.mark.golden
 def test_encode_golden_x64(x64):
     """The reference's golden codes (8-bit T field: max_T = 64) in float64, in the kernels."""
     for name in ("D4_q4_M2.npz", "D4_q4_M2_dither.npz", "D4_q3_M3.npz", "Z2_q4_M2.npz"):

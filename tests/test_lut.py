@@ -21,6 +21,7 @@ CONFIGS = [
 IDS = [f"{c.lattice}q{c.q}M{c.M}" for c in CONFIGS]
 
 
+@pytest.mark.golden
 @pytest.mark.parametrize("name", GOLDEN)
 def test_golden_inner_products(name, x64):
     g = load_golden(name)

@@ -11,6 +11,7 @@ from hnlq_jax import rd
 from hnlq_jax.__main__ import main
 
 
+@pytest.mark.golden
 def test_reproduces_reference_grid_search():
     """Z2 q=3 M=1 on the paper's sample gives the reference's beta_search_best (float64)."""
     b, mse, H, R, f, p = load_golden("Z2_q3_M1.npz")["beta_search_best"]

@@ -65,6 +65,7 @@ def test_rate_stats_of_row_codes_and_bad_input():
         hq.rate_stats(np.zeros(4, np.int8))
 
 
+@pytest.mark.golden
 @pytest.mark.parametrize("name", ["D4_q4_M2.npz", "Z2_q3_M2.npz", "D4_q8_M1.npz"])
 def test_calibrate_beta_reproduces_reference(name, x64):
     """The paper's grid search on default_rng(0) data picks the reference's beta and numbers."""

@@ -246,7 +246,8 @@ def main():
         results = {
             "machine": (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} "
                         f"torch threads, jax {jax.__version__}, torch {torch.__version__}, native "
-                        f"kernel {'built' if hq.kernels.cpu.available() else 'not built'}"),
+                        "kernel " + (f"built ({hq.kernels.cpu.isa()})" if hq.kernels.cpu.available()
+                                     else "not built")),
             "rotate_mb": args.rotate_mb, "repeat": args.repeat, "rows": rows,
             "bridge": bridge_overhead(max(200, args.repeat), rng),
             "minilm": minilm(max(5, args.repeat // 3)),

@@ -124,7 +124,8 @@ def info(args) -> None:
     print(f"x64      {bool(jax.config.jax_enable_x64)}")
     native = hq.kernels.cpu
     print("paths (implementation=): xla (always); pallas (GPU; interpret mode on a CPU); lut; "
-          f"native: {'built' if native.available() else native.why_unavailable()}")
+          "native: " + (f"built ({native.isa()})" if native.available()
+                        else native.why_unavailable()))
     d4 = hq.HNLQConfig("D4", 4, 2)
     print("implementation=None on this backend (D4 q=4 M=2): matmul "
           f"{hq.ops.default_implementation('matmul', d4)}, decode "

@@ -17,7 +17,8 @@ def test_info(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "jax" in out and "backend" in out and "E8" in out
-    native = "native: built" if hq.kernels.cpu.available() else "native: the extension"
+    native = (f"native: built ({hq.kernels.cpu.isa()})" if hq.kernels.cpu.available()
+              else "native: the extension")
     assert native in out
     cpu = "native" if hq.kernels.cpu.available() and jax.default_backend() == "cpu" else None
     if cpu:  # what None runs on this machine, every operation named

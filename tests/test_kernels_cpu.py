@@ -30,13 +30,24 @@ CONFIGS = {
 }
 
 
+# The instruction sets this CPU runs the kernels with (each level is code of its own,
+# csrc/decode_rows.h): the tests of decoded bits and of the product's paths run on each.
+LEVELS = cpu.ISAS[:cpu.ISAS.index(cpu.isa()) + 1] if cpu.available() else ()
+
+
+@pytest.fixture(params=LEVELS)
+def isa(request):
+    with cpu.use_isa(request.param):
+        yield request.param
+
+
 def _weight(cfg, n_out, k, seed=0):
     w = np.random.default_rng(seed).standard_normal((n_out, k)).astype(np.float32)
     return hq.encode_rows(w, cfg)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_decoded_weights_bit_for_bit(name):
+def test_decoded_weights_bit_for_bit(name, isa):
     """One-hot rows of x read single decoded weights: equal to the XLA path's decode exactly
     (row scale applied, the padded tail of a ragged row dropped) on each of the product's
     three paths (up to 4 rows: straight into the sums; more: through the buffer; from
@@ -53,7 +64,7 @@ def test_decoded_weights_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_a_row_does_not_depend_on_the_batch(name):
+def test_a_row_does_not_depend_on_the_batch(name, isa):
     """A row of x gives the same bits in a batch of up to 4 rows (decoded registers straight
     into the sums) as in a larger one (through the buffer), for rows of up to 512 weights: both
     paths fold the row's factors alike (or neither, with a dither)."""
@@ -107,10 +118,12 @@ def test_decode_defaults_and_refusals():
 def test_matches_xla(name, batch, k, n_out, seed):
     codes = _weight(CONFIGS[name], n_out, k, seed)
     x = np.random.default_rng(seed + 1).standard_normal((batch, k)).astype(np.float32)
-    got = hq.matmul(x, codes, implementation="native")
     want = hq.matmul(x, codes, implementation="xla")
-    assert got.shape == want.shape == (batch, n_out) and got.dtype == jnp.float32
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    for level in LEVELS:
+        with cpu.use_isa(level):
+            got = hq.matmul(x, codes, implementation="native")
+        assert got.shape == want.shape == (batch, n_out) and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=level)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -137,7 +150,7 @@ def test_block_codes_batch_shapes_and_empty():
     assert hq.matmul(x[:0], codes, implementation="native").shape == (0, 3, 7)
 
 
-def test_failed_and_corrupted_blocks_give_nan_under_jit():
+def test_failed_and_corrupted_blocks_give_nan_under_jit(isa):
     """A failed block (T = -1), a T field value above max_T + 1 and an index >= q^d (checked
     eagerly, so only under jit) make their rows' products and decoded blocks NaN, as the XLA
     path's."""
@@ -165,6 +178,36 @@ def test_failed_and_corrupted_blocks_give_nan_under_jit():
         jax.jit(lambda c: hq.decode(c, implementation="xla"))(bad))
     with pytest.raises(ValueError, match="out of range"):
         hq.matmul(x, bad, implementation="native")
+
+
+@pytest.mark.parametrize("name", ["D4-q4-M2", "E8-q4-M2", "E8-q2-M2"])
+def test_a_failed_block_in_whole_registers(name, isa):
+    """A failed block (T = -1) in a row of whole registers (k = 64, 2 rows of x: decoded
+    registers straight into the sums; the block shares its register with others) makes that
+    row's products NaN and no other row's."""
+    cfg = CONFIGS[name]
+    codes = _weight(cfg, 3, 64)
+    T = np.asarray(codes.T).copy()
+    T[1, 5] = -1
+    tfield = hq.Codes.from_labels(np.asarray(codes.labels), T, cfg).tfield
+    bad = hq.Codes(codes.index, tfield, cfg, scale=codes.scale, n=codes.n)
+    y = np.asarray(jax.jit(lambda x, c: hq.matmul(x, c, implementation="native"))(
+        np.ones((2, 64), np.float32), bad))
+    assert np.isnan(y[:, 1]).all() and np.isfinite(y[:, [0, 2]]).all()
+
+
+def test_isa_levels_and_refusals():
+    best = cpu.isa()
+    assert best in cpu.ISAS
+    with cpu.use_isa("portable"):
+        assert cpu.isa() == "portable"
+        with cpu.use_isa("avx512"):  # a limit, not a demand: at most what the CPU has
+            assert cpu.isa() == best
+        assert cpu.isa() == "portable"
+    assert cpu.isa() == best
+    with pytest.raises(ValueError, match="one of"):
+        with cpu.use_isa("sse4"):
+            pass
 
 
 def test_default_dispatch_and_clear_refusals():

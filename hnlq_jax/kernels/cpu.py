@@ -13,8 +13,9 @@ kernel             what it does                                 reference
                    8 weight rows, straight into the sums for    implementation="xla"``
                    up to 4 rows of x, else 512 weights at a     (identical decoded weights;
                    time into an L1 buffer multiplied into       sums in another order)
-                   every row of x (AVX2 + FMA where the CPU
-                   has them, chosen at run time)
+                   every row of x (AVX-512 or AVX2 + FMA
+                   where the CPU has them, chosen at run
+                   time: :func:`isa`)
 ``decode``         the dense weight ``W_hat[n, k]`` float32,    ``hq.decode(...,
                    tiles of rows decoded straight into the      implementation="xla"``
                    output (for a large batch's product: one     (bit for bit)
@@ -31,6 +32,7 @@ The first two decode with ``csrc/decode_rows.h``, the reference's operations in 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -42,8 +44,9 @@ from hnlq_jax.codec import codebook_table
 from hnlq_jax.codes import Codes, index_dtype, t_bits
 from hnlq_jax.config import HNLQConfig, pow2_table
 
-__all__ = ["GEMM_ROWS", "HostCodes", "available", "decode", "decode_host", "decode_matmul",
-           "decode_matmul_host", "rotate", "rotate_host", "unsupported", "why_unavailable"]
+__all__ = ["GEMM_ROWS", "HostCodes", "ISAS", "available", "decode", "decode_host",
+           "decode_matmul", "decode_matmul_host", "isa", "rotate", "rotate_host", "unsupported",
+           "use_isa", "why_unavailable"]
 
 try:
     from hnlq_jax.kernels import _cpu
@@ -65,6 +68,53 @@ def available() -> bool:
 def why_unavailable() -> str | None:
     """Why the native kernels are missing (``None`` when :func:`available`)."""
     return _WHY
+
+
+# The instruction sets the kernels have code for, in order (csrc/decode_rows.h's Isa).
+ISAS = ("portable", "avx2", "avx512")
+
+
+def isa() -> str:
+    """The instruction set the product and decode kernels run with now: the best of
+    :data:`ISAS` this CPU has (``"avx512"``: AVX-512 F/BW/DQ/VL + FMA; ``"avx2"``: AVX2 +
+    FMA; ``"portable"``: plain C++), at most :func:`use_isa`'s limit.
+
+    Decoded weights are the same bits on every level; products sum 16 lanes with AVX-512 and
+    8 with AVX2, so their float sums differ in rounding between the two.
+
+    Raises:
+      RuntimeError: the native kernels are not built.
+    """
+    module = _built()
+    limit = module.set_isa_limit(2)
+    module.set_isa_limit(limit)
+    return ISAS[min(limit, module.supported_isa())]
+
+
+@contextlib.contextmanager
+def use_isa(name: str):
+    """Runs the kernels called inside the context with at most the instruction set ``name``
+    (one of :data:`ISAS`): to compare the levels on one machine (tests, benchmarks). The limit
+    is process-wide; a call already running keeps its level.
+
+    Raises:
+      ValueError: an unknown ``name``.
+      RuntimeError: the native kernels are not built.
+    """
+    if name not in ISAS:
+        raise ValueError(f"use_isa: name must be one of {ISAS}, got {name!r}")
+    module = _built()
+    previous = module.set_isa_limit(ISAS.index(name))
+    try:
+        yield
+    finally:
+        module.set_isa_limit(previous)
+
+
+def _built():
+    if _cpu is None:
+        raise RuntimeError(f"the native kernels are not available: {_WHY}")
+    return _cpu
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,7 +18,7 @@ constexpr int64_t kTileWeights = 1 << 14;  // weights per task (rows of one tile
 
 // One call's row tiles: whole blocks inside K straight into the output row, a block that K
 // cuts through a buffer.
-template <typename Index, int D, bool AVX2>
+template <typename Index, int D, int Isa>
 struct Decode {
   static void run(Shared& call) {
     const Problem& p = call.p;
@@ -30,7 +30,7 @@ struct Decode {
       for (int64_t r = t * rows; r < std::min(p.N, (t + 1) * rows); ++r) {
         float* out = p.y + r * p.K;
 #ifdef HNLQ_X86
-        if constexpr (AVX2 && D > 0)
+        if constexpr (Isa >= kAvx2 && D > 0)  // the same bits on every level
           decode_row_avx2<Index, D>(p, r, 0, whole, out);
         else
 #endif

@@ -25,16 +25,17 @@ constexpr int64_t kChunk = 512;    // weights of a row decoded at a time (a mult
 constexpr int64_t kFusedRows = 4;  // up to this many rows of x: decoded registers go straight
                                    // into the sums (more: through the buffer, 4 x 2 blocking)
 
+// What a folded product multiplies row r's sums by.
+inline float row_factor(const Problem& p, int64_t r) {
+  return p.beta * p.cart * (p.scale ? p.scale[r] : 1.0f);
+}
+
 #ifdef HNLQ_X86
 __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
-}
-// What a folded product multiplies row r's sums by.
-inline float row_factor(const Problem& p, int64_t r) {
-  return p.beta * p.cart * (p.scale ? p.scale[r] : 1.0f);
 }
 
 // A sink that multiplies decoded registers into NB activation rows' sums. Folded: the sums
@@ -85,6 +86,56 @@ __attribute__((target("avx2,fma"))) void rows_dot(const Problem& p, int64_t r) {
     case 2: return row_dot_avx2<Index, D, 2, Fold>(p, r);
     case 3: return row_dot_avx2<Index, D, 3, Fold>(p, r);
     default: return row_dot_avx2<Index, D, 4, Fold>(p, r);
+  }
+}
+#endif
+
+#ifdef HNLQ_X86
+// The AVX-512 twins (kAvx512) of hsum, Dot, row_dot_avx2 and tile_product_avx2: 16 lanes a
+// register. Both paths of a product sum a row alike on each level (lanes, then the ragged end
+// in order), so that a row's result does not depend on the batch size there either.
+HNLQ_AVX512 inline float hsum512(__m512 v) {
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+
+template <int NB, bool Fold>
+struct Dot512 {
+  const float* x;
+  int64_t K;
+  RowConsts512 k;
+  __m512 acc[NB];
+  HNLQ_AVX512 void operator()(int64_t o, __m512i c, __m512 s) {
+    const __m512 w = Fold ? _mm512_mul_ps(_mm512_cvtepi32_ps(c), s) : finish_avx512(k, c, s);
+    for (int b = 0; b < NB; ++b)
+      acc[b] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + b * K + o), acc[b]);
+  }
+};
+
+template <typename Index, int D, int NB, bool Fold>
+HNLQ_AVX512 void row_dot_avx512(const Problem& p, int64_t r) {
+  Dot512<NB, Fold> sink{p.x, p.K, row_consts512_of<D>(p, r), {}};
+  for (int b = 0; b < NB; ++b) sink.acc[b] = _mm512_setzero_ps();
+  const int64_t whole = p.K / 16 * (16 / D);  // blocks in whole registers inside K
+  const int64_t j = registers_avx512<Index, D>(p, r, 0, whole, sink);
+  float tail[16];
+  float sums[NB];
+  for (int b = 0; b < NB; ++b) sums[b] = hsum512(sink.acc[b]);
+  for (int64_t j0 = j; j0 < p.nb; j0 += 16 / D) {
+    const int64_t j1 = std::min(p.nb, j0 + 16 / D);
+    decode_row<Index, D, Fold>(p, r, j0, j1, tail);
+    for (int64_t k = j0 * D; k < std::min(p.K, j1 * D); ++k)
+      for (int b = 0; b < NB; ++b) sums[b] += p.x[b * p.K + k] * tail[k - j0 * D];
+  }
+  for (int b = 0; b < NB; ++b) p.y[b * p.N + r] = Fold ? sums[b] * row_factor(p, r) : sums[b];
+}
+
+template <typename Index, int D, bool Fold>
+HNLQ_AVX512 void rows_dot512(const Problem& p, int64_t r) {
+  switch (p.B) {
+    case 1: return row_dot_avx512<Index, D, 1, Fold>(p, r);
+    case 2: return row_dot_avx512<Index, D, 2, Fold>(p, r);
+    case 3: return row_dot_avx512<Index, D, 3, Fold>(p, r);
+    default: return row_dot_avx512<Index, D, 4, Fold>(p, r);
   }
 }
 #endif
@@ -169,17 +220,77 @@ __attribute__((target("avx2,fma"))) void tile_product_avx2(const Problem& p, int
 }
 #endif
 
+#ifdef HNLQ_X86
+HNLQ_AVX512 void tile_product_avx512(const Problem& p, int64_t k0, int64_t len, const float* w,
+                                     int64_t ldw, int64_t R, float* acc) {
+  const int64_t len16 = len & ~int64_t{15};
+  for (int64_t b = 0; b < p.B; b += 2) {
+    const bool two = b + 1 < p.B;
+    const float* x0 = p.x + b * p.K + k0;
+    const float* x1 = two ? x0 + p.K : x0;
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) {
+      const float* w0 = w + r * ldw;
+      __m512 a0[4], a1[4];
+      for (int i = 0; i < 4; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+      for (int64_t k = 0; k < len16; k += 16) {
+        const __m512 v0 = _mm512_loadu_ps(x0 + k), v1 = _mm512_loadu_ps(x1 + k);
+        for (int i = 0; i < 4; ++i) {
+          const __m512 c = _mm512_loadu_ps(w0 + i * ldw + k);
+          a0[i] = _mm512_fmadd_ps(v0, c, a0[i]);
+          a1[i] = _mm512_fmadd_ps(v1, c, a1[i]);
+        }
+      }
+      float t0[4], t1[4];
+      for (int i = 0; i < 4; ++i) {
+        t0[i] = hsum512(a0[i]);
+        t1[i] = hsum512(a1[i]);
+      }
+      for (int64_t k = len16; k < len; ++k)
+        for (int i = 0; i < 4; ++i) {
+          t0[i] += x0[k] * w0[i * ldw + k];
+          t1[i] += x1[k] * w0[i * ldw + k];
+        }
+      for (int i = 0; i < 4; ++i) {
+        acc[b * R + r + i] += t0[i];
+        if (two) acc[(b + 1) * R + r + i] += t1[i];
+      }
+    }
+    for (; r < R; ++r) {  // the last rows of a ragged tile
+      const float* wr = w + r * ldw;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+      for (int64_t k = 0; k < len16; k += 16) {
+        const __m512 c = _mm512_loadu_ps(wr + k);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k), c, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x1 + k), c, a1);
+      }
+      float t0 = hsum512(a0), t1 = hsum512(a1);
+      for (int64_t k = len16; k < len; ++k) {
+        t0 += x0[k] * wr[k];
+        t1 += x1[k] * wr[k];
+      }
+      acc[b * R + r] += t0;
+      if (two) acc[(b + 1) * R + r] += t1;
+    }
+  }
+}
+#endif
+
 // One task: weight rows [r0, r0 + R) against every activation row.
-template <typename Index, int D, bool AVX2>
+template <typename Index, int D, int Isa>
 inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0, int64_t R,
                                                      float* buf, float* acc) {
   const int64_t d = D > 0 ? D : p.d;
   const int64_t blocks = kChunk / d;  // blocks per chunk; kChunk is a multiple of d
 #ifdef HNLQ_X86
-  if constexpr (AVX2 && (D == 4 || D == 8)) {  // small batches: no buffer
+  if constexpr (Isa >= kAvx2 && (D == 4 || D == 8)) {  // small batches: no buffer
     if (registers_apply<D>(p) && p.B <= kFusedRows) {
-      for (int64_t r = r0; r < r0 + R; ++r) p.fold ? rows_dot<Index, D, true>(p, r)
-                                                    : rows_dot<Index, D, false>(p, r);
+      for (int64_t r = r0; r < r0 + R; ++r) {
+        if constexpr (Isa == kAvx512)
+          p.fold ? rows_dot512<Index, D, true>(p, r) : rows_dot512<Index, D, false>(p, r);
+        else
+          p.fold ? rows_dot<Index, D, true>(p, r) : rows_dot<Index, D, false>(p, r);
+      }
       return;
     }
   }
@@ -190,7 +301,7 @@ inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0
     const int64_t k0 = j0 * d, len = std::min(p.K, j1 * d) - k0;
     if (len <= 0) break;
 #ifdef HNLQ_X86
-    if (AVX2) {
+    if constexpr (Isa >= kAvx2) {  // the same decoded bits on both levels, summed as row_dot's
       for (int64_t r = 0; r < R; ++r) {
         float* out = buf + r * kChunk;
         if constexpr (D == 4 || D == 8) {
@@ -204,30 +315,34 @@ inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0
           decode_row<Index, D>(p, r0 + r, j0, j1, out);
         }
       }
-      tile_product_avx2(p, k0, len, buf, kChunk, R, acc);
+      if constexpr (Isa == kAvx512)
+        tile_product_avx512(p, k0, len, buf, kChunk, R, acc);
+      else
+        tile_product_avx2(p, k0, len, buf, kChunk, R, acc);
       continue;
     }
 #endif
     for (int64_t r = 0; r < R; ++r) decode_row<Index, D>(p, r0 + r, j0, j1, buf + r * kChunk);
     tile_product(p, k0, len, buf, kChunk, R, acc);
   }
-  // With AVX2 the sums of folded codes are of x * (c * 2^(alpha T)), as on the register path
-  // (a row's result then does not depend on the batch size, up to kChunk weights a row).
-  const bool folded = AVX2 && p.fold;
+  // With AVX2 or AVX-512 the sums of folded codes are of x * (c * 2^(alpha T)), as on the
+  // register path (a row's result then does not depend on the batch size, up to kChunk weights
+  // a row).
+  const bool folded = Isa >= kAvx2 && p.fold;
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t r = 0; r < R; ++r)
       p.y[b * p.N + r0 + r] = folded ? acc[b * R + r] * row_factor(p, r0 + r) : acc[b * R + r];
 }
 
 // One call's row tiles, claimed until none is left.
-template <typename Index, int D, bool AVX2>
+template <typename Index, int D, int Isa>
 struct Product {
   static void run(Shared& call) {
     const Problem& p = call.p;
     std::vector<float> buf(kRowTile * kChunk), acc(p.B * kRowTile);
     for (int64_t t; (t = call.next.fetch_add(1)) < call.tiles;) {
       const int64_t r0 = t * kRowTile;
-      row_tile<Index, D, AVX2>(p, r0, std::min(kRowTile, p.N - r0), buf.data(), acc.data());
+      row_tile<Index, D, Isa>(p, r0, std::min(kRowTile, p.N - r0), buf.data(), acc.data());
     }
   }
 };

@@ -46,6 +46,36 @@ inline int32_t packed_coordinate(uint32_t word, int i) {
   return static_cast<int32_t>((word >> (4 * i)) & 15u) - 7;
 }
 
+// The instruction sets a kernel has code for, in order. A call runs the best one the CPU has
+// (checked once, at run time: the build does not assume any), at most isa_limit() (module.cc's
+// set_isa_limit: tests and benchmarks compare the levels on one machine). kAvx512's products
+// sum 16 lanes where kAvx2's sum 8, so their float sums differ in rounding; decoded weights are
+// the same bits on every level.
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline int supported_isa() {
+#ifdef HNLQ_X86
+  static const int isa =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+              __builtin_cpu_supports("fma")
+          ? kAvx512
+          : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? kAvx2
+                                                                            : kPortable;
+  return isa;
+#else
+  return kPortable;
+#endif
+}
+
+inline std::atomic<int>& isa_limit() {
+  static std::atomic<int> limit{kAvx512};
+  return limit;
+}
+
+// The level a call starting now runs (read once per call: its threads all run the same code).
+inline int active_isa() { return std::min(supported_isa(), isa_limit().load()); }
+
 struct Problem {
   const float* x;
   const void* index;
@@ -61,7 +91,8 @@ struct Problem {
   bool fold;                   // no dither and no bf16 rounding: a product may apply
                                // beta * cart * row_scale once per row (decode_matmul.cc)
   int64_t mode;                // a Mode: the codebook's layout
-  const float* pair_steps;     // 4-bit T: [256][8] steps of both blocks of a byte; else null
+  const float* pair_steps;     // 4-bit T, d = 4 or 8: [256][2d] steps of both blocks of a byte
+                               // (each d times); else null
 };
 
 inline float round_bf16(float w) {
@@ -182,7 +213,7 @@ __attribute__((target("avx2,fma"))) inline int64_t pairs_avx2(const Problem& p, 
   const uint16_t* key = static_cast<const uint16_t*>(p.index) + (r * p.nb + j0);
   const uint8_t* tf = p.tfield + r * p.tb;
   const int32_t* table = reinterpret_cast<const int32_t*>(p.codebook);
-  const float* pair_steps = p.pair_steps;  // non-null with a 4-bit field: both blocks' T a byte
+  const float* pair_steps = p.pair_steps;  // non-null with a 4-bit field (8 floats a byte)
   int64_t j = j0;
   for (; j + 2 <= j1; j += 2, key += 2) {
     const __m128i raw = _mm_insert_epi32(_mm_cvtsi32_si128(table[key[0]]), table[key[1]], 1);
@@ -256,23 +287,256 @@ __attribute__((target("avx2,fma"))) inline int64_t packed_avx2(const Problem& p,
   return j1;
 }
 
+// packed_avx2 for the usual E8 codes, M = 2 levels of uint16 indices (q^d = 65,536: every
+// index valid) and a 4-bit T field (one byte the steps of two blocks): the same sums with no
+// per-level loop or index checks, two blocks an iteration (j0 even); decodes every block.
+inline bool packed2_applies(const Problem& p) {
+  return p.mode == kPacked && p.M == 2 && p.u16 && p.qd == 65536 && p.pair_steps != nullptr;
+}
+
+// The 8 int32 coordinates of one block: (n_1 << shift) + n_0 - 7 (q + 1), n_m level m's word
+// split into 4-bit lanes.
+__attribute__((target("avx2,fma"))) inline __m256i packed2_block(const uint32_t* words,
+                                                                 const uint16_t* k, int shift) {
+  const __m256i lanes = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i nibble = _mm256_set1_epi32(15);
+  const __m256i n1 = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(words[k[1]])), lanes), nibble);
+  const __m256i n0 = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(words[k[0]])), lanes), nibble);
+  return _mm256_add_epi32(_mm256_slli_epi32(n1, shift), n0);
+}
+
+template <typename Sink>
+__attribute__((target("avx2,fma"))) inline int64_t packed2_avx2(const Problem& p, int64_t r,
+                                                                int64_t j0, int64_t j1,
+                                                                Sink& sink) {
+  const uint16_t* idx = static_cast<const uint16_t*>(p.index) + (r * p.nb + j0) * 2;
+  const uint8_t* tf = p.tfield + r * p.tb;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(p.codebook);
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(p.q));
+  const __m256i bias = _mm256_set1_epi32(-7 * static_cast<int32_t>(p.q + 1));
+  int64_t j = j0;
+  for (; j + 2 <= j1; j += 2, idx += 4) {
+    const float* steps = p.pair_steps + 16 * tf[j >> 1];
+    sink((j - j0) * 8, _mm256_add_epi32(packed2_block(words, idx, shift), bias),
+         _mm256_load_ps(steps));
+    sink((j - j0) * 8 + 8, _mm256_add_epi32(packed2_block(words, idx + 2, shift), bias),
+         _mm256_load_ps(steps + 8));
+  }
+  if (j < j1) {  // an odd last block (the first of its T byte): a register, as packed_avx2
+    sink((j - j0) * 8, _mm256_add_epi32(packed2_block(words, idx, shift), bias),
+         _mm256_load_ps(p.pair_steps + 16 * tf[j >> 1]));
+    ++j;
+  }
+  return j;
+}
+
 // The register decode of blocks [j0, j1) of row r in the codebook's layout (kPairs for d = 4,
 // kHorner or kPacked for d = 8; the caller checked that one applies).
 template <typename Index, int D, typename Sink>
 __attribute__((target("avx2,fma"))) inline int64_t registers_avx2(const Problem& p, int64_t r,
                                                                   int64_t j0, int64_t j1,
                                                                   Sink& sink) {
-  if constexpr (D == 4)
+  if constexpr (D == 4) {
     return pairs_avx2(p, r, j0, j1, sink);
-  else
+  } else {
+    if (packed2_applies(p) && j0 % 2 == 0) return packed2_avx2(p, r, j0, j1, sink);
     return p.mode == kPacked ? packed_avx2<Index>(p, r, j0, j1, sink)
                              : horner_avx2<Index>(p, r, j0, j1, sink);
+  }
 }
 
 // Whether the register decode applies to the codes (else decode_row, a weight at a time).
 template <int D>
 inline bool registers_apply(const Problem& p) {
   return D == 4 ? p.mode == kPairs : D == 8 && (p.mode == kHorner || p.mode == kPacked);
+}
+
+#define HNLQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
+
+// The register decodes with AVX-512 (kAvx512; decode_matmul.cc's small-batch product): 16
+// weights a register (four D4 blocks, two E8 blocks), each lane computed as finish_avx2's.
+struct RowConsts512 {
+  __m512 beta, cart, rs, z;
+  bool scale, bf16;
+};
+
+HNLQ_AVX512 inline __m512 finish_avx512(const RowConsts512& k, __m512i c, __m512 s) {
+  const __m512 xhat = _mm512_mul_ps(_mm512_cvtepi32_ps(c), k.cart);
+  __m512 w = _mm512_mul_ps(_mm512_mul_ps(k.beta, _mm512_sub_ps(xhat, k.z)), s);
+  if (k.scale) w = _mm512_mul_ps(w, k.rs);
+  if (k.bf16) {  // as round_bf16
+    __m512i b = _mm512_castps_si512(w);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+    w = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int(0xFFFF0000u))));
+  }
+  return w;
+}
+
+template <int D>
+HNLQ_AVX512 inline RowConsts512 row_consts512_of(const Problem& p, int64_t r) {
+  const __m256 z = row_consts_of<D>(p, r).z;  // the dither of 8 weights
+  return RowConsts512{_mm512_set1_ps(p.beta), _mm512_set1_ps(p.cart),
+                      _mm512_set1_ps(p.scale ? p.scale[r] : 1.0f),
+                      _mm512_insertf32x8(_mm512_castps256_ps512(z), z, 1), p.scale != nullptr,
+                      p.bf16};
+}
+
+// A failed block's step: pow2[0] is NaN (u = 0), as decode_row's `if (bad) s = nan`.
+inline float checked_step(const Problem& p, const uint8_t* tf, int64_t j, bool bad) {
+  return bad ? std::numeric_limits<float>::quiet_NaN() : step_of(p, tf, j);
+}
+
+// Blocks [j0, j1) of row r (j0 a multiple of 4), four a register; returns the first block not
+// decoded.
+template <typename Sink>
+HNLQ_AVX512 inline int64_t pairs_avx512(const Problem& p, int64_t r, int64_t j0, int64_t j1,
+                                        Sink& sink) {
+  const uint16_t* key = static_cast<const uint16_t*>(p.index) + (r * p.nb + j0);
+  const uint8_t* tf = p.tfield + r * p.tb;
+  const int32_t* table = reinterpret_cast<const int32_t*>(p.codebook);
+  const float* pair_steps = p.pair_steps;
+  const __m512i quads = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4, key += 4) {
+    __m128i raw = _mm_cvtsi32_si128(table[key[0]]);
+    raw = _mm_insert_epi32(raw, table[key[1]], 1);
+    raw = _mm_insert_epi32(raw, table[key[2]], 2);
+    raw = _mm_insert_epi32(raw, table[key[3]], 3);
+    const __m512 s =
+        pair_steps
+            ? _mm512_insertf32x8(
+                  _mm512_castps256_ps512(_mm256_loadu_ps(pair_steps + 8 * tf[j >> 1])),
+                  _mm256_loadu_ps(pair_steps + 8 * tf[(j >> 1) + 1]), 1)
+            : _mm512_permutexvar_ps(
+                  quads, _mm512_castps128_ps512(_mm_setr_ps(step_of(p, tf, j),
+                                                            step_of(p, tf, j + 1),
+                                                            step_of(p, tf, j + 2),
+                                                            step_of(p, tf, j + 3))));
+    sink((j - j0) * 4, _mm512_cvtepi8_epi32(raw), s);
+  }
+  return j;
+}
+
+// packed_avx2's sums for two blocks a register (lanes 0-7 block j, 8-15 block j + 1).
+template <typename Index, typename Sink>
+HNLQ_AVX512 inline int64_t packed_avx512(const Problem& p, int64_t r, int64_t j0, int64_t j1,
+                                         Sink& sink) {
+  const int64_t M = p.M, qd = p.qd;
+  const Index* idx = static_cast<const Index*>(p.index) + (r * p.nb + j0) * M;
+  const uint8_t* tf = p.tfield + r * p.tb;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(p.codebook);
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(p.q));
+  int32_t ones = 0;  // q^{M-1} + ... + 1
+  for (int64_t m = 0; m < M; ++m) ones = ones * static_cast<int32_t>(p.q) + 1;
+  const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24,
+                                          28);
+  const __m512i nibble = _mm512_set1_epi32(15), bias = _mm512_set1_epi32(-7 * ones);
+  int64_t j = j0;
+  for (; j + 2 <= j1; j += 2, idx += 2 * M) {
+    int64_t ka = idx[M - 1], kb = idx[2 * M - 1];
+    bool bad_a = ka >= qd, bad_b = kb >= qd;
+    __m512i c = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_mask_set1_epi32(_mm512_set1_epi32(static_cast<int>(words[ka])),
+                                                 0xFF00, static_cast<int>(words[kb])),
+                          lanes),
+        nibble);
+    for (int64_t m = M - 2; m >= 0; --m) {
+      ka = idx[m];
+      kb = idx[M + m];
+      bad_a |= ka >= qd;
+      bad_b |= kb >= qd;
+      const __m512i n = _mm512_and_si512(
+          _mm512_srlv_epi32(
+              _mm512_mask_set1_epi32(_mm512_set1_epi32(static_cast<int>(words[ka])), 0xFF00,
+                                     static_cast<int>(words[kb])),
+              lanes),
+          nibble);
+      c = _mm512_add_epi32(_mm512_slli_epi32(c, shift), n);
+    }
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(checked_step(p, tf, j, bad_a)), 0xFF00,
+                                        _mm512_set1_ps(checked_step(p, tf, j + 1, bad_b)));
+    sink((j - j0) * 8, _mm512_add_epi32(c, bias), s);
+  }
+  return j;
+}
+
+// horner_avx2's int8 sums for two blocks at once (bytes 0-7 block j, 8-15 block j + 1).
+template <typename Index, typename Sink>
+HNLQ_AVX512 inline int64_t horner_avx512(const Problem& p, int64_t r, int64_t j0, int64_t j1,
+                                         Sink& sink) {
+  const int64_t M = p.M, qd = p.qd;
+  const Index* idx = static_cast<const Index*>(p.index) + (r * p.nb + j0) * M;
+  const uint8_t* tf = p.tfield + r * p.tb;
+  const int8_t* codebook = p.codebook;
+  const int shifts = __builtin_ctzll(static_cast<unsigned long long>(p.q));
+  auto rows = [&](int64_t ka, int64_t kb) {
+    return _mm_unpacklo_epi64(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codebook + ka * 8)),
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codebook + kb * 8)));
+  };
+  int64_t j = j0;
+  for (; j + 2 <= j1; j += 2, idx += 2 * M) {
+    int64_t ka = idx[M - 1], kb = idx[2 * M - 1];
+    bool bad_a = ka >= qd, bad_b = kb >= qd;
+    __m128i c = rows(ka, kb);
+    for (int64_t m = M - 2; m >= 0; --m) {
+      for (int i = 0; i < shifts; ++i) c = _mm_add_epi8(c, c);
+      ka = idx[m];
+      kb = idx[M + m];
+      bad_a |= ka >= qd;
+      bad_b |= kb >= qd;
+      c = _mm_add_epi8(c, rows(ka, kb));
+    }
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(checked_step(p, tf, j, bad_a)), 0xFF00,
+                                        _mm512_set1_ps(checked_step(p, tf, j + 1, bad_b)));
+    sink((j - j0) * 8, _mm512_cvtepi8_epi32(c), s);
+  }
+  return j;
+}
+
+// Level m's 4-bit coordinates of blocks j (lanes 0-7) and j + 1 (8-15), indices k.
+HNLQ_AVX512 inline __m512i packed2_level(const uint32_t* words, const uint16_t* k, int m,
+                                         __m512i lanes, __m512i nibble) {
+  const __m512i w = _mm512_mask_set1_epi32(_mm512_set1_epi32(static_cast<int>(words[k[m]])),
+                                           0xFF00, static_cast<int>(words[k[2 + m]]));
+  return _mm512_and_si512(_mm512_srlv_epi32(w, lanes), nibble);
+}
+
+// packed2_avx2's sums, two blocks a register.
+template <typename Sink>
+HNLQ_AVX512 inline int64_t packed2_avx512(const Problem& p, int64_t r, int64_t j0, int64_t j1,
+                                          Sink& sink) {
+  const uint16_t* idx = static_cast<const uint16_t*>(p.index) + (r * p.nb + j0) * 2;
+  const uint8_t* tf = p.tfield + r * p.tb;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(p.codebook);
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(p.q));
+  const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24,
+                                          28);
+  const __m512i nibble = _mm512_set1_epi32(15);
+  const __m512i bias = _mm512_set1_epi32(-7 * static_cast<int32_t>(p.q + 1));
+  int64_t j = j0;
+  for (; j + 2 <= j1; j += 2, idx += 4) {
+    const __m512i c = _mm512_add_epi32(
+        _mm512_slli_epi32(packed2_level(words, idx, 1, lanes, nibble), shift),
+        packed2_level(words, idx, 0, lanes, nibble));
+    sink((j - j0) * 8, _mm512_add_epi32(c, bias), _mm512_load_ps(p.pair_steps + 16 * tf[j >> 1]));
+  }
+  return j;
+}
+
+template <typename Index, int D, typename Sink>
+HNLQ_AVX512 inline int64_t registers_avx512(const Problem& p, int64_t r, int64_t j0,
+                                            int64_t j1, Sink& sink) {
+  if constexpr (D == 4) {
+    return pairs_avx512(p, r, j0, j1, sink);
+  } else {
+    if (packed2_applies(p) && j0 % 2 == 0) return packed2_avx512(p, r, j0, j1, sink);
+    return p.mode == kPacked ? packed_avx512<Index>(p, r, j0, j1, sink)
+                             : horner_avx512<Index>(p, r, j0, j1, sink);
+  }
 }
 
 // A sink that stores decoded registers into a buffer (Unscaled: as decode_row's).
@@ -299,30 +563,36 @@ __attribute__((target("avx2,fma"))) void decode_row_avx2(const Problem& p, int64
 // A call's state: the problem and the row tiles that the calling thread and its helpers
 // claim (common.h).
 struct Shared : Tasks {
-  alignas(32) float pair_steps[256 * 8];
+  alignas(64) float pair_steps[256 * 16];
   Problem p;
+  int isa = kPortable;  // the call's Isa (active_isa() when its codes were set)
   void (*work)(Shared&) = nullptr;
 };
 
-// Kernel<Index, D, AVX2>::run(call) for the codes' index type and d, with AVX2 + FMA where the
-// CPU has them (checked once, at run time: the build does not assume them).
+// Kernel<Index, D, Isa>::run(call) for the codes' index type and d at the call's Isa level
+// (each level's code compiled for its instruction set).
 #ifdef HNLQ_X86
-template <template <typename, int, bool> class Kernel, typename Index, int D>
+template <template <typename, int, int> class Kernel, typename Index, int D>
+HNLQ_AVX512 void run_avx512(Shared& call) {
+  Kernel<Index, D, kAvx512>::run(call);
+}
+
+template <template <typename, int, int> class Kernel, typename Index, int D>
 __attribute__((target("avx2,fma"))) void run_avx2(Shared& call) {
-  Kernel<Index, D, true>::run(call);
+  Kernel<Index, D, kAvx2>::run(call);
 }
 #endif
 
-template <template <typename, int, bool> class Kernel, typename Index, int D>
+template <template <typename, int, int> class Kernel, typename Index, int D>
 void run_cpu(Shared& call) {
 #ifdef HNLQ_X86
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2) return run_avx2<Kernel, Index, D>(call);
+  if (call.isa == kAvx512) return run_avx512<Kernel, Index, D>(call);
+  if (call.isa == kAvx2) return run_avx2<Kernel, Index, D>(call);
 #endif
-  Kernel<Index, D, false>::run(call);
+  Kernel<Index, D, kPortable>::run(call);
 }
 
-template <template <typename, int, bool> class Kernel, typename Index>
+template <template <typename, int, int> class Kernel, typename Index>
 void run_index(Shared& call) {
   switch (call.p.d) {
     case 2: return run_cpu<Kernel, Index, 2>(call);
@@ -332,7 +602,7 @@ void run_index(Shared& call) {
   }
 }
 
-template <template <typename, int, bool> class Kernel>
+template <template <typename, int, int> class Kernel>
 void dispatch(Shared& call) {
   if (call.p.u16)
     run_index<Kernel, uint16_t>(call);
@@ -367,7 +637,7 @@ struct Attrs {
 };
 
 // Checks the codes of a weight [N, K] and points call.p at them (and, with a 4-bit T field, at
-// the steps of both blocks of a T byte, one aligned register each).
+// the steps of both blocks of a T byte, d = 4 or 8: one aligned register or two each).
 inline ffi::Error set_codes(const char* kernel, const CodesView& v, const Attrs& a, int64_t K,
                             Shared& call) {
   Problem& p = call.p;
@@ -391,11 +661,14 @@ inline ffi::Error set_codes(const char* kernel, const CodesView& v, const Attrs&
   if (e.failure()) return e;
   p.index = v.index; p.tfield = v.tfield; p.scale = v.scales ? v.scale : nullptr;
   p.codebook = v.codebook; p.pow2 = v.pow2; p.dither = v.dither;
+  call.isa = active_isa();
   p.fold = !p.bf16 && std::all_of(v.dither, v.dither + p.d, [](float z) { return z == 0.0f; });
   p.pair_steps = nullptr;
-  if (a.t4) {
+  if (a.t4 && (p.d == 4 || p.d == 8)) {
+    const int64_t d = p.d;
     for (int t = 0; t < 256; ++t)
-      for (int i = 0; i < 8; ++i) call.pair_steps[8 * t + i] = p.pow2[i < 4 ? t & 15 : t >> 4];
+      for (int64_t i = 0; i < 2 * d; ++i)
+        call.pair_steps[2 * d * t + i] = p.pow2[i < d ? t & 15 : t >> 4];
     p.pair_steps = call.pair_steps;
   }
   return ffi::Error::Success();

@@ -112,12 +112,31 @@ PyObject* Rotate(PyObject*, PyObject* args) {
   return finish(error);
 }
 
+// set_isa_limit(level) -> the previous limit: calls starting from now run at most Isa `level`
+// (0 portable, 1 AVX2, 2 AVX-512; decode_rows.h), for tests and benchmarks.
+PyObject* SetIsaLimit(PyObject*, PyObject* args) {
+  int level;
+  if (!PyArg_ParseTuple(args, "i", &level)) return nullptr;
+  if (level < hnlq::kPortable || level > hnlq::kAvx512) {
+    PyErr_SetString(PyExc_ValueError, "set_isa_limit: level must be 0, 1 or 2");
+    return nullptr;
+  }
+  return PyLong_FromLong(hnlq::isa_limit().exchange(level));
+}
+
+// supported_isa() -> the best Isa level this CPU has.
+PyObject* SupportedIsa(PyObject*, PyObject*) { return PyLong_FromLong(hnlq::supported_isa()); }
+
 PyMethodDef kMethods[] = {
     {"decode", Decode, METH_VARARGS, "decode(w, <codes>): the decode kernel on host buffers."},
     {"decode_matmul", DecodeMatmul, METH_VARARGS,
      "decode_matmul(y, x, B, <codes>): the product kernel on host buffers."},
     {"rotate", Rotate, METH_VARARGS,
      "rotate(y, x, R, n, s, B, k, m, inverse, threads): the rotation kernel on host buffers."},
+    {"set_isa_limit", SetIsaLimit, METH_VARARGS,
+     "set_isa_limit(level) -> previous: calls from now run at most this instruction set."},
+    {"supported_isa", SupportedIsa, METH_NOARGS,
+     "supported_isa() -> the best instruction set level this CPU has (0, 1, 2)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -399,12 +399,16 @@ HNLQ_AVX512 inline int64_t pairs_avx512(const Problem& p, int64_t r, int64_t j0,
   const int32_t* table = reinterpret_cast<const int32_t*>(p.codebook);
   const float* pair_steps = p.pair_steps;
   const __m512i quads = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i up = _mm512_setr_epi32(24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0);
   int64_t j = j0;
   for (; j + 4 <= j1; j += 4, key += 4) {
-    __m128i raw = _mm_cvtsi32_si128(table[key[0]]);
-    raw = _mm_insert_epi32(raw, table[key[1]], 1);
-    raw = _mm_insert_epi32(raw, table[key[2]], 2);
-    raw = _mm_insert_epi32(raw, table[key[3]], 3);
+    // Block i's word in lanes 4i..4i+3 by (masked) broadcast loads, no shuffles; lane l keeps
+    // its byte l % 4, sign-extended by a shift left and an arithmetic shift right.
+    __m512i c = _mm512_set1_epi32(table[key[0]]);
+    c = _mm512_mask_set1_epi32(c, 0x00F0, table[key[1]]);
+    c = _mm512_mask_set1_epi32(c, 0x0F00, table[key[2]]);
+    c = _mm512_mask_set1_epi32(c, 0xF000, table[key[3]]);
+    c = _mm512_srai_epi32(_mm512_sllv_epi32(c, up), 24);
     const __m512 s =
         pair_steps
             ? _mm512_insertf32x8(
@@ -415,7 +419,7 @@ HNLQ_AVX512 inline int64_t pairs_avx512(const Problem& p, int64_t r, int64_t j0,
                                                             step_of(p, tf, j + 1),
                                                             step_of(p, tf, j + 2),
                                                             step_of(p, tf, j + 3))));
-    sink((j - j0) * 4, _mm512_cvtepi8_epi32(raw), s);
+    sink((j - j0) * 4, c, s);
   }
   return j;
 }

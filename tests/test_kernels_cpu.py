@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"{cpu.why_unavailab
 # factors only without), both T field widths, a lattice of each dimension the kernel takes
 CONFIGS = {
     "D4-q4-M2": hq.HNLQConfig("D4", 4, 2, beta=0.2016),
+    "D4-q4-M2-T64": hq.HNLQConfig("D4", 4, 2, beta=0.2016, max_T=64),  # pairs, 8-bit T field
     "D4-q3-M3": hq.HNLQConfig("D4", 3, 3, beta=0.3),
     "D4-q5-M2-T64": hq.HNLQConfig("D4", 5, 2, beta=0.15, max_T=64),
     "E8-q4-M2": hq.HNLQConfig("E8", 4, 2, beta=0.25),

@@ -85,10 +85,7 @@ def isa() -> str:
     Raises:
       RuntimeError: the native kernels are not built.
     """
-    module = _built()
-    limit = module.set_isa_limit(2)
-    module.set_isa_limit(limit)
-    return ISAS[min(limit, module.supported_isa())]
+    return ISAS[_built().active_isa()]
 
 
 @contextlib.contextmanager

@@ -124,8 +124,8 @@ PyObject* SetIsaLimit(PyObject*, PyObject* args) {
   return PyLong_FromLong(hnlq::isa_limit().exchange(level));
 }
 
-// supported_isa() -> the best Isa level this CPU has.
-PyObject* SupportedIsa(PyObject*, PyObject*) { return PyLong_FromLong(hnlq::supported_isa()); }
+// active_isa() -> the Isa level a call starting now runs (the CPU's best, at most the limit).
+PyObject* ActiveIsa(PyObject*, PyObject*) { return PyLong_FromLong(hnlq::active_isa()); }
 
 PyMethodDef kMethods[] = {
     {"decode", Decode, METH_VARARGS, "decode(w, <codes>): the decode kernel on host buffers."},
@@ -135,8 +135,8 @@ PyMethodDef kMethods[] = {
      "rotate(y, x, R, n, s, B, k, m, inverse, threads): the rotation kernel on host buffers."},
     {"set_isa_limit", SetIsaLimit, METH_VARARGS,
      "set_isa_limit(level) -> previous: calls from now run at most this instruction set."},
-    {"supported_isa", SupportedIsa, METH_NOARGS,
-     "supported_isa() -> the best instruction set level this CPU has (0, 1, 2)."},
+    {"active_isa", ActiveIsa, METH_NOARGS,
+     "active_isa() -> the instruction set level a call starting now runs (0, 1, 2)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,34 +1,50 @@
-"""The kernels on a real GPU: native tests, then the benchmarks the kernels are built for.
+"""The kernels on a real GPU, timed on the device: a tile sweep, the product table, the tests.
 
-1. ``pytest tests/test_kernels.py`` (or the files ``--tests`` names): on a GPU the kernels run
-   natively (``interpret=None`` means compiled there), so the bit-exactness tests compare
-   compiled Triton kernels with XLA, and the golden tests hold XLA on the GPU to the reference.
-2. encode and decode of N D4 vectors (q=4, M=2) through the front doors: effective bandwidth
-   (bytes in + bytes out, the codes as stored, over time) against the device's HBM peak.
-3. the codebook in the decode kernel, a gathered table against computing it from the digits
-   (``use_table=``), for D4 q=4 (a 4 KiB table) and E8 q=4 (2 MiB).
-4. ``hq.matmul`` of row codes (D4 q=4 M=2) with bfloat16 activations at 4096^2 and 8192^2,
-   batch 1, 8 and 32: the fused decode-matmul kernel against a bfloat16 ``jnp.dot`` with the
-   dense weight and against decode-then-dot (``implementation="xla"``); goal >= 2x the bfloat16
-   dot at batch 1, 8192^2.
-5. every op of ``bench_kernels.py`` (XLA versus the kernel) at GPU sizes.
+One run of this script is what a GPU lease is spent on (``--budget`` seconds; every part
+checks the clock and the results are written after each, so a run cut off keeps what it
+measured):
 
-Prints a Markdown table and writes ``results/gpu_check.json`` (after every part, so a run cut
-off keeps what it measured) and ``results/gpu_check.md`` (copy it into ``docs/gpu.md``). A part
-that fails is recorded and the run goes on; the exit status is then 1. Without a GPU it stops with exit status 2 unless
-``--allow-cpu`` (a smoke run at tiny sizes, interpret mode).
+1. **ceilings**: a device-to-device copy (bytes read + written) and a bfloat16 GEMV at
+   8192^2, against the device's HBM peak: the GEMV row must read 70-90 % before any ratio
+   against it means anything.
+2. **sweep**: ``kernels.gemv``'s tiles (rows and blocks per program, warps, stages, split-K
+   waves, the E8 codebook as a table or from the digits) for D4 q=4 M=2 and E8 q=4 M=2 at
+   8192^2, batch 1 and 8; the winners go into ``hnlq_jax/kernels/gpu_tiles.py``
+   (``--write-tiles`` after the run) and into this run's table.
+3. **matmul**: ``hq.matmul(x, codes, implementation="pallas")`` (``gemv`` up to 8 rows,
+   ``decode_matmul`` beyond) against a bfloat16 ``jnp.dot`` of the dense weight, XLA's int4
+   weight-only product with group-128 bfloat16 scales (int4 -> convert -> scale -> dot, fused
+   by XLA: what a JAX user would pick instead) and decode-then-dot (``"xla"``), bfloat16
+   activations, 4096^2, 8192^2 and 28672 x 8192 (an LLM MLP's up-projection), batch 1, 4, 16,
+   64.
+4. **tests**: ``tests/test_kernels.py`` (or ``--tests``) natively: the kernels compiled by
+   Triton against XLA on the GPU.
+5. **codec**: encode and decode of N D4 vectors, bytes in + out over device time.
+6. **torch**: ``QuantizedLinear`` on CUDA tensors beside ``F.linear`` in bfloat16, and the
+   bridge's cost per call at batch 1 (wall clock).
 
-Usage: ``python experiments/gpu_check.py [--n 100000000] [--allow-cpu] [--skip-tests]
-[--tests FILE ...]``
+Every time is device time (:func:`hnlq_jax.timing.device_time`: CUPTI, the weight rotating
+through copies that together are 3x the L2), so neither side runs from cache.
+
+Writes ``results/gpu_check.json`` (after every part), ``results/gpu_check.md``,
+``results/gpu_check.png``; ``--write-docs`` puts the Markdown into ``docs/gpu.md`` and
+``--write-tiles`` the sweep's winners into the tuning table, both from the saved JSON. Without
+a GPU it stops with exit status 2 unless ``--allow-cpu`` (a smoke run at tiny sizes).
+
+Usage: ``python experiments/gpu_check.py [--budget 420] [--allow-cpu] [--skip-tests]``
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import functools
 import json
 import pathlib
+import pprint
 import subprocess
 import sys
+import time
 import traceback
 
 import jax
@@ -37,15 +53,20 @@ import numpy as np
 
 import hnlq_jax as hq
 from hnlq_jax import kernels
-from hnlq_jax.timing import best_time
+from hnlq_jax.kernels import gpu_tiles
+from hnlq_jax.timing import cache_copies, device_time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import bench_kernels  # noqa: E402  (the shared cases, next to this file)
+import bench_kernels  # noqa: E402  (the environment row, next to this file)
+import report  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 ROOT = pathlib.Path(__file__).parent.parent
 # HBM peak by device kind (vendor figures, bytes/s); unknown devices report no roofline.
 HBM_PEAK = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "H100": 3.35e12}
+CONFIGS = {"D4": hq.HNLQConfig("D4", 4, 2), "E8": hq.HNLQConfig("E8", 4, 2)}
+SHAPES = [(4096, 4096), (8192, 8192), (28672, 8192)]  # (n, k): y[b, n] = x[b, k] W[n, k]^T
+BATCHES = (1, 4, 16, 64)
 
 
 def peak_bandwidth(kind: str):
@@ -55,160 +76,414 @@ def peak_bandwidth(kind: str):
     return None
 
 
-def pytest_command(*targets: str) -> list:
-    """The pytest command line run from the repository root. ``-n 0`` (not ``-p no:xdist``):
-    the project's pytest options carry xdist's ``-n auto``, which needs the plugin loaded."""
-    return [sys.executable, "-m", "pytest", "-q", "-n", "0",
+class Clock:
+    """The run's budget: parts and loops ask :meth:`left` before starting more work."""
+
+    def __init__(self, budget: float):
+        self.end = time.monotonic() + budget
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+def pytest_command(*targets: str, workers: int = 4) -> list:
+    """The pytest command line run from the repository root (several workers share the GPU:
+    ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` is set by :func:`run_tests`)."""
+    return [sys.executable, "-m", "pytest", "-q", "-x", "-n", str(workers),
             *(targets or ("tests/test_kernels.py",))]
 
 
-def run_tests(targets):
-    r = subprocess.run(pytest_command(*targets), cwd=ROOT, capture_output=True, text=True)
+def run_tests(targets, clock):
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    try:
+        r = subprocess.run(pytest_command(*targets), cwd=ROOT, capture_output=True, text=True,
+                           env=env, timeout=max(clock.left() - 5, 1))
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return {"targets": list(targets), "returncode": None,
+                "summary": out.strip().splitlines()[-15:] + ["(stopped at the time budget)"]}
     lines = (r.stdout + r.stderr).strip().splitlines()
-    # the failures' short summary (pytest's last lines) says what broke
     return {"targets": list(targets), "returncode": r.returncode, "summary": lines[-15:]}
 
 
-def section(out, name, f, *args):
-    """Runs one part of the check into ``out[name]``. A part that raises is recorded under
-    ``out["errors"]`` (and its traceback printed) so that it does not lose the parts after it:
-    a lease on a GPU is short, and a first run on a new device is when parts break."""
-    try:
-        out[name] = f(*args)
-    except Exception as e:  # noqa: BLE001  (reported, not handled)
-        traceback.print_exc()
-        out[name] = None
-        out.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+def _copies(a, nbytes):
+    """``a`` (an array or a pytree of them) and fresh copies of it, enough to defeat the L2
+    (two in a smoke run on the CPU, which times nothing that matters)."""
+    n = cache_copies(nbytes) if jax.default_backend() == "gpu" else 2
+    return [a] + [jax.tree.map(lambda v: jnp.array(v, copy=True), a) for _ in range(n - 1)]
 
 
-def codec_bandwidth(cfg, n, repeat):
-    """encode and decode of n blocks through the front doors; GB/s of bytes in + out."""
+def _nbytes(tree) -> int:
+    return sum(v.nbytes for v in jax.tree.leaves(tree))
+
+
+def _weight(n, k, seed=0):
+    return jax.random.normal(jax.random.key(seed), (n, k), jnp.float32) / np.sqrt(k)
+
+
+def _x(b, k, seed=1):
+    return jax.random.normal(jax.random.key(seed), (b, k), jnp.float32).astype(jnp.bfloat16)
+
+
+def _timed(fn, x, ws, peak, nbytes, ref=None, iterations=10):
+    """Device time of ``fn(x, w)`` over the copies ``ws``; with ``ref``, also the relative
+    difference of the first call's result from it (the timed program's own output)."""
+    t, how, y = device_time(fn, x, ws, iterations=iterations)
+    row = {"seconds": t, "method": how, "GBps": nbytes / t / 1e9}
+    if peak:
+        row["pct_peak"] = 100 * nbytes / t / peak
+    if ref is not None:
+        row["rel_diff"] = float(jnp.linalg.norm(y.astype(jnp.float32) - ref)
+                                / jnp.linalg.norm(ref))
+    return row
+
+
+def dense_bf16(x, w):
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+
+
+def int4_weight_only(x, q):
+    """XLA's int4 weight-only product: int4 [n, k] and bfloat16 scales [n, k/128]."""
+    w, s = q
+    n, k = w.shape
+    deq = (w.astype(jnp.bfloat16).reshape(n, k // 128, 128) * s[:, :, None]).reshape(n, k)
+    return dense_bf16(x, deq)
+
+
+def quantize_int4(W):
+    n, k = W.shape
+    g = W.reshape(n, k // 128, 128)
+    s = jnp.max(jnp.abs(g), axis=2) / 7
+    q = jnp.clip(jnp.round(g / s[:, :, None]), -8, 7).astype(jnp.int4).reshape(n, k)
+    return q, s.astype(jnp.bfloat16)
+
+
+def ceilings(peak, small):
+    """A copy's bandwidth and the bfloat16 GEMV's (the baseline every ratio is taken against)."""
+    size = 2**20 if small else 2**29  # bfloat16 elements: 1 GiB on a GPU
+    a = jnp.ones((size,), jnp.bfloat16)
+    copy = _timed(lambda s, v: v * s, jnp.bfloat16(2), [a], peak, 2 * a.nbytes)
+    n = 256 if small else 8192
+    W = _weight(n, n).astype(jnp.bfloat16)
+    gemv = _timed(dense_bf16, _x(1, n), _copies(W, W.nbytes), peak, W.nbytes)
+    return {"copy": {"bytes": 2 * a.nbytes, **copy}, "bf16_gemv": {"n": n, **gemv}}
+
+
+def sweep_candidates(lattice: str, batch: int):
+    """Phase A: rows and blocks per program (4 warps, 1 stage, 4 waves); phase B varies the
+    rest around A's winner (``None``: filled in from it)."""
+    bns = (8, 16, 32)
+    bks = (64, 128, 256) if batch == 1 else (64, 128)
+    a = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=4)
+         for bn in bns for bk in bks]
+    b = [dict(num_warps=2), dict(num_warps=8), dict(num_stages=2), dict(waves=1),
+         dict(waves=8)] if batch == 1 else []
+    if lattice == "E8":
+        b.append(dict(use_table=False))
+    return a, b
+
+
+def sweep(clock, small):
+    """The gemv tiles per lattice and batch class, timed; returns every row and the winners."""
+    n = 256 if small else 8192
+    rows, best = [], {}
+    for lattice, cfg in CONFIGS.items():
+        codes = hq.encode_rows(_weight(n, n), cfg)
+        ws = _copies(codes, _nbytes(codes))
+        ref_w = hq.decode(codes, implementation="xla")
+        for batch in (1, 8):
+            x = _x(batch, n)
+            ref = jnp.dot(x.astype(jnp.float32), ref_w.T, precision="highest")
+            phase_a, phase_b = sweep_candidates(lattice, batch)
+            winner = None
+            for phase in (phase_a, phase_b):
+                base = dict(winner["entry"]) if winner and phase is phase_b else {}
+                for cand in phase:
+                    if clock.left() < 20:
+                        break
+                    entry = {**base, **cand}
+                    t = kernels.pallas.gemv_tiles(cfg, n, n // cfg.d, batch, entry)
+                    fn = functools.partial(kernels.gemv, out_dtype=jnp.bfloat16, **t)
+                    row = {"lattice": lattice, "batch": batch, "entry": entry,
+                           "splits": t["splits"]}
+                    try:
+                        row.update(_timed(lambda x, c: fn(x, c), x, ws, None, _nbytes(codes),
+                                          ref))
+                    except Exception as e:  # noqa: BLE001  (a candidate that fails to compile)
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    rows.append(row)
+                    if "seconds" in row and row["rel_diff"] < 1e-2 and (  # bf16 output
+                            winner is None or row["seconds"] < winner["seconds"]):
+                        winner = row
+            if winner:
+                best.setdefault(lattice, {})[f"batch<={batch}"] = winner["entry"]
+    return {"n": n, "rows": rows, "best": best}
+
+
+def matmul_table(clock, peak, small, batches):
+    """Fused codes kernels against the dense bfloat16 dot, XLA's int4 and decode-then-dot."""
+    shapes = [(256, 256)] if small else SHAPES
+    fused = functools.partial(hq.matmul, implementation="pallas")
+    unfused = functools.partial(hq.matmul, implementation="xla")
+    rows = []
+    for n, k in shapes:
+        W = _weight(n, k)
+        Wb = W.astype(jnp.bfloat16)
+        q4 = quantize_int4(W)
+        dense_ws, int4_ws = _copies(Wb, Wb.nbytes), _copies(q4, _nbytes(q4))
+        codes = {lat: hq.encode_rows(W, cfg) for lat, cfg in CONFIGS.items()}
+        code_ws = {lat: _copies(c, _nbytes(c)) for lat, c in codes.items()}
+        for b in batches:
+            if clock.left() < 30:
+                return rows
+            x = _x(b, k)
+            row = {"n": n, "k": k, "batch": b, "bf16_bytes": Wb.nbytes,
+                   "bf16": _timed(dense_bf16, x, dense_ws, peak, Wb.nbytes),
+                   "int4": _timed(int4_weight_only, x, int4_ws, peak, _nbytes(q4)),
+                   "int4_bits": 8 * _nbytes(q4) / (n * k)}
+            for lat, c in codes.items():
+                ref = jnp.dot(x.astype(jnp.float32),
+                              hq.decode(c, implementation="xla").T, precision="highest")
+                row[lat] = {"fused": _timed(fused, x, code_ws[lat], peak, _nbytes(c), ref),
+                            "decode_then_dot": _timed(unfused, x, code_ws[lat], peak,
+                                                      _nbytes(c)),
+                            "bits": 8 * _nbytes(c) / (n * k)}
+            rows.append(row)
+    return rows
+
+
+def codec_bandwidth(peak, small):
+    """encode and decode of N D4 vectors through the front doors: bytes in + out per second."""
+    cfg = CONFIGS["D4"].replace(beta=hq.gaussian_beta(CONFIGS["D4"]))
+    n = 4096 if small else 10**8
     x = jax.random.normal(jax.random.key(0), (n, cfg.d), jnp.float32)
     rows = []
-    for impl in ("pallas", "xla"):
-        enc = jax.jit(lambda v, impl=impl: hq.encode(v, cfg, implementation=impl))
-        dec = jax.jit(lambda c, impl=impl: hq.decode(c, implementation=impl))
-        codes = enc(x)
-        nbytes = x.nbytes + codes.nbytes
-        for op, f, arg in (("encode", enc, x), ("decode", dec, codes)):
-            t = best_time(f, arg, repeat=repeat)
-            rows.append({"op": op, "implementation": impl, "N": n, "seconds": t,
-                         "GBps": nbytes / t / 1e9})
+    codes = hq.encode(x, cfg, implementation="pallas")
+    nbytes = x.nbytes + _nbytes(codes)
+    # (XLA's encode, ~100x slower on a GPU, is left out: it would take the run's budget)
+    for op, impl, f, arg in (
+            ("encode", "pallas", lambda _, v: hq.encode(v, cfg, implementation="pallas"), x),
+            ("decode", "pallas", lambda _, c: hq.decode(c, implementation="pallas"), codes),
+            ("decode", "xla", lambda _, c: hq.decode(c, implementation="xla"), codes)):
+        rows.append({"op": op, "implementation": impl, "N": n,
+                     **_timed(f, jnp.zeros(()), [arg], peak, nbytes, iterations=3)})
     return rows
 
 
-def codebook_choice(n, repeat):
-    """The decode kernel with the codebook gathered from a table or computed from the digits."""
+def torch_path(small):
+    """``QuantizedLinear`` on CUDA tensors beside ``F.linear`` (bfloat16), batch 1, wall clock
+    per call (dispatch included: what a torch user sees), and the jitted JAX call's."""
+    import torch
+    from torch.nn import functional as F
+
+    from torch_bridge import QuantizedLinear
+    n = 256 if small else 8192
+    lin = torch.nn.Linear(n, n, bias=False, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for lattice in ("D4", "E8"):
-        cfg = hq.HNLQConfig(lattice, 4, 2)
-        cfg = cfg.replace(beta=hq.gaussian_beta(cfg))
-        nb = n * 4 // cfg.d  # the same number of values
-        x = jax.random.normal(jax.random.key(1), (nb, cfg.d), jnp.float32)
-        codes = jax.jit(lambda v, cfg=cfg: hq.encode(v, cfg, implementation="pallas"))(x)
-        for use_table in (True, False):
-            f = jax.jit(lambda c, t=use_table: kernels.decode(c, None, jnp.float32, use_table=t))
-            rows.append({"lattice": lattice, "q": 4, "N": nb, "use_table": use_table,
-                         "seconds": best_time(f, codes, repeat=repeat)})
+    x = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+    for lattice, cfg in CONFIGS.items():
+        q = QuantizedLinear.from_linear(lin, cfg)
+        with torch.no_grad():
+            t_q = _torch_wall(lambda: q(x))
+            t_f = _torch_wall(lambda: F.linear(x, lin.weight))
+        rows.append({"lattice": lattice, "n": n, "quantized_s": t_q, "F.linear_s": t_f})
     return rows
 
 
-def matmul_table(cfg, sizes, batches, repeat):
-    """Fused decode-matmul against a bfloat16 dense dot and against decode-then-dot."""
-    rng = np.random.default_rng(0)
-    fused = jax.jit(lambda x, c: hq.matmul(x, c, implementation="pallas"))
-    unfused = jax.jit(lambda x, c: hq.matmul(x, c, implementation="xla"))
-    dense = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32))
-    rows = []
-    for size in sizes:
-        W = jnp.asarray(rng.standard_normal((size, size)), jnp.float32)
-        cW = hq.encode_rows(W, cfg)
-        Wb = hq.decode(cW, implementation="xla").astype(jnp.bfloat16)
-        for b in batches:
-            x = jnp.asarray(rng.standard_normal((b, size)), jnp.bfloat16)
-            t_fused = best_time(fused, x, cW, repeat=repeat)
-            t_dense = best_time(dense, x, Wb, repeat=repeat)
-            t_unfused = best_time(unfused, x, cW, repeat=repeat)
-            ref = dense(x, Wb)
-            err = float(jnp.max(jnp.abs(fused(x, cW).astype(jnp.float32) - ref))
-                        / jnp.max(jnp.abs(ref)))
-            rows.append({"size": size, "batch": b, "fused_s": t_fused, "bf16_dot_s": t_dense,
-                         "decode_then_dot_s": t_unfused, "speedup_vs_bf16": t_dense / t_fused,
-                         "code_bytes": cW.nbytes, "bf16_bytes": Wb.nbytes, "rel_diff": err})
-    return rows
+def _torch_wall(f, reps=50):
+    import torch
+    f()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
 
 
-def markdown(env, tests, bw, books, mm, ops, peak, errors):
-    lines = [f"Device: {env['device']} ({env['backend']}); jax {env['jax']}; "
-             f"Python {env['python']}.", ""]
+def _us(r):
+    return f"{r['seconds'] * 1e6:.1f} µs" if r and "seconds" in r else "n/a"
+
+
+def _pct(r):
+    return f"{r['pct_peak']:.0f} %" if r and "pct_peak" in r else "n/a"
+
+
+def markdown(out) -> str:
+    env = out["environment"]
+    lines = [f"Device: {env['device']} ({env['backend']}), jax {env['jax']}, Python "
+             f"{env['python']}; times are device time (CUPTI: kernel durations, "
+             f"{out.get('timing', 'n/a')}), each weight rotating through copies 3x the L2.", ""]
+    for name, err in out.get("errors", {}).items():
+        lines += [f"**{name} failed**: `{err.splitlines()[0][:300]}`", ""]
+    c = out.get("ceilings")
+    if c:
+        lines += ["| ceiling | time | GB/s | % of HBM peak |", "|---|---|---|---|",
+                  f"| copy {c['copy']['bytes'] / 1e9:.1f} GB (read + write) | "
+                  f"{_us(c['copy'])} | {c['copy']['GBps']:.0f} | {_pct(c['copy'])} |",
+                  f"| bf16 GEMV {c['bf16_gemv']['n']}² batch 1 | {_us(c['bf16_gemv'])} | "
+                  f"{c['bf16_gemv']['GBps']:.0f} | {_pct(c['bf16_gemv'])} |", ""]
+    mm = out.get("matmul") or []
+    if mm:
+        lines += ["| weight (n x k) | batch | bf16 dot | int4 XLA (4.125 bits) | D4 fused | "
+                  "D4 vs bf16 | E8 fused | E8 vs bf16 | D4 decode+dot | E8 decode+dot |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in mm:
+            def ratio(lat):
+                return f"{r['bf16']['seconds'] / r[lat]['fused']['seconds']:.2f}x"
+            lines.append(
+                f"| {r['n']} x {r['k']} | {r['batch']} | {_us(r['bf16'])} ({_pct(r['bf16'])}) "
+                f"| {_us(r['int4'])} | {_us(r['D4']['fused'])} | {ratio('D4')} | "
+                f"{_us(r['E8']['fused'])} | {ratio('E8')} | {_us(r['D4']['decode_then_dot'])} | "
+                f"{_us(r['E8']['decode_then_dot'])} |")
+        bits = {lat: mm[0][lat]["bits"] for lat in CONFIGS}
+        lines += ["", f"Bits per weight in memory: D4 {bits['D4']:.2f}, E8 {bits['E8']:.2f} "
+                  "(codes, T field and row scales), int4 4.125, bf16 16. Largest relative "
+                  "difference of a fused product from the float32 product of the decoded "
+                  f"weights: {max(r[lat]['fused']['rel_diff'] for r in mm for lat in CONFIGS):.1e}.",
+                  ""]
+    sw = out.get("sweep")
+    if sw:
+        lines += [f"Tile sweep of `kernels.gemv` at {sw['n']}² (winners, into the tuning "
+                  "table):", "", "| lattice | batch class | entry | time |", "|---|---|---|---|"]
+        for lat, by in sw["best"].items():
+            for cls, entry in by.items():
+                t = min(r["seconds"] for r in sw["rows"] if r["lattice"] == lat and
+                        f"batch<={r['batch']}" == cls and r["entry"] == entry and "seconds" in r)
+                lines.append(f"| {lat} | {cls} | `{entry}` | {t * 1e6:.1f} µs |")
+        failed = [r for r in sw["rows"] if "error" in r]
+        lines += ["", f"{len(sw['rows'])} candidates timed, {len(failed)} failed to run.", ""]
+    if out.get("codec"):
+        lines += ["| op | implementation | N | time | GB/s | % of HBM peak |",
+                  "|---|---|---|---|---|---|"]
+        for r in out["codec"]:
+            lines.append(f"| {r['op']} | {r['implementation']} | {r['N']:.0e} | "
+                         f"{r['seconds'] * 1e3:.3f} ms | {r['GBps']:.0f} | {_pct(r)} |")
+        lines.append("")
+    if out.get("torch"):
+        lines += ["| torch, batch 1 (wall clock per call) | QuantizedLinear | F.linear bf16 |",
+                  "|---|---|---|"]
+        for r in out["torch"]:
+            lines.append(f"| {r['lattice']} {r['n']}² | {r['quantized_s'] * 1e6:.0f} µs | "
+                         f"{r['F.linear_s'] * 1e6:.0f} µs |")
+        lines.append("")
+    tests = out.get("tests")
     if tests:
         lines += [f"`pytest {' '.join(tests['targets'])}` natively: {tests['summary'][-1]}", ""]
-    for name, err in errors.items():
-        lines += [f"**{name} failed**: `{err.splitlines()[0][:300]}`", ""]
-    lines += ["| op | implementation | N | time | GB/s | % of HBM peak |",
-              "|---|---|---|---|---|---|"]
-    for r in bw or ():
-        pct = f"{100 * r['GBps'] * 1e9 / peak:.0f} %" if peak else "n/a"
-        lines.append(f"| {r['op']} | {r['implementation']} | {r['N']:.0e} | "
-                     f"{r['seconds'] * 1e3:.2f} ms | {r['GBps']:.1f} | {pct} |")
-    lines += ["", "Decode kernel, codebook gathered (`use_table=True`) or from the digits "
-              "(the default: a table for D4 q=4, digits for E8 q=4):", "",
-              "| lattice | N blocks | use_table | time |", "|---|---|---|---|"]
-    for r in books or ():
-        lines.append(f"| {r['lattice']} q={r['q']} | {r['N']:.0e} | {r['use_table']} | "
-                     f"{r['seconds'] * 1e3:.2f} ms |")
-    lines += ["", "| matmul | batch | fused (codes) | bf16 dot (dense) | decode then dot | "
-              "fused vs bf16 | rel. diff |", "|---|---|---|---|---|---|---|"]
-    for r in mm or ():
-        lines.append(f"| {r['size']}² | {r['batch']} | {r['fused_s'] * 1e6:.0f} µs | "
-                     f"{r['bf16_dot_s'] * 1e6:.0f} µs | {r['decode_then_dot_s'] * 1e6:.0f} µs | "
-                     f"{r['speedup_vs_bf16']:.2f}x | {r['rel_diff']:.1e} |")
-    if ops:
-        lines += ["", bench_kernels.table(ops)]
     return "\n".join(lines)
+
+
+def plot(out, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    mm = out.get("matmul") or []
+    if not mm:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['n']}x{r['k']}\nb{r['batch']}" for r in mm]
+    pos = np.arange(len(mm))
+    for i, (name, get) in enumerate([
+            ("int4 XLA", lambda r: r["int4"]["seconds"]),
+            ("D4 fused", lambda r: r["D4"]["fused"]["seconds"]),
+            ("E8 fused", lambda r: r["E8"]["fused"]["seconds"])]):
+        ax.bar(pos + 0.27 * (i - 1), [r["bf16"]["seconds"] / get(r) for r in mm], 0.27,
+               label=name)
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set_xticks(pos, labels, fontsize=7)
+    ax.set_ylabel("speed vs bf16 dot (device time)")
+    ax.legend()
+    ax.set_title(out["environment"]["device"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_tiles(best: dict, generation: str, path: pathlib.Path):
+    """Rewrites the tuning table's entry for ``generation`` with the sweep's winners."""
+    tiles = dict(gpu_tiles.TILES)
+    tiles[generation] = {"gemv": best}
+    src = path.read_text()
+    head = src.split("TILES: dict = ")[0]
+    path.write_text(head + "TILES: dict = " + pprint.pformat(tiles, width=96) + "\n")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=10**8, help="vectors for encode/decode bandwidth")
-    p.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192],
-                   help="matmul weight sizes")
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--budget", type=float, default=420, help="seconds for the whole run")
     p.add_argument("--allow-cpu", action="store_true", help="smoke run without a GPU")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--tests", nargs="+", default=["tests/test_kernels.py"],
-                   help="test files (or node ids) to run natively first")
+                   help="test files (or node ids) to run natively")
+    p.add_argument("--write-docs", action="store_true",
+                   help="only put results/gpu_check.md into docs/gpu.md")
+    p.add_argument("--write-tiles", action="store_true",
+                   help="only write the saved sweep's winners into hnlq_jax/kernels/gpu_tiles.py")
     args = p.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        if not args.allow_cpu:
-            print(f"gpu_check: no GPU (backend {jax.default_backend()!r}); run it on a GPU "
-                  "machine, or pass --allow-cpu for a smoke run", file=sys.stderr)
-            return 2
-        args.n, args.sizes, args.repeat = 4096, [256], 1
+    if args.write_docs or args.write_tiles:
+        out = report.load_results("gpu_check")
+        if args.write_tiles:
+            write_tiles(out["sweep"]["best"], out["environment"]["generation"],
+                        ROOT / "hnlq_jax" / "kernels" / "gpu_tiles.py")
+        if args.write_docs:
+            report.write_between_markers(report.DOCS / "gpu.md", "gpu_check",
+                                         markdown(out))
+        return 0
+    small = jax.default_backend() != "gpu"
+    if small and not args.allow_cpu:
+        print(f"gpu_check: no GPU (backend {jax.default_backend()!r}); run it on a GPU "
+              "machine, or pass --allow-cpu for a smoke run", file=sys.stderr)
+        return 2
+    clock = Clock(args.budget)
     env = bench_kernels.environment()
+    dev = jax.devices()[0]
+    cc = getattr(dev, "compute_capability", "")
+    env.update(generation=f"sm{cc.split('.')[0]}0" if cc else "cpu",
+               multiprocessors=getattr(dev, "core_count", None))
     peak = peak_bandwidth(env["device"])
-    cfg = bench_kernels.config()
-    scale = 1 if args.allow_cpu else 16
-    out = {"environment": {**env, "hbm_peak_Bps": peak}, "tests": None}
-    suffix = "" if jax.default_backend() == "gpu" else "_cpu_smoke"
+    out = {"environment": {**env, "hbm_peak_Bps": peak}}
+    suffix = "_cpu_smoke" if small else ""
     RESULTS.mkdir(exist_ok=True)
-    steps = [("bandwidth", codec_bandwidth, cfg, args.n, args.repeat),
-             ("codebook", codebook_choice, args.n // 10, args.repeat),
-             ("matmul", matmul_table, cfg, args.sizes, (1, 8, 32), args.repeat),
-             ("ops", lambda: [bench_kernels.measure(c, args.repeat, cfg) for c in
-                              bench_kernels.cases(cfg, 2**16 * scale, 512 * scale, (1, 16),
-                                                  jnp.bfloat16)])]
-    if not args.skip_tests:
-        steps.insert(0, ("tests", run_tests, args.tests))
-    for name, f, *f_args in steps:
-        section(out, name, f, *f_args)
-        # written after every part, so a run cut off at its time limit keeps what it measured
+
+    def save():
         (RESULTS / f"gpu_check{suffix}.json").write_text(json.dumps(out, indent=1))
-    md = markdown(env, out["tests"], out["bandwidth"], out["codebook"], out["matmul"],
-                  out["ops"], peak, out.get("errors", {}))
+
+    def section(name, f, *f_args, need=10):
+        """One part into ``out[name]``; a part that raises is recorded (and the run goes on:
+        a lease is short, and a first run on a device is when parts break)."""
+        if clock.left() < need:
+            out.setdefault("skipped", []).append(name)
+            return
+        t = time.monotonic()
+        try:
+            out[name] = f(*f_args)
+        except Exception as e:  # noqa: BLE001  (reported, not handled)
+            traceback.print_exc()
+            out.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+        out.setdefault("part_seconds", {})[name] = round(time.monotonic() - t, 1)
+        print(f"gpu_check: {name} done in {time.monotonic() - t:.0f} s, "
+              f"{clock.left():.0f} s left", flush=True)
+        save()
+
+    section("ceilings", ceilings, peak, small)
+    section("sweep", sweep, clock, small, need=60)
+    if out.get("sweep"):  # this run's products use the winners, as the table will
+        gpu_tiles.TILES[env["generation"]] = {"gemv": out["sweep"]["best"]}
+    section("matmul", matmul_table, clock, peak, small, (1, 16) if small else BATCHES, need=60)
+    if not args.skip_tests:
+        section("tests", run_tests, args.tests, clock, need=30)
+    section("codec", codec_bandwidth, peak, small)
+    if not small:
+        section("torch", torch_path, small)
+    out["timing"] = "CUPTI" if not small else "wall clock (no GPU)"
+    save()
+    md = markdown(out)
     (RESULTS / f"gpu_check{suffix}.md").write_text(md + "\n")
+    try:
+        plot(out, RESULTS / f"gpu_check{suffix}.png")
+    except Exception:  # noqa: BLE001  (a missing matplotlib must not lose the numbers)
+        traceback.print_exc()
     print(md)
-    tests_ok = out["tests"] is None or out["tests"]["returncode"] == 0
+    tests_ok = out.get("tests") is None or out["tests"]["returncode"] == 0
     return 0 if tests_ok and not out.get("errors") else 1
 
 

@@ -428,6 +428,9 @@ def _matmul(x, codes, impl, interpret):
         else:
             y = kernels.cpu.decode_matmul(flat, codes, bf16_weights=bf16)
         return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(out_dtype)
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if rows <= kernels.GEMV_ROWS and wide_dtype(x.dtype) == jnp.float32:
+        return kernels.gemv(x, codes, out_dtype, interpret=interpret)
     return kernels.decode_matmul(x, codes, compute, out_dtype, interpret=interpret)
 
 
@@ -463,8 +466,9 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
       codes: the weight ``W[n, k]`` as codes with blocks ``[n, nb]`` (row codes from
         :func:`hnlq_jax.encode_rows`, whose row scales are applied, or block codes with
         ``k = nb d``).
-      implementation: ``None``, ``"xla"`` (decode, then ``dot``), ``"pallas"`` (the fused
-        decode-matmul kernel: the dense weight never exists in memory), ``"lut"`` (x's
+      implementation: ``None``, ``"xla"`` (decode, then ``dot``), ``"pallas"`` (fused
+        kernels, the dense weight never in memory: ``kernels.gemv`` for up to
+        ``kernels.GEMV_ROWS`` rows of x, ``kernels.decode_matmul`` beyond), ``"lut"`` (x's
         one-sided tables gathered by the codes' indices) or ``"native"`` (the native CPU
         kernel: decodes weight tiles in cache next to the product, or from
         ``kernels.cpu.GEMM_ROWS`` rows of x the whole weight once before a float GEMM; float32

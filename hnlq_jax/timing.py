@@ -6,6 +6,7 @@ import math
 import time
 
 import jax
+import numpy as np
 
 
 def best_time(fn, *args, repeat: int = 3) -> float:
@@ -18,3 +19,37 @@ def best_time(fn, *args, repeat: int = 3) -> float:
         jax.block_until_ready(fn(*args))
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def cache_copies(nbytes: int, cache_bytes: int = 50 * 2**20, least: int = 4) -> int:
+    """How many copies of an operand of ``nbytes`` to rotate so that together they are at least
+    three times ``cache_bytes`` (an H100's L2 is 50 MB): each call then reads its copy from
+    memory, as a model's layers read their own weights."""
+    return max(least, -(-3 * cache_bytes // max(int(nbytes), 1)))
+
+
+def device_time(fn, x, operands, *, iterations: int = 10):
+    """Device seconds per call of ``fn(x, w)``, ``w`` rotating through ``operands``.
+
+    One jitted program calls ``fn(x, w)`` for each ``w`` in ``operands`` (copies of one weight
+    at their own addresses, :func:`cache_copies` of them, so no call finds its weight in
+    cache). On a GPU, CUPTI (``jax.experimental.mosaic.gpu.profiler``) sums the durations of
+    the kernels the program launched, everything ``fn`` runs included (activation re-layouts,
+    split-K sums) and the gaps between launches excluded; the median over ``iterations`` runs,
+    over ``len(operands)``. Elsewhere (no CUPTI): the best wall-clock time of the program,
+    dispatch and gaps included.
+
+    Returns:
+      ``(seconds per call, "cupti" or "wall", fn(x, operands[0]))``.
+    """
+    prog = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
+    if jax.default_backend() == "gpu":
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+            out, ms = profiler.measure(prog, iterations=iterations)(x, operands)
+        except (ImportError, RuntimeError):
+            ms = None
+        if ms:
+            return float(np.median(ms)) / 1e3 / len(operands), "cupti", out[0]
+    t = best_time(prog, x, operands, repeat=iterations) / len(operands)
+    return t, "wall", prog(x, operands)[0]

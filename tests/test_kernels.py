@@ -25,6 +25,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 import hnlq_jax as hq
 from hnlq_jax import codec
 from hnlq_jax import kernels as K
+from hnlq_jax.kernels import gpu_tiles
 
 ROOT = pathlib.Path(__file__).parent.parent
 PALLAS = dict(implementation="pallas")
@@ -274,6 +275,109 @@ def test_matmul_reads_codes_in_place(scaled):
 # ---------------------------------------------------------------------- lut_gemv and mod-q
 
 
+def _decoded_product(x, codes):
+    """x @ W_hat^T in float64 on the host, from the reference's decoded, scaled weights."""
+    w = np.asarray(hq.matmul(jnp.eye(codes.n, dtype=jnp.float32), codes, **XLA))
+    return np.asarray(x, np.float64) @ w.astype(np.float64)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("use_table", [None, False], ids=["table", "digits"])
+def test_gemv_matches_decoded_weights(cfg, use_table):
+    """Rows, blocks and batch not tile multiples, split-K with a ragged last share; the sums of
+    the exact decoded weights to float32 rounding, through the packed codebook (D4, E8, A2, Z2
+    q <= 5), the int32 table and the digits."""
+    n, k = 37, 45 * cfg.d - 1
+    codes = _weights(cfg, n, k)
+    rng = np.random.default_rng(4)
+    for batch, splits in ((1, 1), (3, 4), (K.GEMV_ROWS, 2)):
+        x = rng.standard_normal((batch, k)).astype(np.float32)
+        ref = _decoded_product(x, codes)
+        got = K.gemv(jnp.asarray(x), codes, jnp.float32, block_n=8, block_k=16, splits=splits,
+                     use_table=use_table)
+        assert got.shape == (batch, n) and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # bfloat16 in and out: the float32 sum rounded once
+    xb = jnp.asarray(x, jnp.bfloat16)
+    got = K.gemv(xb, codes, jnp.bfloat16, block_n=4, block_k=16, use_table=use_table)
+    ref = _decoded_product(np.asarray(xb, np.float32), codes)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), ref, rtol=1e-2,
+                               atol=1e-2 * np.abs(ref).max())
+
+
+def test_gemv_failed_blocks_bias_and_front_door():
+    """A failed block (T = -1) or an index past q^d gives a NaN row and leaves the others; the
+    packed fields' bias is exact for one-hot activations; matmul takes gemv for a few rows."""
+    codes = _weights(WIDE_T, 12, 64)  # D4 q=3: indices up to 255 in a byte, 81 valid
+    T = codes.T.astype(jnp.int32).at[3, 5].set(-1)
+    bad = hq.Codes.from_labels(codes.labels, T, WIDE_T, scale=codes.scale, n=codes.n)
+    bad = hq.Codes(bad.index.at[7, 2, 1].set(200), bad.tfield, WIDE_T, scale=bad.scale,
+                   n=bad.n)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 64)), jnp.float32)
+    for use_table in (None, False):
+        y = np.asarray(jax.jit(lambda x, c, u=use_table: K.gemv(  # jit: the codes are not
+            x, c, jnp.float32, block_n=4, use_table=u))(x, bad))  # checked, as in a model
+        assert np.isnan(y[:, [3, 7]]).all() and np.isfinite(np.delete(y, [3, 7], 1)).all()
+    eye = jnp.eye(64, dtype=jnp.float32)[:8]  # each output one weight: exact
+    D4e = _weights(D4, 12, 64)
+    np.testing.assert_array_equal(K.gemv(eye, D4e, jnp.float32),
+                                  hq.matmul(eye, D4e, **XLA))
+    with mock_gemv() as calls:
+        hq.matmul(x, D4e, **PALLAS)
+        hq.matmul(jnp.ones((K.GEMV_ROWS + 1, 64)), D4e, **PALLAS)
+    assert calls == [2]
+
+
+@contextlib.contextmanager
+def mock_gemv():
+    """Records the rows of x each kernels.gemv call gets (the kernel still runs)."""
+    calls, real = [], K.gemv
+    def spy(x, *args, **kwargs):
+        calls.append(int(np.prod(x.shape[:-1])))
+        return real(x, *args, **kwargs)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(K, "gemv", spy)
+        yield calls
+
+
+def test_packed_codebook():
+    """Each packed entry holds the codebook row plus the bias; the levels' fields add without
+    carries up to the largest M that fits, and no table is claimed beyond it."""
+    for lattice, M_max in (("D4", 3), ("E8", 2)):
+        table, c = K.pallas.packed_codebook(hq.HNLQConfig(lattice, 4, M_max))
+        r = codec.codebook_table(lattice, 4)
+        rows, d = r.shape
+        words = table.reshape(-1, rows).T  # [rows, words]
+        fields = np.stack([(words[:, j // 4] >> (8 * (j % 4))) & 255 for j in range(d)], 1)
+        np.testing.assert_array_equal(fields.astype(np.int64) - c, r)
+        assert (r.max() + c) * sum(4**m for m in range(M_max)) <= 255
+        assert K.pallas.packed_codebook(hq.HNLQConfig(lattice, 4, M_max + 1)) is None
+
+
+def test_gemv_tiles_and_errors(monkeypatch):
+    cfg = D4
+    default = K.pallas.gemv_tiles(cfg, 64, 512, 1)
+    assert default["block_n"] == gpu_tiles.DEFAULT["gemv"]["block_n"]
+    # 4 programs of 16 rows: split until ~waves x 132 programs, at most one step each
+    assert default["splits"] == 512 // default["block_k"]
+    monkeypatch.setattr(gpu_tiles, "TILES", {"sm90": {"gemv": {"D4": {
+        "batch<=1": dict(block_n=8, block_k=32, num_warps=2, num_stages=2, waves=1),
+        "batch<=8": dict(block_n=32, block_k=64, num_warps=8, num_stages=1, waves=1)}}}})
+    one = K.pallas.gemv_tiles(cfg, 8192, 1024, 1)
+    assert one == dict(block_n=8, block_k=32, num_warps=2, num_stages=2, splits=1)
+    assert K.pallas.gemv_tiles(cfg, 1024, 1024, 4)["block_n"] == 32
+    assert K.pallas.gemv_tiles(cfg, 1024, 1024, 4)["splits"] == 5  # ceil(132 / 32)
+    assert K.pallas.gemv_tiles(hq.HNLQConfig("E8", 4, 2), 64, 64, 1)["block_n"] == 16
+    codes = _weights(D4, 8, 64)
+    x = jnp.ones((K.GEMV_ROWS + 1, 64))
+    with pytest.raises(ValueError, match="at most 8 rows of x, got 9"):
+        K.gemv(x, codes, jnp.float32)
+    for bad in (dict(splits=0), dict(num_warps=1.5), dict(block_n=6), dict(block_k=8)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            K.gemv(x[:1], codes, jnp.float32, **bad)
+
+
 @pytest.mark.parametrize("cfg", [D4, CONFIGS[3]], ids=[IDS[0], IDS[3]])
 def test_lut_gemv_matches_reference(cfg):
     k = 33 * cfg.d - 1
@@ -405,7 +509,10 @@ def _lowering_cases(cfg, all_ops):
     mm = functools.partial(hq.matmul, implementation="pallas", interpret=False)
     cases.update({
         "matmul": (mm, (xa, cw)),
-        "matmul_bf16": (mm, (xa.astype(jnp.bfloat16), cw)),
+        "matmul_bf16": (mm, (xa.astype(jnp.bfloat16), cw)),  # 3 rows: gemv
+        "matmul_rows": (mm, (jnp.zeros((K.GEMV_ROWS + 1, k), jnp.bfloat16), cw)),
+        "gemv_digits_split": (lambda x, c: K.gemv(x, c, jnp.float32, splits=2,
+                                                  use_table=False, **gpu), (xa, cw)),
         "quantize_grad": (jax.value_and_grad(
             lambda x: jnp.sum(hq.quantize(x, cfg, implementation="pallas", interpret=False))),
             (x,)),

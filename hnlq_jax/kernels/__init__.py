@@ -7,8 +7,9 @@
 """
 
 from hnlq_jax.kernels import cpu, pallas
-from hnlq_jax.kernels.pallas import (GPU_BACKENDS, MOSAIC_GPU_OPS, decode, decode_matmul, encode,
-                                     lut_gemv, modq_sum, platform, unsupported)
+from hnlq_jax.kernels.pallas import (GEMV_ROWS, GPU_BACKENDS, MOSAIC_GPU_OPS, decode,
+                                     decode_matmul, encode, gemv, lut_gemv, modq_sum, platform,
+                                     unsupported)
 
-__all__ = ["GPU_BACKENDS", "MOSAIC_GPU_OPS", "cpu", "decode", "decode_matmul", "encode",
-           "lut_gemv", "modq_sum", "pallas", "platform", "unsupported"]
+__all__ = ["GEMV_ROWS", "GPU_BACKENDS", "MOSAIC_GPU_OPS", "cpu", "decode", "decode_matmul",
+           "encode", "gemv", "lut_gemv", "modq_sum", "pallas", "platform", "unsupported"]

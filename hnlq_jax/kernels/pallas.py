@@ -69,10 +69,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 from hnlq_jax import _numerics, codec, lut, modq
+from hnlq_jax.kernels import gpu_tiles
 from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes,
                              digits_of_index, index_dtype, pack_t, t_bits, unpack_t,
                              valid_blocks)
-from hnlq_jax.config import HNLQConfig, check_config
+from hnlq_jax.config import HNLQConfig, check_config, pow2_table
 from hnlq_jax.lattices import sumsq
 
 __all__ = [
@@ -81,8 +82,12 @@ __all__ = [
     "decode",
     "decode_matmul",
     "encode",
+    "gemv",
+    "gemv_tiles",
+    "GEMV_ROWS",
     "lut_gemv",
     "modq_sum",
+    "packed_codebook",
     "platform",
     "unsupported",
 ]
@@ -193,9 +198,64 @@ def _use_table(config: HNLQConfig, use_table, fn: str) -> bool:
 
 
 def _codebook_input(config: HNLQConfig):
-    """The codebook ``r`` as a flat int32 ``[d * q^d]`` input (column j at ``j q^d``)."""
-    table = codec.codebook_table(config.lattice, config.q).T.reshape(-1)
-    return _padded(jnp.asarray(table, jnp.int32), _pow2_at_least(table.shape[0]))
+    """The codebook ``r`` as a flat input: packed fields (:func:`packed_codebook`) where they
+    hold it, else int32 ``[d * q^d]`` (column j at ``j q^d``)."""
+    packed = packed_codebook(config)
+    table = (codec.codebook_table(config.lattice, config.q).T.reshape(-1).astype(np.int32)
+             if packed is None else packed[0])
+    return _padded(jnp.asarray(table), _pow2_at_least(table.shape[0]))
+
+
+def packed_codebook(config: HNLQConfig):
+    """The codebook as packed 8-bit fields, or ``None`` where they would not hold ``P``.
+
+    Field ``j`` of entry ``k`` (word ``j // 4``, bits ``8 (j % 4)``) holds ``r_j(k) + c``, with
+    ``c = -min r``. The levels' words then add as integers, ``sum_m q^m word(k_m)``, each field
+    giving ``P_j + c sum_m q^m`` with no carry into the next, when
+    ``(max r - min r) sum_m q^m <= 255`` (``q = 4``: D4 up to ``M = 3``, E8 up to ``M = 2``): one
+    gather a level and block (two for E8) instead of ``d``.
+
+    Returns:
+      ``(table, c)``: uint32 ``[words q^d]`` (word ``w`` of entry ``k`` at ``w q^d + k``) and
+      the bias ``c``; ``None`` for larger codebooks (``q^d > 2^16``) or ranges.
+    """
+    return _packed_codebook(config.lattice, config.q, config.M)
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_codebook(lattice: str, q: int, M: int):
+    r = codec.codebook_table(lattice, q).astype(np.int64)
+    rows, d = r.shape
+    c = -int(r.min())
+    if rows > _TABLE_ROWS_MAX or (int(r.max()) + c) * sum(q**m for m in range(M)) > 255:
+        return None
+    words = -(-d // 4)
+    fields = np.zeros((rows, words * 4), np.uint64)
+    fields[:, :d] = r + c
+    shifts = np.uint64(8) * np.arange(4, dtype=np.uint64)
+    table = (fields.reshape(rows, words, 4) << shifts).sum(axis=2).astype(np.uint32)
+    return table.T.reshape(-1), c
+
+
+def _packed_fields(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
+    """The ``d`` fields (uint32) of ``sum_{m >= first} q^m word(k_m)``: ``P_j`` plus the bias
+    ``c sum_{m >= first} q^m`` (:func:`packed_codebook`)."""
+    rows = config.q**config.d
+    weights = _numerics.level_weights(config)
+    fields = []
+    for w in range(-(-config.d // 4)):
+        word = None
+        for m in range(first, config.M):
+            k = jnp.minimum(ks[m], jnp.uint32(rows - 1)).astype(jnp.int32)  # corrupt: masked
+            g = tab_ref[w * rows + k] * jnp.uint32(weights[m])
+            word = g if word is None else word + g
+        fields += [(word >> jnp.uint32(8 * j)) & jnp.uint32(255)
+                   for j in range(min(4, config.d - 4 * w))]
+    return fields
+
+
+def _packed_bias(config: HNLQConfig, first: int) -> int:
+    return packed_codebook(config)[1] * sum(config.q**m for m in range(first, config.M))
 
 
 def _whole(a):
@@ -239,6 +299,9 @@ def _lattice_point(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
     """
     if tab_ref is None:
         return codec.level_sum(ks, config, first, use_table=False)
+    if packed_codebook(config) is not None:
+        bias = _packed_bias(config, first)
+        return [f.astype(jnp.int32) - bias for f in _packed_fields(ks, tab_ref, config, first)]
     rows, d = config.q**config.d, config.d
     weights = _numerics.level_weights(config)
     total = None
@@ -589,6 +652,233 @@ def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, b
         interpret=interpret,
         compiler_params=_compiler_params(gpu_backend, "decode_matmul"),
     )(xp, codes.index, tfield, *extra, pow2, beta)
+
+
+# ------------------------------------------------------------------------------------- gemv
+
+
+# float(0x4B000000 | b) is 2^23 + b exactly for a byte b: a byte to float without a conversion
+# instruction (Hopper's integer-to-float convert runs at a quarter of the FMA rate).
+_MAGIC = 0x4B000000
+_TWO23 = float(2**23)
+
+
+def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
+                 bk: int, steps: int, scaled: bool, mode: str, interpret: bool):
+    s_ref = refs[0] if scaled else None
+    tab_ref = refs[int(scaled)] if mode != "digits" else None
+    ptab_ref, o_ref = refs[-2:]
+    bb, bn = o_ref.shape[-2:]
+    rows = pl.program_id(0) * bn + _iota(bn)
+    first = pl.program_id(1) * steps * bk  # this program's share of the blocks (split-K)
+    q_rows = config.q**config.d
+
+    def tile(t, acc):
+        k0 = pl.multiple_of(first + t * bk, bk)
+        ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb)
+        if mode == "packed":  # P_j + bias as floats; the bias is in off
+            coords = [jax.lax.bitcast_convert_type(f | jnp.uint32(_MAGIC), jnp.float32) - _TWO23
+                      for f in _packed_fields(ks, tab_ref, config, 0)]
+        else:
+            coords = [c.astype(jnp.float32) for c in _lattice_point(ks, tab_ref, config, 0)]
+        # 2^(alpha T) by u = T + 1; NaN for u = 0 (a failed block) and past max_T
+        s = ptab_ref[u]
+        if q_rows - 1 < np.iinfo(index_dtype(config)).max:  # an index the dtype holds but
+            s = jnp.where(valid_blocks(ks, u, config), s, jnp.nan)  # the codebook does not
+        v = None
+        for j, c in enumerate(coords):  # [bb, bn, bk]: the block's inner products
+            p = xt_ref[j, :, pl.ds(k0, bk)][:, None, :] * c[None, :, :]
+            v = p if v is None else v + p
+        v = v - off_ref[:, pl.ds(k0, bk)][:, None, :]
+        return acc + jnp.sum(s[None, :, :] * v, axis=2)
+
+    acc = jax.lax.fori_loop(0, steps, tile, jnp.zeros((bb, bn), jnp.float32))
+    if scaled:
+        acc = acc * _load(s_ref, rows < n)[None, :]
+    pltriton.store(o_ref.at[_at(0)] if o_ref.ndim == 3 else o_ref, acc.astype(o_ref.dtype),
+                   mask=(rows < n)[None, :])
+
+
+def _gemv_mode(config: HNLQConfig, use_table, fn: str) -> str:
+    if use_table is False:
+        return "digits"
+    if packed_codebook(config) is not None:
+        return "packed"
+    return "table" if _use_table(config, use_table, fn) else "digits"
+
+
+def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = None,
+         block_k: int | None = None, splits: int | None = None, num_warps: int | None = None,
+         num_stages: int | None = None, use_table=None):
+    """``y = x @ W_hat^T`` for a few rows of ``x`` (at most :data:`GEMV_ROWS`): no ``dot``,
+    no decoded weight; each weight block's lattice point meets the activations in registers.
+
+    Per weight block the kernel gathers one packed codebook word a level
+    (:func:`packed_codebook`; two for E8), adds the levels as integers, turns the byte fields
+    into floats and takes their inner product with the block's activations; ``beta``, the
+    lattice's basis, the dither and the fields' bias are folded into the activations once per
+    call, ``2^(alpha T)`` multiplies the block's inner product and the row scale the row's sum.
+    Codebooks the packed table cannot hold take the int32 table or the index digits
+    (``use_table``, as :func:`decode`).
+
+    Args:
+      x: ``[..., k]`` activations (at most :data:`GEMV_ROWS` rows in all); computed in float32.
+      codes: the weight ``W[n, k]`` as codes with blocks ``[n, nb]`` (row or block codes).
+      out_dtype: the result's dtype.
+      interpret: see :func:`encode`.
+      block_n: output rows per program; block_k: weight blocks per step (powers of two).
+      splits: programs each row's blocks are split across (split-K; their float32 partial
+        sums are added after the kernel), so that a few rows still fill the GPU.
+      num_warps, num_stages: Triton's launch parameters.
+      use_table: ``False`` computes the codebook from the digits; see :func:`decode`.
+
+      Arguments left ``None`` come from the tuning table for the GPU in use
+      (:func:`gemv_tiles`).
+
+    Returns:
+      ``[..., n]`` in ``out_dtype``: float32 sums of the products of the exact decoded weights
+      (not rounded to x's dtype), equal to :func:`hnlq_jax.matmul`'s ``"xla"`` path up to
+      float32 rounding; NaN in rows with a failed block.
+
+    Raises:
+      ValueError, TypeError: as :func:`decode_matmul`; more rows than :data:`GEMV_ROWS`; bad
+        tiles, ``splits``, ``num_warps`` or ``num_stages``.
+    """
+    codes = _weight_codes(codes, "kernels.gemv")
+    x = check_activations(x, codes, "kernels.gemv")
+    config = codes.config
+    n, nb = codes.blocks_shape
+    lead = x.shape[:-1]
+    B = int(np.prod(lead, dtype=np.int64))
+    if B > GEMV_ROWS:
+        raise ValueError(f"kernels.gemv: at most {GEMV_ROWS} rows of x, got {B}; use "
+                         "decode_matmul")
+    t = gemv_tiles(config, n, nb, B)
+    given = dict(block_n=block_n, block_k=block_k, splits=splits, num_warps=num_warps,
+                 num_stages=num_stages, use_table=use_table)
+    t.update({k: v for k, v in given.items() if v is not None})
+    mode = _gemv_mode(config, t.get("use_table"), "kernels.gemv")
+    for name in ("splits", "num_warps", "num_stages"):
+        if not isinstance(t[name], int) or t[name] < 1:
+            raise ValueError(f"kernels.gemv: {name} must be a positive int, got {t[name]!r}")
+    bn = _small_tile(t["block_n"], "block_n")
+    bk = _tile(nb, t["block_k"], "block_k")
+    if B == 0 or n == 0 or nb == 0:
+        return jnp.zeros(lead + (n,), out_dtype)
+    out = _gemv_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(out_dtype), mode,
+                     _interpret(interpret, x, codes), bn, bk, t["splits"], t["num_warps"],
+                     t["num_stages"])
+    return out.reshape(lead + (n,))
+
+
+def gemv_tiles(config: HNLQConfig, n: int, nb: int, batch: int, entry: dict | None = None
+               ) -> dict:
+    """:func:`gemv`'s launch parameters for a weight with blocks ``[n, nb]`` and ``batch`` rows
+    of x on the default GPU.
+
+    ``entry`` (else the tuning table's entry, :mod:`hnlq_jax.kernels.gpu_tiles`, for the GPU's
+    generation, the lattice and the smallest batch class holding ``batch``; else the defaults)
+    gives the tiles and ``waves``; ``splits`` (split-K) grows until about ``waves`` programs
+    run per multiprocessor, at most one per step of ``block_k`` blocks. Without a GPU: the
+    defaults of an H100 (sm90, 132 multiprocessors).
+    """
+    gpus = jax.devices("gpu") if jax.default_backend() == "gpu" else []
+    cc = getattr(gpus[0], "compute_capability", "") if gpus else ""
+    generation = f"sm{cc.split('.')[0]}0" if cc else "sm90"
+    sms = getattr(gpus[0], "core_count", 132) if gpus else 132
+    t = dict(gpu_tiles.DEFAULT["gemv"])
+    if entry is None:
+        by_batch = gpu_tiles.TILES.get(generation, {}).get("gemv", {}).get(config.lattice, {})
+        for cls in sorted(by_batch, key=lambda c: int(c.split("<=")[1])):
+            if batch <= int(cls.split("<=")[1]):
+                entry = by_batch[cls]
+                break
+    t.update(entry or {})
+    waves = t.pop("waves")
+    programs = -(-n // t["block_n"])
+    t["splits"] = max(1, min(-(-waves * sms // programs), -(-nb // t["block_k"])))
+    return t
+
+
+# gemv takes up to this many rows of x (a [rows, block_n, block_k] product per step).
+GEMV_ROWS = 8
+
+
+def _small_tile(block: int, what: str) -> int:
+    """Rows per program of a kernel without a ``dot``: any power of two."""
+    if not isinstance(block, int) or block < 1 or block & (block - 1):
+        raise ValueError(f"{what} must be a power of two, got {block!r}")
+    return block
+
+
+def _gemv_activations(x, config: HNLQConfig, nbp: int):
+    """``(xt [d, bb, nbp], off [bb, nbp])`` in float32: ``xt = beta C^T x`` per block (``C``:
+    P to Cartesian coordinates), ``off = beta x . z + bias sum_j xt_j`` (the dither, and the
+    packed fields' bias), zero-padded to ``bb`` rows (a power of two) and ``nbp`` blocks."""
+    B, k = x.shape
+    d = config.d
+    bb = _pow2_at_least(B)
+    xb = jnp.pad(x.astype(jnp.float32), ((0, bb - B), (0, nbp * d - k))).reshape(bb, nbp, d)
+    C = np.stack([np.asarray(config.lat.cart_from_P(list(e)), np.float64)
+                  for e in np.eye(d)], axis=1)  # column i: the Cartesian point of P = e_i
+    beta = np.float32(config.beta)
+    xt = jnp.einsum("bld,di->ibl", xb, jnp.asarray(C * config.beta, jnp.float32),
+                    precision=_HIGHEST)
+    off = jnp.zeros((bb, nbp), jnp.float32)
+    if config.dither is not None:
+        off = off + beta * jnp.einsum("bld,d->bl", xb, jnp.asarray(config.dither_array,
+                                                                   jnp.float32),
+                                      precision=_HIGHEST)
+    return xt, off
+
+
+def _overload_table(config: HNLQConfig):
+    """float32 ``2^(alpha (u - 1))`` by ``u`` (every value the T field holds), NaN where
+    ``u = 0`` (a failed block) or ``u > max_T + 1``."""
+    size = 1 << t_bits(config)
+    table = np.full(size, np.nan, np.float32)
+    table[1:config.max_T + 2] = pow2_table(config.alpha, config.max_T)  # _numerics.pow2's
+    return jnp.asarray(table)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_warps,
+               num_stages):
+    config = codes.config
+    n, nb = codes.blocks_shape
+    steps = pl.cdiv(pl.cdiv(nb, splits), bk)
+    splits = pl.cdiv(nb, steps * bk)  # no program without blocks
+    xt, off = _gemv_activations(x, config, splits * steps * bk)
+    bb = xt.shape[1]
+    extra, extra_specs = [], []
+    if codes.scale is not None:
+        extra.append(codes.scale.astype(jnp.float32))
+        extra_specs.append(pl.BlockSpec((bn,), lambda i, s: (i,)))
+    if mode == "packed":
+        off = off + np.float32(_packed_bias(config, 0)) * jnp.sum(xt, axis=0)
+    if mode != "digits":
+        extra.append(_codebook_input(config))
+        extra_specs.append(_whole(extra[-1]))
+    ptab = _overload_table(config)
+    tfield = codes.tfield.reshape(-1)
+    split = splits > 1
+    out = pl.pallas_call(
+        functools.partial(_gemv_kernel, config=config, n=n, nb=nb, bk=bk, steps=steps,
+                          scaled=codes.scale is not None, mode=mode, interpret=interpret),
+        grid=(pl.cdiv(n, bn), splits),
+        in_specs=[_whole(xt), _whole(off),
+                  pl.BlockSpec((bn, nb, config.M), lambda i, s: (i, 0, 0)),
+                  _whole(tfield)] + extra_specs + [_whole(ptab)],
+        out_specs=(pl.BlockSpec((1, bb, bn), lambda i, s: (s, 0, i)) if split else
+                   pl.BlockSpec((bb, bn), lambda i, s: (0, i))),
+        out_shape=jax.ShapeDtypeStruct((splits, bb, n) if split else (bb, n),
+                                       jnp.float32 if split else out_dtype),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    )(xt, off, codes.index, tfield, *extra, ptab)
+    if split:
+        out = jnp.sum(out, axis=0)
+    return out[:x.shape[0]].astype(out_dtype)
 
 
 # --------------------------------------------------------------------------------- lut_gemv

@@ -267,6 +267,15 @@ def codec_bandwidth(peak, small):
             ("decode", "xla", lambda _, c: hq.decode(c, implementation="xla"), codes)):
         rows.append({"op": op, "implementation": impl, "N": n,
                      **_timed(f, jnp.zeros(()), [arg], peak, nbytes, iterations=3)})
+    # E8's decode with its codebook packed (512 KiB, gathered) or from the digits
+    e8 = CONFIGS["E8"]
+    ce = hq.encode(x.reshape(-1, e8.d), e8, implementation="pallas")
+    for use_table in (True, False):
+        rows.append({"op": f"decode E8 (use_table={use_table})", "implementation": "pallas",
+                     "N": n // 2, **_timed(
+                         lambda _, c, t=use_table: kernels.decode(c, None, jnp.float32,
+                                                                  use_table=t),
+                         jnp.zeros(()), [ce], peak, x.nbytes + _nbytes(ce), iterations=3)})
     return rows
 
 
@@ -311,9 +320,11 @@ def _pct(r):
 
 def markdown(out) -> str:
     env = out["environment"]
+    timing = out.get("timing", "n/a")
+    timing = "device time (CUPTI: kernel durations)" if timing == "CUPTI" else timing
     lines = [f"Device: {env['device']} ({env['backend']}), jax {env['jax']}, Python "
-             f"{env['python']}; times are device time (CUPTI: kernel durations, "
-             f"{out.get('timing', 'n/a')}), each weight rotating through copies 3x the L2.", ""]
+             f"{env['python']}; times are {timing}, each weight rotating through copies 3x "
+             "the L2.", ""]
     for name, err in out.get("errors", {}).items():
         lines += [f"**{name} failed**: `{err.splitlines()[0][:300]}`", ""]
     c = out.get("ceilings")
@@ -425,6 +436,7 @@ def main(argv=None):
             write_tiles(out["sweep"]["best"], out["environment"]["generation"],
                         ROOT / "hnlq_jax" / "kernels" / "gpu_tiles.py")
         if args.write_docs:
+            (RESULTS / "gpu_check.md").write_text(markdown(out) + "\n")
             report.write_between_markers(report.DOCS / "gpu.md", "gpu_check",
                                          markdown(out))
         return 0

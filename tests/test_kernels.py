@@ -34,7 +34,7 @@ D4 = hq.HNLQConfig("D4", 4, 2, beta=0.35)
 WIDE_T = hq.HNLQConfig("D4", 3, 2, beta=0.35, max_T=20)  # 8-bit T field, q not a power of two
 CONFIGS = [
     D4,  # codebook table, 4-bit T
-    hq.HNLQConfig("E8", 4, 2, beta=0.4),  # codebook from the digits (65,536 rows)
+    hq.HNLQConfig("E8", 4, 2, beta=0.4),  # packed codebook of two words an entry (65,536)
     hq.HNLQConfig("A2", 3, 3, beta=0.3),
     hq.HNLQConfig("Z2", 5, 2, beta=0.25, dither=(0.1, -0.2)),
     WIDE_T,

@@ -1,7 +1,7 @@
 """Tile configurations of the GPU kernels, by GPU generation (compute capability major).
 
-``experiments/gpu_check.py --sweep`` times each candidate on the device and writes the
-winners here (``--write-tiles``); a generation or lattice without an entry takes
+``experiments/gpu_check.py`` times each candidate of its sweep on the device; its
+``--write-tiles`` writes the winners here. A generation or lattice without an entry takes
 :data:`DEFAULT`. ``waves``: the ``gemv`` kernel splits each row's blocks across programs
 (split-K) until about ``waves`` programs per multiprocessor run.
 """
@@ -9,4 +9,23 @@ winners here (``--write-tiles``); a generation or lattice without an entry takes
 DEFAULT = {"gemv": {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 1, "waves": 4}}
 
 # {generation: {op: {lattice: {"batch<=B": params}}}}
-TILES: dict = {}
+TILES: dict = {'sm90': {'gemv': {'D4': {'batch<=1': {'block_k': 256,
+                                       'block_n': 16,
+                                       'num_stages': 2,
+                                       'num_warps': 4,
+                                       'waves': 4},
+                          'batch<=8': {'block_k': 64,
+                                       'block_n': 16,
+                                       'num_stages': 1,
+                                       'num_warps': 4,
+                                       'waves': 4}},
+                   'E8': {'batch<=1': {'block_k': 256,
+                                       'block_n': 8,
+                                       'num_stages': 1,
+                                       'num_warps': 4,
+                                       'waves': 8},
+                          'batch<=8': {'block_k': 64,
+                                       'block_n': 16,
+                                       'num_stages': 1,
+                                       'num_warps': 4,
+                                       'waves': 4}}}}}

@@ -14,6 +14,9 @@ kernel             what one program does                         reference (``"x
 ``decode_matmul``  ``bb x bn`` outputs: decodes the weight tile  :func:`hnlq_jax.matmul`
                    by tile next to the ``dot`` (weight-only)     (identical weights; sums
                                                                  in another order)
+``gemv``           ``bb x bn`` outputs for up to 8 rows of x:    :func:`hnlq_jax.matmul`
+                   packed codebook words, inner products in      (float32 rounding)
+                   registers, no decoded weight (split-K)
 ``lut_gemv``       ``bn`` outputs of ``W_hat x`` from x's        :func:`hnlq_jax.lut.
                    one-sided tables (gathers, no decode)         matmul_one_sided` (sum order)
 ``modq_sum``       a tile of blocks: digit-wise sum mod q,       :func:`hnlq_jax.modq.accumulate`
@@ -29,16 +32,14 @@ Only activations are re-laid out per call (``decode_matmul``: coordinate planes 
 ``lut_gemv``: x's one-sided tables), and ``modq_sum``, whose kernel Mosaic GPU also lowers,
 reads planar copies (Mosaic GPU has no gathers and wants contiguous rows).
 
-**The codebook** ``r(k)`` (integer P coordinates): where its int32 ``[d, q^d]`` table is at
-most 64 KiB (``q^d d <= 2^14``: D4 q <= 8, E8 q = 2, Z2 / A2 q <= 64) it is an input of the
-kernel and each level is one gather (4 KiB for D4 q = 4, resident in L1). Beyond that the
-kernel computes ``r`` from the index digits (:func:`~hnlq_jax.codec.level_sum` with
-``use_table=False``: ``G b - q Q_L(G b / q)``): E8 q = 4's table has 65,536 rows (2 MiB),
-which fits neither shared memory nor L1, so a gather would go to L2 for every block, while the
-digit path costs one more D8-pair search per level in registers. Both paths are exact and give
-identical values; ``use_table=`` forces one (for tests, and for timing the choice on a GPU:
-``experiments/gpu_check.py``). The table-versus-digits trade-off has not yet been timed on a
-GPU.
+**The codebook** ``r(k)`` (integer P coordinates) is a kernel input where it fits: packed
+(:func:`packed_codebook`: byte fields, one uint32 word an entry, two for E8; a level is one
+gather and the levels add as integers; D4 q = 4: 1 KiB, E8 q = 4: 512 KiB), else as int32
+``[d, q^d]`` up to 64 KiB (one gather a coordinate). Beyond both the kernel computes ``r``
+from the index digits (:func:`~hnlq_jax.codec.level_sum` with ``use_table=False``:
+``G b - q Q_L(G b / q)``). All paths are exact and give identical values; ``use_table=``
+forces one (tests, timing). On an H100 the digits were 50x slower than the packed E8 table in
+the 2-D matmul tiles (docs/gpu.md), so the packed table is the default wherever it exists.
 
 **Ragged edges.** The Pallas Triton lowering neither pads nor masks a block that runs past the
 end of an array (its loads and stores are plain pointer accesses), so every kernel masks the
@@ -189,8 +190,8 @@ def _tables(config: HNLQConfig, dtype):
 
 def _use_table(config: HNLQConfig, use_table, fn: str) -> bool:
     rows = config.q**config.d
-    if use_table is None:
-        return rows * config.d <= _TABLE_ENTRIES
+    if use_table is None:  # the packed table wherever it exists (docs/kernels.md, gpu.md)
+        return packed_codebook(config) is not None or rows * config.d <= _TABLE_ENTRIES
     if use_table and rows > _TABLE_ROWS_MAX:
         raise ValueError(f"{fn}: use_table=True needs q^d <= {_TABLE_ROWS_MAX}, got "
                          f"{config.lattice} q={config.q} with {rows} codebook rows")

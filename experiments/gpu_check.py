@@ -21,7 +21,9 @@ measured):
    Triton against XLA on the GPU.
 5. **codec**: encode and decode of N D4 vectors, bytes in + out over device time.
 6. **torch**: ``QuantizedLinear`` on CUDA tensors beside ``F.linear`` in bfloat16, and the
-   bridge's cost per call at batch 1 (wall clock).
+   bridge's cost per call at batch 1 (wall clock), split into its parts.
+7. **ncu**: Nsight Compute's sections for one ``gemv`` launch into ``results/gpu_ncu.txt``
+   (what bounds the kernel).
 
 Every time is device time (:func:`hnlq_jax.timing.device_time`: CUPTI, the weight rotating
 through copies that together are 3x the L2), so neither side runs from cache.
@@ -281,32 +283,71 @@ def codec_bandwidth(peak, small):
 
 def torch_path(small):
     """``QuantizedLinear`` on CUDA tensors beside ``F.linear`` (bfloat16), batch 1, wall clock
-    per call (dispatch included: what a torch user sees), and the jitted JAX call's."""
+    per call (dispatch included: what a torch user sees), and where the bridge's time goes: a
+    DLPack import of x, the jitted JAX product on JAX arrays, a DLPack export of y."""
     import torch
     from torch.nn import functional as F
 
-    from torch_bridge import QuantizedLinear
+    from torch_bridge import QuantizedLinear, to_jax, to_torch
     n = 256 if small else 8192
-    lin = torch.nn.Linear(n, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    device = "cpu" if small else "cuda"  # the smoke run checks the code on the CPU
+    lin = torch.nn.Linear(n, n, bias=False, device=device, dtype=torch.bfloat16)
     rows = []
-    x = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, n, device=device, dtype=torch.bfloat16)
     for lattice, cfg in CONFIGS.items():
         q = QuantizedLinear.from_linear(lin, cfg)
+        codes = hq.Codes(to_jax(q.index), to_jax(q.tfield), q.codes_config,
+                         scale=to_jax(q.scale), n=n)
+        xj = to_jax(x)
+        jitted = jax.jit(hq.matmul)
+        y = jitted(xj, codes)
         with torch.no_grad():
-            t_q = _torch_wall(lambda: q(x))
-            t_f = _torch_wall(lambda: F.linear(x, lin.weight))
-        rows.append({"lattice": lattice, "n": n, "quantized_s": t_q, "F.linear_s": t_f})
+            rows.append({
+                "lattice": lattice, "n": n,
+                "quantized_s": _torch_wall(lambda: q(x)),
+                "F.linear_s": _torch_wall(lambda: F.linear(x, lin.weight)),
+                "to_jax_s": _torch_wall(lambda: to_jax(x)),
+                "jax_call_s": _torch_wall(lambda: jitted(xj, codes).block_until_ready()),
+                "to_torch_s": _torch_wall(lambda: to_torch(y))})
     return rows
+
+
+def profile_target():
+    """What ``ncu`` profiles (``--profile-target``): a few batch-1 products of an 8192^2 D4
+    weight through ``kernels.gemv``, nothing else on the GPU."""
+    codes = hq.encode_rows(_weight(8192, 8192), CONFIGS["D4"])
+    x = _x(1, 8192)
+    f = jax.jit(lambda x, c: kernels.gemv(x, c, jnp.bfloat16))
+    for _ in range(4):
+        f(x, codes).block_until_ready()
+
+
+def ncu_profile(clock):
+    """Nsight Compute's view of one ``gemv`` launch (speed of light, memory, warp stalls,
+    occupancy), as text: what bounds the kernel. ``--clock-control none`` leaves the clocks as
+    they are."""
+    sections = ["SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "SchedulerStats",
+                "Occupancy", "LaunchStats", "ComputeWorkloadAnalysis"]
+    cmd = ["ncu", "--clock-control", "none", "--kernel-name", "regex:gemv", "--launch-skip",
+           "2", "--launch-count", "1", *[a for s in sections for a in ("--section", s)],
+           sys.executable, str(pathlib.Path(__file__)), "--profile-target"]
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
+                       timeout=max(clock.left() - 5, 1))
+    text = r.stdout + r.stderr
+    (RESULTS / "gpu_ncu.txt").write_text(text)
+    return {"returncode": r.returncode, "lines": len(text.splitlines())}
 
 
 def _torch_wall(f, reps=50):
     import torch
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     f()
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     for _ in range(reps):
         f()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t) / reps
 
 
@@ -372,11 +413,13 @@ def markdown(out) -> str:
                          f"{r['seconds'] * 1e3:.3f} ms | {r['GBps']:.0f} | {_pct(r)} |")
         lines.append("")
     if out.get("torch"):
-        lines += ["| torch, batch 1 (wall clock per call) | QuantizedLinear | F.linear bf16 |",
-                  "|---|---|---|"]
+        lines += ["| torch, batch 1 (wall clock per call) | QuantizedLinear | F.linear bf16 | "
+                  "to_jax(x) | jitted hq.matmul | to_torch(y) |", "|---|---|---|---|---|---|"]
         for r in out["torch"]:
+            parts = " | ".join(f"{r[k] * 1e6:.0f} µs" if k in r else "n/a"
+                               for k in ("to_jax_s", "jax_call_s", "to_torch_s"))
             lines.append(f"| {r['lattice']} {r['n']}² | {r['quantized_s'] * 1e6:.0f} µs | "
-                         f"{r['F.linear_s'] * 1e6:.0f} µs |")
+                         f"{r['F.linear_s'] * 1e6:.0f} µs | {parts} |")
         lines.append("")
     tests = out.get("tests")
     if tests:
@@ -425,11 +468,16 @@ def main(argv=None):
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--tests", nargs="+", default=["tests/test_kernels.py"],
                    help="test files (or node ids) to run natively")
+    p.add_argument("--profile-target", action="store_true",
+                   help="only run the products ncu profiles (the profile part runs this)")
     p.add_argument("--write-docs", action="store_true",
                    help="only put results/gpu_check.md into docs/gpu.md")
     p.add_argument("--write-tiles", action="store_true",
                    help="only write the saved sweep's winners into hnlq_jax/kernels/gpu_tiles.py")
     args = p.parse_args(argv)
+    if args.profile_target:
+        profile_target()
+        return 0
     if args.write_docs or args.write_tiles:
         out = report.load_results("gpu_check")
         if args.write_tiles:
@@ -484,8 +532,9 @@ def main(argv=None):
     if not args.skip_tests:
         section("tests", run_tests, args.tests, clock, need=30)
     section("codec", codec_bandwidth, peak, small)
+    section("torch", torch_path, small)
     if not small:
-        section("torch", torch_path, small)
+        section("ncu", ncu_profile, clock, need=60)
     out["timing"] = "CUPTI" if not small else "wall clock (no GPU)"
     save()
     md = markdown(out)

@@ -7,10 +7,11 @@ measured):
 1. **ceilings**: a device-to-device copy (bytes read + written) and a bfloat16 GEMV at
    8192^2, against the device's HBM peak: the GEMV row must read 70-90 % before any ratio
    against it means anything.
-2. **sweep**: ``kernels.gemv``'s tiles (rows and blocks per program, warps, stages, split-K
-   waves, the E8 codebook as a table or from the digits) for D4 q=4 M=2 and E8 q=4 M=2 at
-   8192^2, batch 1 and 8; the winners go into ``hnlq_jax/kernels/gpu_tiles.py``
-   (``--write-tiles`` after the run) and into this run's table.
+2. **sweep**: the launch parameters (rows and blocks per program, warps, stages, split-K
+   waves) of ``kernels.gemv`` at batch 1 and 8 and of ``kernels.decode_matmul`` at batch 16,
+   for D4 q=4 M=2 and E8 q=4 M=2 at 8192^2; the winners go into
+   ``hnlq_jax/kernels/gpu_tiles.py`` (``--write-tiles`` after the run) and into this run's
+   table.
 3. **matmul**: ``hq.matmul(x, codes, implementation="pallas")`` (``gemv`` up to 8 rows,
    ``decode_matmul`` beyond) against a bfloat16 ``jnp.dot`` of the dense weight, XLA's int4
    weight-only product with group-128 bfloat16 scales (int4 -> convert -> scale -> dot, fused
@@ -171,32 +172,37 @@ def ceilings(peak, small):
     return {"copy": {"bytes": 2 * a.nbytes, **copy}, "bf16_gemv": {"n": n, **gemv}}
 
 
-def sweep_candidates(lattice: str, batch: int):
-    """Phase A: rows and blocks per program (4 warps, 1 stage, 4 waves); phase B varies the
-    rest around A's winner (``None``: filled in from it)."""
-    bns = (8, 16, 32)
-    bks = (64, 128, 256) if batch == 1 else (64, 128)
+def sweep_candidates(op: str, lattice: str, batch: int):
+    """Phase A: rows and blocks per program (4 warps, 1 stage); phase B varies the rest around
+    A's winner (the keys it names replace the winner's)."""
+    if op == "decode_matmul":  # its dot wants tiles >= 16; batch 16 fills one row tile
+        a = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=2)
+             for bn in (32, 64, 128) for bk in (32, 64, 128)]
+        return a, [dict(num_warps=8), dict(num_stages=2), dict(waves=1), dict(waves=4)]
     a = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=4)
-         for bn in bns for bk in bks]
+         for bn in (8, 16, 32) for bk in ((64, 128, 256) if batch == 1 else (64, 128))]
     b = [dict(num_warps=2), dict(num_warps=8), dict(num_stages=2), dict(waves=1),
          dict(waves=8)] if batch == 1 else []
-    if lattice == "E8":
-        b.append(dict(use_table=False))
     return a, b
 
 
+# (op, batch): what the sweep times; the batch names the tuning table's class ("batch<=B")
+SWEEP = (("gemv", 1), ("gemv", 8), ("decode_matmul", 16))
+
+
 def sweep(clock, small):
-    """The gemv tiles per lattice and batch class, timed; returns every row and the winners."""
+    """The kernels' launch parameters per op, lattice and batch class, timed; returns every
+    row and the winners ({op: {lattice: {"batch<=B": entry}}})."""
     n = 256 if small else 8192
     rows, best = [], {}
     for lattice, cfg in CONFIGS.items():
         codes = hq.encode_rows(_weight(n, n), cfg)
         ws = _copies(codes, _nbytes(codes))
         ref_w = hq.decode(codes, implementation="xla")
-        for batch in (1, 8):
+        for op, batch in SWEEP:
             x = _x(batch, n)
             ref = jnp.dot(x.astype(jnp.float32), ref_w.T, precision="highest")
-            phase_a, phase_b = sweep_candidates(lattice, batch)
+            phase_a, phase_b = sweep_candidates(op, lattice, batch)
             winner = None
             for phase in (phase_a, phase_b):
                 base = dict(winner["entry"]) if winner and phase is phase_b else {}
@@ -204,9 +210,13 @@ def sweep(clock, small):
                     if clock.left() < 20:
                         break
                     entry = {**base, **cand}
-                    t = kernels.pallas.gemv_tiles(cfg, n, n // cfg.d, batch, entry)
-                    fn = functools.partial(kernels.gemv, out_dtype=jnp.bfloat16, **t)
-                    row = {"lattice": lattice, "batch": batch, "entry": entry,
+                    t = kernels.pallas.launch_params(op, cfg, n, n // cfg.d, batch, entry)
+                    if op == "gemv":
+                        fn = functools.partial(kernels.gemv, out_dtype=jnp.bfloat16, **t)
+                    else:
+                        fn = functools.partial(kernels.decode_matmul, compute_dtype=jnp.bfloat16,
+                                               out_dtype=jnp.bfloat16, **t)
+                    row = {"op": op, "lattice": lattice, "batch": batch, "entry": entry,
                            "splits": t["splits"]}
                     try:
                         row.update(_timed(lambda x, c: fn(x, c), x, ws, None, _nbytes(codes),
@@ -218,7 +228,8 @@ def sweep(clock, small):
                             winner is None or row["seconds"] < winner["seconds"]):
                         winner = row
             if winner:
-                best.setdefault(lattice, {})[f"batch<={batch}"] = winner["entry"]
+                best.setdefault(op, {}).setdefault(lattice, {})[f"batch<={batch}"] = \
+                    winner["entry"]
     return {"n": n, "rows": rows, "best": best}
 
 
@@ -396,13 +407,19 @@ def markdown(out) -> str:
                   ""]
     sw = out.get("sweep")
     if sw:
-        lines += [f"Tile sweep of `kernels.gemv` at {sw['n']}² (winners, into the tuning "
-                  "table):", "", "| lattice | batch class | entry | time |", "|---|---|---|---|"]
-        for lat, by in sw["best"].items():
-            for cls, entry in by.items():
-                t = min(r["seconds"] for r in sw["rows"] if r["lattice"] == lat and
-                        f"batch<={r['batch']}" == cls and r["entry"] == entry and "seconds" in r)
-                lines.append(f"| {lat} | {cls} | `{entry}` | {t * 1e6:.1f} µs |")
+        best = sw["best"]
+        if best and "gemv" not in best and "decode_matmul" not in best:
+            best = {"gemv": best}  # a run before decode_matmul was swept
+        lines += [f"Tile sweep at {sw['n']}² (winners, into the tuning table):", "",
+                  "| kernel | lattice | batch class | entry | time |", "|---|---|---|---|---|"]
+        for op, by_lat in best.items():
+            for lat, by in by_lat.items():
+                for cls, entry in by.items():
+                    t = min(r["seconds"] for r in sw["rows"]
+                            if r.get("op", "gemv") == op and r["lattice"] == lat
+                            and f"batch<={r['batch']}" == cls and r["entry"] == entry
+                            and "seconds" in r)
+                    lines.append(f"| `{op}` | {lat} | {cls} | `{entry}` | {t * 1e6:.1f} µs |")
         failed = [r for r in sw["rows"] if "error" in r]
         lines += ["", f"{len(sw['rows'])} candidates timed, {len(failed)} failed to run.", ""]
     if out.get("codec"):
@@ -453,9 +470,10 @@ def plot(out, path):
 
 
 def write_tiles(best: dict, generation: str, path: pathlib.Path):
-    """Rewrites the tuning table's entry for ``generation`` with the sweep's winners."""
+    """Puts the sweep's winners (``{op: {lattice: {class: entry}}}``) into the tuning table's
+    entry for ``generation`` (ops the sweep did not time keep theirs)."""
     tiles = dict(gpu_tiles.TILES)
-    tiles[generation] = {"gemv": best}
+    tiles[generation] = {**tiles.get(generation, {}), **best}
     src = path.read_text()
     head = src.split("TILES: dict = ")[0]
     path.write_text(head + "TILES: dict = " + pprint.pformat(tiles, width=96) + "\n")
@@ -527,7 +545,8 @@ def main(argv=None):
     section("ceilings", ceilings, peak, small)
     section("sweep", sweep, clock, small, need=60)
     if out.get("sweep"):  # this run's products use the winners, as the table will
-        gpu_tiles.TILES[env["generation"]] = {"gemv": out["sweep"]["best"]}
+        gpu_tiles.TILES[env["generation"]] = {**gpu_tiles.TILES.get(env["generation"], {}),
+                                              **out["sweep"]["best"]}
     section("matmul", matmul_table, clock, peak, small, (1, 16) if small else BATCHES, need=60)
     if not args.skip_tests:
         section("tests", run_tests, args.tests, clock, need=30)

@@ -206,6 +206,17 @@ def test_matmul_digits_small_tiles_and_dtypes():
         got = K.decode_matmul(eye, codes, jnp.float32, jnp.float32, use_table=use_table,
                               block_n=16, block_k=16)
         np.testing.assert_array_equal(got, ref)
+    # split-K (3 shares of 16 blocks asked, 1 step each: 1 share is empty and dropped), and
+    # launch parameters: one-hot rows still give each weight exactly; a full x its sums
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((20, 64)), jnp.float32)
+    xref = _decoded_product(x, codes)
+    for splits in (1, 3):
+        got = K.decode_matmul(eye, codes, jnp.float32, jnp.float32, block_n=16, block_k=16,
+                              splits=splits, num_warps=2, num_stages=2)
+        np.testing.assert_array_equal(got, ref)
+        got = K.decode_matmul(x, codes, jnp.float32, jnp.float32, block_n=16, block_k=16,
+                              splits=splits)
+        np.testing.assert_allclose(got, xref, rtol=1e-5, atol=1e-5 * np.abs(xref).max())
     blocks = _weights(D4, 24, 64, rows=False)  # block codes [24, 16]: k = nb d
     np.testing.assert_array_equal(K.decode_matmul(eye, blocks, jnp.float32, jnp.float32),
                                   hq.matmul(eye, blocks.with_rows(n=64), **XLA))
@@ -355,20 +366,25 @@ def test_packed_codebook():
         assert K.pallas.packed_codebook(hq.HNLQConfig(lattice, 4, M_max + 1)) is None
 
 
-def test_gemv_tiles_and_errors(monkeypatch):
-    cfg = D4
-    default = K.pallas.gemv_tiles(cfg, 64, 512, 1)
+def test_launch_params_and_errors(monkeypatch):
+    cfg, params = D4, K.pallas.launch_params
+    default = params("gemv", cfg, 64, 512, 1)
     assert default["block_n"] == gpu_tiles.DEFAULT["gemv"]["block_n"]
     # 4 programs of 16 rows: split until ~waves x 132 programs, at most one step each
     assert default["splits"] == 512 // default["block_k"]
+    # decode_matmul: 1 wave; 4096 rows in 128 programs of 32 -> 2 shares; 8192 rows: none
+    assert params("decode_matmul", cfg, 4096, 1024, 16)["splits"] == 2
+    assert params("decode_matmul", cfg, 8192, 1024, 16)["splits"] == 1
+    assert params("decode_matmul", cfg, 4096, 1024, 65)["splits"] == 1  # 2 row tiles of 64
     monkeypatch.setattr(gpu_tiles, "TILES", {"sm90": {"gemv": {"D4": {
         "batch<=1": dict(block_n=8, block_k=32, num_warps=2, num_stages=2, waves=1),
         "batch<=8": dict(block_n=32, block_k=64, num_warps=8, num_stages=1, waves=1)}}}})
-    one = K.pallas.gemv_tiles(cfg, 8192, 1024, 1)
+    one = params("gemv", cfg, 8192, 1024, 1)
     assert one == dict(block_n=8, block_k=32, num_warps=2, num_stages=2, splits=1)
-    assert K.pallas.gemv_tiles(cfg, 1024, 1024, 4)["block_n"] == 32
-    assert K.pallas.gemv_tiles(cfg, 1024, 1024, 4)["splits"] == 5  # ceil(132 / 32)
-    assert K.pallas.gemv_tiles(hq.HNLQConfig("E8", 4, 2), 64, 64, 1)["block_n"] == 16
+    assert params("gemv", cfg, 1024, 1024, 4)["block_n"] == 32
+    assert params("gemv", cfg, 1024, 1024, 4)["splits"] == 5  # ceil(132 / 32)
+    assert params("gemv", hq.HNLQConfig("E8", 4, 2), 64, 64, 1)["block_n"] == 16
+    assert params("decode_matmul", cfg, 64, 64, 16)["block_n"] == 32  # no entry: defaults
     codes = _weights(D4, 8, 64)
     x = jnp.ones((K.GEMV_ROWS + 1, 64))
     with pytest.raises(ValueError, match="at most 8 rows of x, got 9"):
@@ -376,6 +392,8 @@ def test_gemv_tiles_and_errors(monkeypatch):
     for bad in (dict(splits=0), dict(num_warps=1.5), dict(block_n=6), dict(block_k=8)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             K.gemv(x[:1], codes, jnp.float32, **bad)
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            K.decode_matmul(x, codes, jnp.float32, jnp.float32, **bad)
 
 
 @pytest.mark.parametrize("cfg", [D4, CONFIGS[3]], ids=[IDS[0], IDS[3]])

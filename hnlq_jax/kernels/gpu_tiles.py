@@ -1,14 +1,16 @@
 """Tile configurations of the GPU kernels, by GPU generation (compute capability major).
 
 ``experiments/gpu_check.py`` times each candidate of its sweep on the device; its
-``--write-tiles`` writes the winners here. A generation or lattice without an entry takes
-:data:`DEFAULT`. ``waves``: the ``gemv`` kernel splits each row's blocks across programs
-(split-K) until about ``waves`` programs per multiprocessor run.
+``--write-tiles`` writes the winners here. A generation, op or lattice without an entry takes
+:data:`DEFAULT`. ``waves``: the kernels split each row's blocks across programs (split-K)
+until about ``waves`` programs per multiprocessor run.
 """
 
-DEFAULT = {"gemv": {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 1, "waves": 4}}
+DEFAULT = {"gemv": {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 1, "waves": 4},
+           "decode_matmul": {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 1,
+                             "waves": 1}}
 
-# {generation: {op: {lattice: {"batch<=B": params}}}}
+# {generation: {op: {lattice: {"batch<=B": params}}}}, op: "gemv" or "decode_matmul"
 TILES: dict = {'sm90': {'gemv': {'D4': {'batch<=1': {'block_k': 256,
                                        'block_n': 16,
                                        'num_stages': 2,

@@ -84,8 +84,8 @@ __all__ = [
     "decode_matmul",
     "encode",
     "gemv",
-    "gemv_tiles",
     "GEMV_ROWS",
+    "launch_params",
     "lut_gemv",
     "modq_sum",
     "packed_codebook",
@@ -552,17 +552,18 @@ def _tile_product(a, b, wide):
 
 
 def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
-                          batch: int, bk: int, compute, wide, scaled: bool, table: bool,
-                          interpret: bool):
+                          batch: int, bk: int, steps: int, compute, wide, scaled: bool,
+                          table: bool, interpret: bool):
     s_ref = refs[0] if scaled else None
     tab = refs[int(scaled)] if table else None
     pow_ref, beta_ref, o_ref = refs[-3:]
-    bb, bn = o_ref.shape
+    bb, bn = o_ref.shape[-2:]
     rows = pl.program_id(1) * bn + _iota(bn)
     s = _load(s_ref, rows < n)[:, None] if scaled else None
+    first = pl.program_id(2) * steps * bk  # this program's share of the blocks (split-K)
 
     def tile(t, acc):
-        k0 = pl.multiple_of(t * bk, bk)
+        k0 = pl.multiple_of(first + t * bk, bk)
         ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb)
         w = _decoded(ks, u, tab, pow_ref, beta_ref, config, wide, interpret)
         for j, wj in enumerate(w):
@@ -572,13 +573,16 @@ def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: i
                                       wj.astype(compute), wide)
         return acc
 
-    acc = jax.lax.fori_loop(0, pl.cdiv(nb, bk), tile, jnp.zeros((bb, bn), wide))
+    acc = jax.lax.fori_loop(0, steps, tile, jnp.zeros((bb, bn), wide))
     b = pl.program_id(0) * bb + _iota(bb)
-    pltriton.store(o_ref, acc.astype(o_ref.dtype), mask=(b < batch)[:, None] & (rows < n)[None, :])
+    pltriton.store(o_ref.at[_at(0)] if o_ref.ndim == 3 else o_ref, acc.astype(o_ref.dtype),
+                   mask=(b < batch)[:, None] & (rows < n)[None, :])
 
 
 def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
-                  block_n: int = 32, block_k: int = 32, gpu_backend: str = "triton",
+                  block_n: int | None = None, block_k: int | None = None,
+                  splits: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, gpu_backend: str = "triton",
                   use_table: bool | None = None):
     """``y = x @ W_hat^T`` with the weight read as codes: decoded tile by tile next to the
     ``dot``, the dense weight never in memory.
@@ -593,43 +597,52 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
       interpret, gpu_backend: see :func:`encode`.
       block_n: output rows per program; block_k: weight blocks per step of the inner loop
         (powers of two >= 16). Up to 64 activation rows share a program.
+      splits, num_warps, num_stages: as :func:`gemv`.
       use_table: see :func:`decode`.
+
+      Launch parameters left ``None`` come from the tuning table (:func:`launch_params`).
 
     Returns:
       ``[..., n]`` in ``out_dtype``: the products of the reference's decoded weights (float32,
       float64 for a float64 ``compute_dtype``), summed in that dtype in another order than
       :func:`hnlq_jax.matmul`'s ``"xla"`` path (equal bit for bit whenever each sum has one
-      nonzero term, e.g. one-hot rows of x).
+      nonzero term, e.g. one-hot rows of x, and no split).
 
     Raises:
       ValueError, TypeError: codes that are not ``[n, nb]`` weight codes, a mismatched ``x``,
-        a config no kernel supports, bad tiles or ``gpu_backend``.
+        a config no kernel supports, bad tiles, launch parameters or ``gpu_backend``.
     """
     codes = _weight_codes(codes, "kernels.decode_matmul")
     x = check_activations(x, codes, "kernels.decode_matmul")
     config = codes.config
     table = _use_table(config, use_table, "kernels.decode_matmul")
+    _compiler_params(gpu_backend, "decode_matmul")  # a bad backend raises here
     n, nb = codes.blocks_shape
     lead = x.shape[:-1]
     B = int(np.prod(lead, dtype=np.int64))
+    t = _launch(launch_params("decode_matmul", config, n, nb, B), "kernels.decode_matmul",
+                block_n=block_n, block_k=block_k, splits=splits, num_warps=num_warps,
+                num_stages=num_stages)
+    bn, bk = _tile(n, t["block_n"], "block_n"), _tile(nb, t["block_k"], "block_k")
     if B == 0 or n == 0 or nb == 0:
         return jnp.zeros(lead + (n,), out_dtype)
     out = _decode_matmul_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(compute_dtype),
                               jnp.dtype(out_dtype), table, _interpret(interpret, x, codes),
-                              block_n, block_k, gpu_backend)
+                              bn, bk, t["splits"], t["num_warps"], t["num_stages"])
     return out.reshape(lead + (n,))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
-def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, block_n, block_k,
-                        gpu_backend):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))
+def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, bn, bk, splits,
+                        num_warps, num_stages):
     config = codes.config
     n, nb = codes.blocks_shape
     B, k = x.shape
     d, M = config.d, config.M
     bb = min(_BATCH_TILE, max(16, _pow2_at_least(B)))  # dot tiles are >= 16 on every side
-    bn, bk = _tile(n, block_n, "block_n"), _tile(nb, block_k, "block_k")
-    Bp, nbp = pl.cdiv(B, bb) * bb, pl.cdiv(nb, bk) * bk
+    steps = pl.cdiv(pl.cdiv(nb, splits), bk)
+    splits = pl.cdiv(nb, steps * bk)  # no program without blocks
+    Bp, nbp = pl.cdiv(B, bb) * bb, splits * steps * bk
     # Activations only are re-laid out: coordinate planes [d, Bp, nbp], zero-padded.
     xp = jnp.pad(x, ((0, Bp - B), (0, nbp * d - k))).reshape(Bp, nbp, d).transpose(2, 0, 1)
     wide = _numerics.wide_dtype(compute)  # decoded weight and accumulation
@@ -637,22 +650,26 @@ def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, b
     scaled = codes.scale is not None
     extra = ([codes.scale.astype(wide)] if scaled else []) \
         + ([_codebook_input(config)] if table else [])
-    extra_specs = ([pl.BlockSpec((bn,), lambda b, i: (i,))] if scaled else []) \
+    extra_specs = ([pl.BlockSpec((bn,), lambda b, i, s: (i,))] if scaled else []) \
         + ([_whole(extra[-1])] if table else [])
     tfield = codes.tfield.reshape(-1)
-    return pl.pallas_call(
+    split = splits > 1
+    out = pl.pallas_call(
         functools.partial(_decode_matmul_kernel, config=config, n=n, nb=nb, batch=B, bk=bk,
-                          compute=compute, wide=wide, scaled=scaled, table=table,
+                          steps=steps, compute=compute, wide=wide, scaled=scaled, table=table,
                           interpret=interpret),
-        grid=(Bp // bb, pl.cdiv(n, bn)),
-        in_specs=[pl.BlockSpec((d, bb, nbp), lambda b, i: (0, b, 0)),
-                  pl.BlockSpec((bn, nb, M), lambda b, i: (i, 0, 0)),
+        grid=(Bp // bb, pl.cdiv(n, bn), splits),
+        in_specs=[pl.BlockSpec((d, bb, nbp), lambda b, i, s: (0, b, 0)),
+                  pl.BlockSpec((bn, nb, M), lambda b, i, s: (i, 0, 0)),
                   _whole(tfield)] + extra_specs + [_whole(pow2), _whole(beta)],
-        out_specs=pl.BlockSpec((bb, bn), lambda b, i: (b, i)),
-        out_shape=jax.ShapeDtypeStruct((B, n), out_dtype),
+        out_specs=(pl.BlockSpec((1, bb, bn), lambda b, i, s: (s, b, i)) if split else
+                   pl.BlockSpec((bb, bn), lambda b, i, s: (b, i))),
+        out_shape=jax.ShapeDtypeStruct((splits, B, n) if split else (B, n),
+                                       wide if split else out_dtype),
         interpret=interpret,
-        compiler_params=_compiler_params(gpu_backend, "decode_matmul"),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
     )(xp, codes.index, tfield, *extra, pow2, beta)
+    return jnp.sum(out, axis=0).astype(out_dtype) if split else out
 
 
 # ------------------------------------------------------------------------------------- gemv
@@ -734,7 +751,7 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
       use_table: ``False`` computes the codebook from the digits; see :func:`decode`.
 
       Arguments left ``None`` come from the tuning table for the GPU in use
-      (:func:`gemv_tiles`).
+      (:func:`launch_params`).
 
     Returns:
       ``[..., n]`` in ``out_dtype``: float32 sums of the products of the exact decoded weights
@@ -754,14 +771,10 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
     if B > GEMV_ROWS:
         raise ValueError(f"kernels.gemv: at most {GEMV_ROWS} rows of x, got {B}; use "
                          "decode_matmul")
-    t = gemv_tiles(config, n, nb, B)
-    given = dict(block_n=block_n, block_k=block_k, splits=splits, num_warps=num_warps,
-                 num_stages=num_stages, use_table=use_table)
-    t.update({k: v for k, v in given.items() if v is not None})
+    t = _launch(launch_params("gemv", config, n, nb, B), "kernels.gemv", block_n=block_n,
+                block_k=block_k, splits=splits, num_warps=num_warps, num_stages=num_stages,
+                use_table=use_table)
     mode = _gemv_mode(config, t.get("use_table"), "kernels.gemv")
-    for name in ("splits", "num_warps", "num_stages"):
-        if not isinstance(t[name], int) or t[name] < 1:
-            raise ValueError(f"kernels.gemv: {name} must be a positive int, got {t[name]!r}")
     bn = _small_tile(t["block_n"], "block_n")
     bk = _tile(nb, t["block_k"], "block_k")
     if B == 0 or n == 0 or nb == 0:
@@ -772,32 +785,42 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
     return out.reshape(lead + (n,))
 
 
-def gemv_tiles(config: HNLQConfig, n: int, nb: int, batch: int, entry: dict | None = None
-               ) -> dict:
-    """:func:`gemv`'s launch parameters for a weight with blocks ``[n, nb]`` and ``batch`` rows
-    of x on the default GPU.
+def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
+                  entry: dict | None = None) -> dict:
+    """Launch parameters of ``op`` (``"gemv"`` or ``"decode_matmul"``) for a weight with blocks
+    ``[n, nb]`` and ``batch`` rows of x on the default GPU.
 
     ``entry`` (else the tuning table's entry, :mod:`hnlq_jax.kernels.gpu_tiles`, for the GPU's
-    generation, the lattice and the smallest batch class holding ``batch``; else the defaults)
-    gives the tiles and ``waves``; ``splits`` (split-K) grows until about ``waves`` programs
-    run per multiprocessor, at most one per step of ``block_k`` blocks. Without a GPU: the
-    defaults of an H100 (sm90, 132 multiprocessors).
+    generation, the op, the lattice and the smallest batch class holding ``batch``; else the
+    op's defaults) gives the tiles and ``waves``; ``splits`` (split-K) grows until about
+    ``waves`` programs run per multiprocessor, at most one per step of ``block_k`` blocks.
+    Without a GPU: the defaults of an H100 (sm90, 132 multiprocessors).
     """
     gpus = jax.devices("gpu") if jax.default_backend() == "gpu" else []
     cc = getattr(gpus[0], "compute_capability", "") if gpus else ""
     generation = f"sm{cc.split('.')[0]}0" if cc else "sm90"
     sms = getattr(gpus[0], "core_count", 132) if gpus else 132
-    t = dict(gpu_tiles.DEFAULT["gemv"])
+    t = dict(gpu_tiles.DEFAULT[op])
     if entry is None:
-        by_batch = gpu_tiles.TILES.get(generation, {}).get("gemv", {}).get(config.lattice, {})
+        by_batch = gpu_tiles.TILES.get(generation, {}).get(op, {}).get(config.lattice, {})
         for cls in sorted(by_batch, key=lambda c: int(c.split("<=")[1])):
             if batch <= int(cls.split("<=")[1]):
                 entry = by_batch[cls]
                 break
     t.update(entry or {})
     waves = t.pop("waves")
-    programs = -(-n // t["block_n"])
+    row_tiles = 1 if op == "gemv" else -(-max(batch, 1) // _BATCH_TILE)
+    programs = max(1, -(-n // t["block_n"]) * row_tiles)
     t["splits"] = max(1, min(-(-waves * sms // programs), -(-nb // t["block_k"])))
+    return t
+
+
+def _launch(t: dict, fn: str, **given) -> dict:
+    """Launch parameters ``t`` with the caller's (those not ``None``), checked."""
+    t = {**t, **{k: v for k, v in given.items() if v is not None}}
+    for name in ("splits", "num_warps", "num_stages"):
+        if not isinstance(t[name], int) or t[name] < 1:
+            raise ValueError(f"{fn}: {name} must be a positive int, got {t[name]!r}")
     return t
 
 

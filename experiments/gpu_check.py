@@ -181,6 +181,10 @@ def sweep_candidates(op: str, lattice: str, batch: int):
         return a, [dict(num_warps=8), dict(num_stages=2), dict(waves=1), dict(waves=4)]
     a = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=4)
          for bn in (8, 16, 32) for bk in ((64, 128, 256) if batch == 1 else (64, 128))]
+    if lattice == "D4":  # x's one-sided tables: tall tiles share a block's table over rows
+        a += [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=4,
+                   lut_tables=True)
+              for bn in (64, 128, 256) for bk in (16, 32)]
     b = [dict(num_warps=2), dict(num_warps=8), dict(num_stages=2), dict(waves=1),
          dict(waves=8)] if batch == 1 else []
     return a, b

@@ -292,25 +292,32 @@ def _decoded_product(x, codes):
     return np.asarray(x, np.float64) @ w.astype(np.float64)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
-@pytest.mark.parametrize("use_table", [None, False], ids=["table", "digits"])
-def test_gemv_matches_decoded_weights(cfg, use_table):
+_GEMV_METHODS = {"table": {}, "digits": dict(use_table=False), "lut": dict(lut_tables=True)}
+
+
+@pytest.mark.parametrize("cfg,method", [(c, m) for c in CONFIGS for m in _GEMV_METHODS
+                                        if not (c.lattice == "E8" and m == "lut")],
+                         ids=[f"{i}-{m}" for c, i in zip(CONFIGS, IDS) for m in _GEMV_METHODS
+                              if not (c.lattice == "E8" and m == "lut")])
+def test_gemv_matches_decoded_weights(cfg, method):
     """Rows, blocks and batch not tile multiples, split-K with a ragged last share; the sums of
     the exact decoded weights to float32 rounding, through the packed codebook (D4, E8, A2, Z2
-    q <= 5), the int32 table and the digits."""
+    q <= 5), the int32 table, the digits and x's one-sided tables (E8's, 65,536 entries a
+    block, are not tried)."""
     n, k = 37, 45 * cfg.d - 1
     codes = _weights(cfg, n, k)
     rng = np.random.default_rng(4)
+    how = _GEMV_METHODS[method]
     for batch, splits in ((1, 1), (3, 4), (K.GEMV_ROWS, 2)):
         x = rng.standard_normal((batch, k)).astype(np.float32)
         ref = _decoded_product(x, codes)
         got = K.gemv(jnp.asarray(x), codes, jnp.float32, block_n=8, block_k=16, splits=splits,
-                     use_table=use_table)
+                     **how)
         assert got.shape == (batch, n) and got.dtype == jnp.float32
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     # bfloat16 in and out: the float32 sum rounded once
     xb = jnp.asarray(x, jnp.bfloat16)
-    got = K.gemv(xb, codes, jnp.bfloat16, block_n=4, block_k=16, use_table=use_table)
+    got = K.gemv(xb, codes, jnp.bfloat16, block_n=4, block_k=16, **how)
     ref = _decoded_product(np.asarray(xb, np.float32), codes)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), ref, rtol=1e-2,
@@ -326,9 +333,9 @@ def test_gemv_failed_blocks_bias_and_front_door():
     bad = hq.Codes(bad.index.at[7, 2, 1].set(200), bad.tfield, WIDE_T, scale=bad.scale,
                    n=bad.n)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 64)), jnp.float32)
-    for use_table in (None, False):
-        y = np.asarray(jax.jit(lambda x, c, u=use_table: K.gemv(  # jit: the codes are not
-            x, c, jnp.float32, block_n=4, use_table=u))(x, bad))  # checked, as in a model
+    for how in _GEMV_METHODS.values():
+        y = np.asarray(jax.jit(lambda x, c, how=how: K.gemv(  # jit: the codes are not
+            x, c, jnp.float32, block_n=4, **how))(x, bad))  # checked, as in a model
         assert np.isnan(y[:, [3, 7]]).all() and np.isfinite(np.delete(y, [3, 7], 1)).all()
     eye = jnp.eye(64, dtype=jnp.float32)[:8]  # each output one weight: exact
     D4e = _weights(D4, 12, 64)
@@ -531,6 +538,9 @@ def _lowering_cases(cfg, all_ops):
         "matmul_rows": (mm, (jnp.zeros((K.GEMV_ROWS + 1, k), jnp.bfloat16), cw)),
         "gemv_digits_split": (lambda x, c: K.gemv(x, c, jnp.float32, splits=2,
                                                   use_table=False, **gpu), (xa, cw)),
+        # 3 shares of one step: tables of a length no power of two
+        "gemv_lut_split": (lambda x, c: K.gemv(x, c, jnp.float32, splits=3, block_k=16,
+                                               lut_tables=True, **gpu), (xa, cw)),
         "quantize_grad": (jax.value_and_grad(
             lambda x: jnp.sum(hq.quantize(x, cfg, implementation="pallas", interpret=False))),
             (x,)),

@@ -238,6 +238,15 @@ def _packed_codebook(lattice: str, q: int, M: int):
     return table.T.reshape(-1), c
 
 
+def _codebook_row(k, config: HNLQConfig):
+    """Index ``k`` as an int32 row of a codebook-sized table, clamped where the index dtype
+    holds values past ``q^d`` (such corrupt blocks are masked by the caller)."""
+    rows = config.q**config.d
+    if rows - 1 < np.iinfo(index_dtype(config)).max:
+        k = jnp.minimum(k, jnp.uint32(rows - 1))
+    return k.astype(jnp.int32)
+
+
 def _packed_fields(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
     """The ``d`` fields (uint32) of ``sum_{m >= first} q^m word(k_m)``: ``P_j`` plus the bias
     ``c sum_{m >= first} q^m`` (:func:`packed_codebook`)."""
@@ -247,8 +256,7 @@ def _packed_fields(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
     for w in range(-(-config.d // 4)):
         word = None
         for m in range(first, config.M):
-            k = jnp.minimum(ks[m], jnp.uint32(rows - 1)).astype(jnp.int32)  # corrupt: masked
-            g = tab_ref[w * rows + k] * jnp.uint32(weights[m])
+            g = tab_ref[w * rows + _codebook_row(ks[m], config)] * jnp.uint32(weights[m])
             word = g if word is None else word + g
         fields += [(word >> jnp.uint32(8 * j)) & jnp.uint32(255)
                    for j in range(min(4, config.d - 4 * w))]
@@ -307,7 +315,7 @@ def _lattice_point(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
     weights = _numerics.level_weights(config)
     total = None
     for m in range(first, config.M):
-        k = jnp.minimum(ks[m], jnp.uint32(rows - 1)).astype(jnp.int32)  # corrupt: masked later
+        k = _codebook_row(ks[m], config)
         r = [tab_ref[j * rows + k] * weights[m] for j in range(d)]
         total = r if total is None else [a + b for a, b in zip(total, r)]
     return total
@@ -682,7 +690,7 @@ _TWO23 = float(2**23)
 
 
 def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
-                 bk: int, steps: int, scaled: bool, mode: str, interpret: bool):
+                 nbp: int, bk: int, steps: int, scaled: bool, mode: str, interpret: bool):
     s_ref = refs[0] if scaled else None
     tab_ref = refs[int(scaled)] if mode != "digits" else None
     ptab_ref, o_ref = refs[-2:]
@@ -690,23 +698,31 @@ def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: 
     rows = pl.program_id(0) * bn + _iota(bn)
     first = pl.program_id(1) * steps * bk  # this program's share of the blocks (split-K)
     q_rows = config.q**config.d
+    weights = _numerics.level_weights(config)
 
     def tile(t, acc):
         k0 = pl.multiple_of(first + t * bk, bk)
         ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb)
-        if mode == "packed":  # P_j + bias as floats; the bias is in off
-            coords = [jax.lax.bitcast_convert_type(f | jnp.uint32(_MAGIC), jnp.float32) - _TWO23
-                      for f in _packed_fields(ks, tab_ref, config, 0)]
+        if mode == "lut":  # the block's inner products, gathered from x's tables
+            at = (_iota(bb)[:, None, None] * nbp + (k0 + _iota(bk))[None, None, :]) * q_rows
+            v = None
+            for m, k in enumerate(ks):
+                g = tab_ref[at + _codebook_row(k, config)[None]] * np.float32(weights[m])
+                v = g if v is None else v + g
         else:
-            coords = [c.astype(jnp.float32) for c in _lattice_point(ks, tab_ref, config, 0)]
+            if mode == "packed":  # P_j + bias as floats; the bias is in off
+                coords = [jax.lax.bitcast_convert_type(f | jnp.uint32(_MAGIC), jnp.float32)
+                          - _TWO23 for f in _packed_fields(ks, tab_ref, config, 0)]
+            else:
+                coords = [c.astype(jnp.float32) for c in _lattice_point(ks, tab_ref, config, 0)]
+            v = None
+            for j, c in enumerate(coords):  # [bb, bn, bk]: the block's inner products
+                p = xt_ref[j, :, pl.ds(k0, bk)][:, None, :] * c[None, :, :]
+                v = p if v is None else v + p
         # 2^(alpha T) by u = T + 1; NaN for u = 0 (a failed block) and past max_T
         s = ptab_ref[u]
         if q_rows - 1 < np.iinfo(index_dtype(config)).max:  # an index the dtype holds but
             s = jnp.where(valid_blocks(ks, u, config), s, jnp.nan)  # the codebook does not
-        v = None
-        for j, c in enumerate(coords):  # [bb, bn, bk]: the block's inner products
-            p = xt_ref[j, :, pl.ds(k0, bk)][:, None, :] * c[None, :, :]
-            v = p if v is None else v + p
         v = v - off_ref[:, pl.ds(k0, bk)][:, None, :]
         return acc + jnp.sum(s[None, :, :] * v, axis=2)
 
@@ -717,7 +733,10 @@ def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: 
                    mask=(rows < n)[None, :])
 
 
-def _gemv_mode(config: HNLQConfig, use_table, fn: str) -> str:
+def _gemv_mode(config: HNLQConfig, use_table, lut_tables, fn: str) -> str:
+    if lut_tables:
+        lut.check_one_sided(config, fn)
+        return "lut"
     if use_table is False:
         return "digits"
     if packed_codebook(config) is not None:
@@ -727,7 +746,7 @@ def _gemv_mode(config: HNLQConfig, use_table, fn: str) -> str:
 
 def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = None,
          block_k: int | None = None, splits: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, use_table=None):
+         num_stages: int | None = None, use_table=None, lut_tables: bool | None = None):
     """``y = x @ W_hat^T`` for a few rows of ``x`` (at most :data:`GEMV_ROWS`): no ``dot``,
     no decoded weight; each weight block's lattice point meets the activations in registers.
 
@@ -749,6 +768,10 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
         sums are added after the kernel), so that a few rows still fill the GPU.
       num_warps, num_stages: Triton's launch parameters.
       use_table: ``False`` computes the codebook from the digits; see :func:`decode`.
+      lut_tables: the paper's one-sided product instead (codebooks of at most
+        ``lut.MAX_ONE_SIDED`` entries): per call, each row of x gets a table of its blocks'
+        inner products with the whole codebook (:func:`hnlq_jax.lut.one_sided`, 1 KiB a block
+        for D4 q=4), and a weight block costs one gather a level, no decoding.
 
       Arguments left ``None`` come from the tuning table for the GPU in use
       (:func:`launch_params`).
@@ -773,8 +796,8 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
                          "decode_matmul")
     t = _launch(launch_params("gemv", config, n, nb, B), "kernels.gemv", block_n=block_n,
                 block_k=block_k, splits=splits, num_warps=num_warps, num_stages=num_stages,
-                use_table=use_table)
-    mode = _gemv_mode(config, t.get("use_table"), "kernels.gemv")
+                use_table=use_table, lut_tables=lut_tables)
+    mode = _gemv_mode(config, t.get("use_table"), t.get("lut_tables"), "kernels.gemv")
     bn = _small_tile(t["block_n"], "block_n")
     bk = _tile(nb, t["block_k"], "block_k")
     if B == 0 or n == 0 or nb == 0:
@@ -873,21 +896,27 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
     steps = pl.cdiv(pl.cdiv(nb, splits), bk)
     splits = pl.cdiv(nb, steps * bk)  # no program without blocks
     xt, off = _gemv_activations(x, config, splits * steps * bk)
-    bb = xt.shape[1]
+    bb = xt.shape[1]  # x's rows padded to a power of two
     extra, extra_specs = [], []
     if codes.scale is not None:
         extra.append(codes.scale.astype(jnp.float32))
         extra_specs.append(pl.BlockSpec((bn,), lambda i, s: (i,)))
+    nbp = splits * steps * bk
     if mode == "packed":
         off = off + np.float32(_packed_bias(config, 0)) * jnp.sum(xt, axis=0)
-    if mode != "digits":
+    if mode == "lut":  # beta <r(k), x_l> for every row of x, block l and codebook entry k
+        xp = jnp.pad(x.astype(jnp.float32),
+                     ((0, bb - x.shape[0]), (0, nbp * config.d - x.shape[1])))
+        extra.append((lut.one_sided(xp, config) * np.float32(config.beta)).reshape(-1))
+    elif mode != "digits":
         extra.append(_codebook_input(config))
+    if mode != "digits":
         extra_specs.append(_whole(extra[-1]))
     ptab = _overload_table(config)
     tfield = codes.tfield.reshape(-1)
     split = splits > 1
     out = pl.pallas_call(
-        functools.partial(_gemv_kernel, config=config, n=n, nb=nb, bk=bk, steps=steps,
+        functools.partial(_gemv_kernel, config=config, n=n, nb=nb, nbp=nbp, bk=bk, steps=steps,
                           scaled=codes.scale is not None, mode=mode, interpret=interpret),
         grid=(pl.cdiv(n, bn), splits),
         in_specs=[_whole(xt), _whole(off),

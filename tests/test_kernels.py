@@ -210,10 +210,14 @@ def test_matmul_digits_small_tiles_and_dtypes():
     # launch parameters: one-hot rows still give each weight exactly; a full x its sums
     x = jnp.asarray(np.random.default_rng(6).standard_normal((20, 64)), jnp.float32)
     xref = _decoded_product(x, codes)
+    square = _weights(D4, 32, 64)  # tiles that cover it exactly: no masks in the kernel
     for splits in (1, 3):
         got = K.decode_matmul(eye, codes, jnp.float32, jnp.float32, block_n=16, block_k=16,
                               splits=splits, num_warps=2, num_stages=2)
         np.testing.assert_array_equal(got, ref)
+        got = K.decode_matmul(eye, square, jnp.float32, jnp.float32, block_n=16, block_k=16,
+                              splits=splits)
+        np.testing.assert_array_equal(got, hq.matmul(eye, square, **XLA))
         got = K.decode_matmul(x, codes, jnp.float32, jnp.float32, block_n=16, block_k=16,
                               splits=splits)
         np.testing.assert_allclose(got, xref, rtol=1e-5, atol=1e-5 * np.abs(xref).max())
@@ -315,7 +319,14 @@ def test_gemv_matches_decoded_weights(cfg, method):
                      **how)
         assert got.shape == (batch, n) and got.dtype == jnp.float32
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # tiles that cover the weight exactly (no masks or clamps in the kernel)
+    exact = _weights(cfg, 32, 64 * cfg.d)
+    x = rng.standard_normal((2, 64 * cfg.d)).astype(np.float32)
+    got = K.gemv(jnp.asarray(x), exact, jnp.float32, block_n=8, block_k=16, splits=2, **how)
+    ref = _decoded_product(x, exact)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     # bfloat16 in and out: the float32 sum rounded once
+    x = x[:, :k]
     xb = jnp.asarray(x, jnp.bfloat16)
     got = K.gemv(xb, codes, jnp.bfloat16, block_n=4, block_k=16, **how)
     ref = _decoded_product(np.asarray(xb, np.float32), codes)
@@ -538,6 +549,10 @@ def _lowering_cases(cfg, all_ops):
         "matmul_rows": (mm, (jnp.zeros((K.GEMV_ROWS + 1, k), jnp.bfloat16), cw)),
         "gemv_digits_split": (lambda x, c: K.gemv(x, c, jnp.float32, splits=2,
                                                   use_table=False, **gpu), (xa, cw)),
+        "gemv_exact_tiles": (lambda x, c: K.gemv(x, c, jnp.float32, block_n=16,
+                                                 block_k=16, **gpu),
+                             (jnp.zeros((2, 64 * cfg.d)), hq.encode_rows(
+                                 jnp.ones((32, 64 * cfg.d)), cfg))),
         # 3 shares of one step: tables of a length no power of two
         "gemv_lut_split": (lambda x, c: K.gemv(x, c, jnp.float32, splits=3, block_k=16,
                                                lut_tables=True, **gpu), (xa, cw)),

@@ -283,7 +283,10 @@ def _at(i: int):
 
 
 def _load(ref, mask):
-    """``ref``'s values where ``mask`` holds, 0 elsewhere (edge tiles run past the array)."""
+    """``ref``'s values where ``mask`` holds, 0 elsewhere (edge tiles run past the array);
+    ``mask=None``: all of them (a tile inside the array)."""
+    if mask is None:
+        return pltriton.load(ref)
     return pltriton.load(ref, mask=mask, other=0)
 
 
@@ -534,14 +537,19 @@ def _weight_codes(codes, fn: str) -> Codes:
     return codes
 
 
-def _weight_codes_tile(idx_ref, t_ref, rows, k0, bk: int, config: HNLQConfig, n: int, nb: int):
+def _weight_codes_tile(idx_ref, t_ref, rows, k0, bk: int, config: HNLQConfig, n: int, nb: int,
+                       exact: bool = False):
     """Index columns and ``u`` (``[bn, bk]`` each) of weight blocks ``k0 .. k0 + bk`` of ``rows``.
 
     Past the edges the index reads 0 and ``u`` repeats the row's last block, so such a block
     decodes to a finite value unless its row holds a failed block (then the row is NaN anyway,
     as in the reference); it meets zero-padded activations, and rows past ``n`` are not stored.
+    ``exact``: the tiles cover the weight exactly (no edges), so nothing is masked or clamped.
     """
     l = k0 + _iota(bk)
+    if exact:
+        ks = _index_columns(idx_ref, config.M, None, (slice(None), pl.ds(k0, bk)))
+        return ks, _read_u(t_ref, rows[:, None], l[None, :], nb, config)
     live = (rows < n)[:, None] & (l < nb)[None, :]
     ks = _index_columns(idx_ref, config.M, live, (slice(None), pl.ds(k0, bk)))
     u = _read_u(t_ref, jnp.minimum(rows, n - 1)[:, None], jnp.minimum(l, nb - 1)[None, :], nb,
@@ -561,18 +569,18 @@ def _tile_product(a, b, wide):
 
 def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
                           batch: int, bk: int, steps: int, compute, wide, scaled: bool,
-                          table: bool, interpret: bool):
+                          table: bool, exact: bool, interpret: bool):
     s_ref = refs[0] if scaled else None
     tab = refs[int(scaled)] if table else None
     pow_ref, beta_ref, o_ref = refs[-3:]
     bb, bn = o_ref.shape[-2:]
     rows = pl.program_id(1) * bn + _iota(bn)
-    s = _load(s_ref, rows < n)[:, None] if scaled else None
+    s = _load(s_ref, None if exact else rows < n)[:, None] if scaled else None
     first = pl.program_id(2) * steps * bk  # this program's share of the blocks (split-K)
 
     def tile(t, acc):
         k0 = pl.multiple_of(first + t * bk, bk)
-        ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb)
+        ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb, exact)
         w = _decoded(ks, u, tab, pow_ref, beta_ref, config, wide, interpret)
         for j, wj in enumerate(w):
             if scaled:  # the reference's rounding: the decoded weight times its row scale
@@ -665,7 +673,7 @@ def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, b
     out = pl.pallas_call(
         functools.partial(_decode_matmul_kernel, config=config, n=n, nb=nb, batch=B, bk=bk,
                           steps=steps, compute=compute, wide=wide, scaled=scaled, table=table,
-                          interpret=interpret),
+                          exact=n % bn == 0 and nbp == nb, interpret=interpret),
         grid=(Bp // bb, pl.cdiv(n, bn), splits),
         in_specs=[pl.BlockSpec((d, bb, nbp), lambda b, i, s: (0, b, 0)),
                   pl.BlockSpec((bn, nb, M), lambda b, i, s: (i, 0, 0)),
@@ -690,7 +698,8 @@ _TWO23 = float(2**23)
 
 
 def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
-                 nbp: int, bk: int, steps: int, scaled: bool, mode: str, interpret: bool):
+                 nbp: int, bk: int, steps: int, scaled: bool, mode: str, exact: bool,
+                 interpret: bool):
     s_ref = refs[0] if scaled else None
     tab_ref = refs[int(scaled)] if mode != "digits" else None
     ptab_ref, o_ref = refs[-2:]
@@ -702,7 +711,7 @@ def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: 
 
     def tile(t, acc):
         k0 = pl.multiple_of(first + t * bk, bk)
-        ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb)
+        ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb, exact)
         if mode == "lut":  # the block's inner products, gathered from x's tables
             at = (_iota(bb)[:, None, None] * nbp + (k0 + _iota(bk))[None, None, :]) * q_rows
             v = None
@@ -727,10 +736,11 @@ def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: 
         return acc + jnp.sum(s[None, :, :] * v, axis=2)
 
     acc = jax.lax.fori_loop(0, steps, tile, jnp.zeros((bb, bn), jnp.float32))
+    live = None if exact else rows < n
     if scaled:
-        acc = acc * _load(s_ref, rows < n)[None, :]
+        acc = acc * _load(s_ref, live)[None, :]
     pltriton.store(o_ref.at[_at(0)] if o_ref.ndim == 3 else o_ref, acc.astype(o_ref.dtype),
-                   mask=(rows < n)[None, :])
+                   mask=None if exact else live[None, :])
 
 
 def _gemv_mode(config: HNLQConfig, use_table, lut_tables, fn: str) -> str:
@@ -917,7 +927,8 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
     split = splits > 1
     out = pl.pallas_call(
         functools.partial(_gemv_kernel, config=config, n=n, nb=nb, nbp=nbp, bk=bk, steps=steps,
-                          scaled=codes.scale is not None, mode=mode, interpret=interpret),
+                          scaled=codes.scale is not None, mode=mode,
+                          exact=n % bn == 0 and nbp == nb, interpret=interpret),
         grid=(pl.cdiv(n, bn), splits),
         in_specs=[_whole(xt), _whole(off),
                   pl.BlockSpec((bn, nb, config.M), lambda i, s: (i, 0, 0)),

@@ -23,8 +23,9 @@ measured):
 5. **codec**: encode and decode of N D4 vectors, bytes in + out over device time.
 6. **torch**: ``QuantizedLinear`` on CUDA tensors beside ``F.linear`` in bfloat16, and the
    bridge's cost per call at batch 1 (wall clock), split into its parts.
-7. **ncu**: Nsight Compute's sections for one ``gemv`` launch into ``results/gpu_ncu.txt``
-   (what bounds the kernel).
+
+and, between 2 and 3, **ncu**: Nsight Compute's sections for one ``gemv`` launch into
+``results/gpu_ncu.txt`` (what bounds the kernel).
 
 Every time is device time (:func:`hnlq_jax.timing.device_time`: CUPTI, the weight rotating
 through copies that together are 3x the L2), so neither side runs from cache.
@@ -348,7 +349,7 @@ def ncu_profile(clock):
            sys.executable, str(pathlib.Path(__file__)), "--profile-target"]
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
-                       timeout=max(clock.left() - 5, 1))
+                       timeout=max(min(clock.left() - 5, 150), 1))
     text = r.stdout + r.stderr
     (RESULTS / "gpu_ncu.txt").write_text(text)
     return {"returncode": r.returncode, "lines": len(text.splitlines())}
@@ -551,13 +552,13 @@ def main(argv=None):
     if out.get("sweep"):  # this run's products use the winners, as the table will
         gpu_tiles.TILES[env["generation"]] = {**gpu_tiles.TILES.get(env["generation"], {}),
                                               **out["sweep"]["best"]}
+    if not small:  # what bounds gemv: the diagnosis the next kernel change starts from
+        section("ncu", ncu_profile, clock, need=60)
     section("matmul", matmul_table, clock, peak, small, (1, 16) if small else BATCHES, need=60)
     if not args.skip_tests:
         section("tests", run_tests, args.tests, clock, need=30)
     section("codec", codec_bandwidth, peak, small)
     section("torch", torch_path, small)
-    if not small:
-        section("ncu", ncu_profile, clock, need=60)
     out["timing"] = "CUPTI" if not small else "wall clock (no GPU)"
     save()
     md = markdown(out)

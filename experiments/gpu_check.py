@@ -31,7 +31,7 @@ Every time is device time (:func:`hnlq_jax.timing.device_time`: CUPTI, the weigh
 through copies that together are 3x the L2), so neither side runs from cache.
 
 Writes ``results/gpu_check.json`` (after every part), ``results/gpu_check.md``,
-``results/gpu_check.png``; ``--write-docs`` puts the Markdown into ``docs/gpu.md`` and
+``results/gpu_check.png``; ``--report`` puts the Markdown into ``docs/gpu.md`` and
 ``--write-tiles`` the sweep's winners into the tuning table, both from the saved JSON. Without
 a GPU it stops with exit status 2 unless ``--allow-cpu`` (a smoke run at tiny sizes).
 
@@ -493,20 +493,19 @@ def main(argv=None):
                    help="test files (or node ids) to run natively")
     p.add_argument("--profile-target", action="store_true",
                    help="only run the products ncu profiles (the profile part runs this)")
-    p.add_argument("--write-docs", action="store_true",
-                   help="only put results/gpu_check.md into docs/gpu.md")
+    report.add_report_flag(p)
     p.add_argument("--write-tiles", action="store_true",
                    help="only write the saved sweep's winners into hnlq_jax/kernels/gpu_tiles.py")
     args = p.parse_args(argv)
     if args.profile_target:
         profile_target()
         return 0
-    if args.write_docs or args.write_tiles:
+    if args.report or args.write_tiles:
         out = report.load_results("gpu_check")
         if args.write_tiles:
             write_tiles(out["sweep"]["best"], out["environment"]["generation"],
                         ROOT / "hnlq_jax" / "kernels" / "gpu_tiles.py")
-        if args.write_docs:
+        if args.report:
             (RESULTS / "gpu_check.md").write_text(markdown(out) + "\n")
             report.write_between_markers(report.DOCS / "gpu.md", "gpu_check",
                                          markdown(out))

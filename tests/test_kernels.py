@@ -287,7 +287,7 @@ def test_matmul_reads_codes_in_place(scaled):
     assert ((codes.tfield.size,), codes.tfield.dtype) in ins  # unpacked in the kernel
 
 
-# ---------------------------------------------------------------------- lut_gemv and mod-q
+# ------------------------------------------------------------------------------------ mod-q
 
 
 def _decoded_product(x, codes):
@@ -414,21 +414,6 @@ def test_launch_params_and_errors(monkeypatch):
             K.decode_matmul(x, codes, jnp.float32, jnp.float32, **bad)
 
 
-@pytest.mark.parametrize("cfg", [D4, CONFIGS[3]], ids=[IDS[0], IDS[3]])
-def test_lut_gemv_matches_reference(cfg):
-    k = 33 * cfg.d - 1
-    codes = _weights(cfg, 50, k)
-    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, k)), jnp.float32)
-    ref = hq.lut.matmul_one_sided(codes, x)
-    got = K.lut_gemv(codes, x, block_n=16, block_k=16)
-    assert got.shape == (2, 50) and got.dtype == jnp.float32
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
-    T = codes.T.astype(jnp.int32).at[3, 0].set(-1)
-    bad = hq.Codes.from_labels(codes.labels, T, codes.config, scale=codes.scale, n=codes.n)
-    out = K.lut_gemv(bad, x)
-    assert np.all(np.isnan(out[:, 3])) and np.isfinite(np.delete(np.asarray(out), 3, 1)).all()
-
-
 @pytest.mark.parametrize("cfg", [D4, WIDE_T], ids=["4-bit-T", "8-bit-T"])
 def test_modq_sum_bit_exact(cfg):
     x = np.random.default_rng(6).standard_normal((3, 5, 7, cfg.d)).astype(np.float32) * 0.3
@@ -453,10 +438,10 @@ def test_empty_inputs():
     codes = _weights(D4, 8, 32)
     for x in (jnp.zeros((0, 32)), jnp.zeros((2, 0, 32))):
         assert K.decode_matmul(x, codes, jnp.float32, jnp.float32).shape == x.shape[:-1] + (8,)
-        assert K.lut_gemv(codes, x).shape == x.shape[:-1] + (8,)
+        assert K.gemv(x, codes, jnp.float32, lut_tables=True).shape == x.shape[:-1] + (8,)
     no_rows = _weights(D4, 0, 32)
     assert K.decode_matmul(jnp.ones((2, 32)), no_rows, jnp.float32, jnp.float32).shape == (2, 0)
-    assert K.lut_gemv(no_rows, jnp.ones((2, 32))).shape == (2, 0)
+    assert K.gemv(jnp.ones((2, 32)), no_rows, jnp.float32, lut_tables=True).shape == (2, 0)
     out = K.modq_sum(empty, 0)
     assert out.index.shape == (0, 2) and out.tfield.shape == (0,)
     with pytest.raises(ValueError, match="summed axis 1 of the codes \\(blocks \\(3, 0\\)\\) is empty"):
@@ -488,7 +473,10 @@ def test_errors():
     with pytest.raises(ValueError, match="x must be \\[..., k\\] with k = 32"):
         K.decode_matmul(jnp.ones((2, 40)), codes, jnp.float32, jnp.float32)
     with pytest.raises(ValueError, match="blocks \\[n, nb\\]"):
-        K.lut_gemv(hq.encode(x, D4, failures="mark"), jnp.ones(4))
+        K.gemv(jnp.ones(4), hq.encode(x, D4, failures="mark"), jnp.float32)
+    with pytest.raises(ValueError, match="one-sided table of E8 q=5"):  # 390,625 entries
+        K.gemv(jnp.ones((1, 8)), hq.encode_rows(jnp.ones((2, 8)), hq.HNLQConfig("E8", 5, 1)),
+               jnp.float32, lut_tables=True)
     with pytest.raises(ValueError, match="use_table=True needs q\\^d <= 65536"):
         K.decode(hq.encode(np.zeros((2, 8), np.float32), hq.HNLQConfig("E8", 5, 1)), None,
                  jnp.float32, use_table=True)
@@ -559,7 +547,6 @@ def _lowering_cases(cfg, all_ops):
         "quantize_grad": (jax.value_and_grad(
             lambda x: jnp.sum(hq.quantize(x, cfg, implementation="pallas", interpret=False))),
             (x,)),
-        "lut_gemv": (lambda x, c: K.lut_gemv(c, x, **gpu), (xa, cw)),
         "modq_sum": (lambda c: K.modq_sum(c, -1, **gpu), (c,)),
     })
     return cases

@@ -8,8 +8,8 @@
 
 from hnlq_jax.kernels import cpu, pallas
 from hnlq_jax.kernels.pallas import (GEMV_ROWS, GPU_BACKENDS, MOSAIC_GPU_OPS, decode,
-                                     decode_matmul, encode, gemv, lut_gemv, modq_sum, platform,
+                                     decode_matmul, encode, gemv, modq_sum, platform,
                                      unsupported)
 
 __all__ = ["GEMV_ROWS", "GPU_BACKENDS", "MOSAIC_GPU_OPS", "cpu", "decode", "decode_matmul",
-           "encode", "gemv", "lut_gemv", "modq_sum", "pallas", "platform", "unsupported"]
+           "encode", "gemv", "modq_sum", "pallas", "platform", "unsupported"]

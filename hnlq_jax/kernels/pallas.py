@@ -16,9 +16,8 @@ kernel             what one program does                         reference (``"x
                                                                  in another order)
 ``gemv``           ``bb x bn`` outputs for up to 8 rows of x:    :func:`hnlq_jax.matmul`
                    packed codebook words, inner products in      (float32 rounding)
-                   registers, no decoded weight (split-K)
-``lut_gemv``       ``bn`` outputs of ``W_hat x`` from x's        :func:`hnlq_jax.lut.
-                   one-sided tables (gathers, no decode)         matmul_one_sided` (sum order)
+                   registers, no decoded weight, or gathers
+                   from x's one-sided tables (split-K)
 ``modq_sum``       a tile of blocks: digit-wise sum mod q,       :func:`hnlq_jax.modq.accumulate`
                    common T                                      (identical codes)
 =================  ============================================  =================================
@@ -29,7 +28,8 @@ the kernel: a block's byte is gathered by address (8-bit field: byte ``row * L +
 byte ``row * ceil(L/2) + l // 2``, the high nibble for odd ``l``, where ``L`` is the length of
 the last leading axis), so codes of any leading shape, odd ``L`` included, need no re-layout.
 Only activations are re-laid out per call (``decode_matmul``: coordinate planes of x;
-``lut_gemv``: x's one-sided tables), and ``modq_sum``, whose kernel Mosaic GPU also lowers,
+``gemv``: x's blocks in the codebook's basis, or x's one-sided tables), and ``modq_sum``, whose
+kernel Mosaic GPU also lowers,
 reads planar copies (Mosaic GPU has no gathers and wants contiguous rows).
 
 **The codebook** ``r(k)`` (integer P coordinates) is a kernel input where it fits: packed
@@ -86,7 +86,6 @@ __all__ = [
     "gemv",
     "GEMV_ROWS",
     "launch_params",
-    "lut_gemv",
     "modq_sum",
     "packed_codebook",
     "platform",
@@ -943,96 +942,6 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
     if split:
         out = jnp.sum(out, axis=0)
     return out[:x.shape[0]].astype(out_dtype)
-
-
-# --------------------------------------------------------------------------------- lut_gemv
-
-
-def _lut_gemv_kernel(tbl_ref, *refs, config: HNLQConfig, n: int, nb: int, bk: int,
-                     dithered: bool):
-    e_ref = refs[0] if dithered else None
-    idx_ref, t_ref, pow_ref, beta_ref, o_ref = refs[int(dithered):]
-    rows_q = config.q**config.d
-    bn = o_ref.shape[0]
-    rows = pl.program_id(0) * bn + _iota(bn)
-    weights = _numerics.level_weights(config)
-
-    def tile(t, acc):
-        k0 = pl.multiple_of(t * bk, bk)
-        ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb)
-        l = k0 + _iota(bk)
-        v = None
-        for m, k in enumerate(ks):  # the tables are zero-padded to whole tiles: no clamp on l
-            g = tbl_ref[l[None, :] * rows_q + jnp.minimum(k, jnp.uint32(rows_q - 1)).astype(
-                jnp.int32)] * weights[m]
-            v = g if v is None else v + g
-        s = beta_ref[0] * _numerics.overload_scale(u, config, pow_ref)
-        s = jnp.where(valid_blocks(ks, u, config), s, jnp.nan)
-        if e_ref is not None:
-            v = v - e_ref[pl.ds(k0, bk)][None, :]
-        return acc + jnp.sum(s * v, axis=1)
-
-    out = jax.lax.fori_loop(0, pl.cdiv(nb, bk), tile, jnp.zeros((bn,), o_ref.dtype))
-    pltriton.store(o_ref, out, mask=rows < n)
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
-def _lut_gemv_call(x, codes: Codes, interpret, block_n, block_k, gpu_backend, dtype):
-    """``W_hat x`` for one vector ``x [k]`` (batches are vmapped: a grid axis)."""
-    config = codes.config
-    n, nb = codes.blocks_shape
-    d, M = config.d, config.M
-    bn, bk = _tile(n, block_n, "block_n"), _tile(nb, block_k, "block_k")
-    nbp = pl.cdiv(nb, bk) * bk
-    x = x.astype(dtype)
-    tbl = jnp.pad(lut.one_sided(x, config), ((0, nbp - nb), (0, 0))).reshape(-1)  # [nbp * Q]
-    ins = [tbl]
-    if config.dither is not None:
-        ins.append(jnp.pad(lut.dither_dot(codec.to_blocks(x, d), config), (0, nbp - nb)))
-    pow2, beta = _tables(config, dtype)
-    tfield = codes.tfield.reshape(-1)
-    return pl.pallas_call(
-        functools.partial(_lut_gemv_kernel, config=config, n=n, nb=nb, bk=bk,
-                          dithered=config.dither is not None),
-        grid=(pl.cdiv(n, bn),),
-        in_specs=[_whole(a) for a in ins] + [pl.BlockSpec((bn, nb, M), lambda i: (i, 0, 0)),
-                                            _whole(tfield), _whole(pow2), _whole(beta)],
-        out_specs=pl.BlockSpec((bn,), lambda i: (i,)),
-        out_shape=jax.ShapeDtypeStruct((n,), dtype),
-        interpret=interpret,
-        compiler_params=_compiler_params(gpu_backend, "lut_gemv"),
-    )(*ins, codes.index, tfield, pow2, beta)
-
-
-def lut_gemv(codes_W: Codes, x, *, interpret=None, block_n: int = 32, block_k: int = 32,
-             gpu_backend: str = "triton"):
-    """``x @ W_hat^T`` through x's one-sided tables: one gather per level and block, no decode.
-
-    Args:
-      codes_W: the weight as codes with blocks ``[n, nb]`` (row scales are applied).
-      x: ``[..., k]`` activations; each vector gets its own tables (leading axes are mapped).
-      interpret, block_n, block_k, gpu_backend: see :func:`decode_matmul`.
-
-    Returns:
-      ``[..., n]`` in x's dtype (at least float32), equal to
-      :func:`hnlq_jax.lut.matmul_one_sided` up to summation order; NaN in rows with a failed
-      block.
-
-    Raises:
-      ValueError: as :func:`decode_matmul`, or ``q^d`` beyond the one-sided table limit.
-    """
-    codes_W = _weight_codes(codes_W, "kernels.lut_gemv")
-    x = check_activations(x, codes_W, "kernels.lut_gemv")
-    lut.check_one_sided(codes_W.config, "kernels.lut_gemv")
-    n = codes_W.blocks_shape[0]
-    dtype = jnp.promote_types(x.dtype, jnp.float32)
-    if x.size == 0 or n == 0:
-        return jnp.zeros(x.shape[:-1] + (n,), dtype)
-    gemv = functools.partial(_lut_gemv_call, codes=codes_W,
-                             interpret=_interpret(interpret, x, codes_W), block_n=block_n,
-                             block_k=block_k, gpu_backend=gpu_backend, dtype=dtype)
-    out = jax.vmap(gemv)(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1] + (n,))
-    return out if codes_W.scale is None else out * codes_W.scale.astype(dtype)
 
 
 # --------------------------------------------------------------------------------- modq_sum

@@ -468,7 +468,8 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
         ``k = nb d``).
       implementation: ``None``, ``"xla"`` (decode, then ``dot``), ``"pallas"`` (fused
         kernels, the dense weight never in memory: ``kernels.gemv`` for up to
-        ``kernels.GEMV_ROWS`` rows of x, ``kernels.decode_matmul`` beyond), ``"lut"`` (x's
+        ``kernels.GEMV_ROWS`` rows of x, float32 products of the unrounded decoded weights
+        whatever x's dtype; ``kernels.decode_matmul`` beyond), ``"lut"`` (x's
         one-sided tables gathered by the codes' indices) or ``"native"`` (the native CPU
         kernel: decodes weight tiles in cache next to the product, or from
         ``kernels.cpu.GEMM_ROWS`` rows of x the whole weight once before a float GEMM; float32

@@ -84,6 +84,7 @@ __all__ = [
     "decode_matmul",
     "encode",
     "gemv",
+    "gpu_generation",
     "GEMV_ROWS",
     "launch_params",
     "modq_sum",
@@ -237,12 +238,16 @@ def _packed_codebook(lattice: str, q: int, M: int):
     return table.T.reshape(-1), c
 
 
+def _index_can_overflow(config: HNLQConfig) -> bool:
+    """Whether the index dtype holds values past ``q^d - 1`` (corrupt codes can name no entry)."""
+    return config.q**config.d - 1 < np.iinfo(index_dtype(config)).max
+
+
 def _codebook_row(k, config: HNLQConfig):
     """Index ``k`` as an int32 row of a codebook-sized table, clamped where the index dtype
     holds values past ``q^d`` (such corrupt blocks are masked by the caller)."""
-    rows = config.q**config.d
-    if rows - 1 < np.iinfo(index_dtype(config)).max:
-        k = jnp.minimum(k, jnp.uint32(rows - 1))
+    if _index_can_overflow(config):
+        k = jnp.minimum(k, jnp.uint32(config.q**config.d - 1))
     return k.astype(jnp.int32)
 
 
@@ -729,8 +734,8 @@ def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: 
                 v = p if v is None else v + p
         # 2^(alpha T) by u = T + 1; NaN for u = 0 (a failed block) and past max_T
         s = ptab_ref[u]
-        if q_rows - 1 < np.iinfo(index_dtype(config)).max:  # an index the dtype holds but
-            s = jnp.where(valid_blocks(ks, u, config), s, jnp.nan)  # the codebook does not
+        if _index_can_overflow(config):
+            s = jnp.where(valid_blocks(ks, u, config), s, jnp.nan)
         v = v - off_ref[:, pl.ds(k0, bk)][:, None, :]
         return acc + jnp.sum(s[None, :, :] * v, axis=2)
 
@@ -829,8 +834,7 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     Without a GPU: the defaults of an H100 (sm90, 132 multiprocessors).
     """
     gpus = jax.devices("gpu") if jax.default_backend() == "gpu" else []
-    cc = getattr(gpus[0], "compute_capability", "") if gpus else ""
-    generation = f"sm{cc.split('.')[0]}0" if cc else "sm90"
+    generation = gpu_generation(gpus[0]) if gpus else "sm90"
     sms = getattr(gpus[0], "core_count", 132) if gpus else 132
     t = dict(gpu_tiles.DEFAULT[op])
     if entry is None:
@@ -845,6 +849,13 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     programs = max(1, -(-n // t["block_n"]) * row_tiles)
     t["splits"] = max(1, min(-(-waves * sms // programs), -(-nb // t["block_k"])))
     return t
+
+
+def gpu_generation(device) -> str | None:
+    """The tuning table's key for ``device``: ``"sm90"`` for compute capability 9.x (Hopper);
+    ``None`` for a device without one (a CPU)."""
+    cc = getattr(device, "compute_capability", "")
+    return f"sm{cc.split('.')[0]}0" if cc else None
 
 
 def _launch(t: dict, fn: str, **given) -> dict:

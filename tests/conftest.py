@@ -12,6 +12,16 @@ import socket
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(__file__).parent.parent / ".pytest_cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# The tests compile thousands of programs and run each on little data, so compiling is most
+# of their time: without LLVM's optimizations and with XLA:CPU's older elemental emitters
+# (half the time of its MLIR fusion emitters for a small program) a cold run takes about
+# half as long. XLA's HLO passes still run, without fast math either way. CI's second stage
+# runs JAX's defaults (HNLQ_TEST_FAST_COMPILE=0), so the programs users run are tested too.
+if os.environ.get("HNLQ_TEST_FAST_COMPILE", "1") == "1":
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_cpu_use_fusion_emitters=false").strip()
 
 import jax  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402

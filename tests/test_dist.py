@@ -459,7 +459,9 @@ def test_one_device_mean_is_exact(method):
 def test_two_processes_jax_distributed(tmp_path, free_port):
     """Two processes (gloo collectives) give the same means as 4 devices in one process."""
     worker = os.path.join(os.path.dirname(__file__), "dist_worker.py")
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    # Each worker sets its own device count; the run's other XLA flags (conftest's) stay.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, worker, str(free_port), str(i),
                                str(tmp_path / f"out{i}.npy")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -38,6 +38,7 @@ def level_weights(config: HNLQConfig, dtype=None):
     return w if dtype is None else jnp.asarray(np.asarray(w, np.float64), dtype)
 
 
+@jax.jit  # eager callers (calibration) run one program, not one per slice and add
 def mean_square(x):
     """The mean over the last axis of ``x[..., k]``'s squares, the same bits in every program.
 

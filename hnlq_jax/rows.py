@@ -43,6 +43,7 @@ def bucket_rows(rows: int, k: int, config: HNLQConfig) -> int:
     return -(-ops.bucket(rows * nb) // nb) if nb else rows
 
 
+@jax.jit  # one program for an eager call (calibration), not one per operation
 def row_rms(w):
     """RMS of each row of ``w[..., k]`` (1 for an all-zero row, which then codes to zeros).
 
@@ -59,6 +60,7 @@ def row_rms(w):
     return jnp.where(rms > 0, rms, 1.0)
 
 
+@jax.jit  # one program for an eager call (calibration), not one per operation
 def divide_rows(w, c):
     """``w[..., k] / c[...]`` row by row, with both scaled by a power of two first (exact):
     XLA:CPU divides by multiplying with ``1 / c``, which flushes to zero for ``c`` above about

@@ -71,11 +71,15 @@ def test_native_kernels_called_directly(rows, dtype):
     """On CPU tensors the matmul op calls the native kernels on the tensors' memory (no JAX
     dispatch): below GEMM_ROWS rows (of the bucket) the fused product, bit for bit the jitted
     hq.matmul; from there the decoded weight times x in torch's GEMM, bit for bit
-    x @ hq.decode(codes).T in torch. Non-contiguous x and leading axes too; the layer's
-    codes are read where they live (a copy_ into them reaches the next call)."""
+    x @ hq.decode(codes).T in torch. The bias is added as y + bias in x's dtype, except that
+    a float32 GEMM takes it as F.linear does (addmm). Non-contiguous x and leading axes too;
+    the layer's codes are read where they live (a copy_ into them reaches the next call)."""
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((2, 24, 36)).astype(np.float32)
-    layer, other = (tb.QuantizedLinear.from_linear(_linear(v), CFG, calibrate=False) for v in w)
+    bias = rng.standard_normal(24).astype(np.float32)
+    layer, other = (tb.QuantizedLinear.from_linear(_linear(v, bias), CFG, calibrate=False)
+                    for v in w)
+    b = torch.from_numpy(bias)
     x = torch.from_numpy(rng.standard_normal((rows, 2, 36)).astype(np.float32)).to(dtype)
     x = x.transpose(0, 1)  # [2, rows, 36], not contiguous
     jx = jnp.asarray(x.float().numpy()).astype(str(dtype).removeprefix("torch."))
@@ -87,13 +91,15 @@ def test_native_kernels_called_directly(rows, dtype):
         assert got.dtype == dtype and got.shape == (2, rows, 24)
         if hq.buckets.row_bucket(2 * rows) < hq.kernels.cpu.GEMM_ROWS:
             want = jax.jit(lambda a, c: hq.matmul(a, c, implementation="native"))(jx, codes)
-            np.testing.assert_array_equal(got.float().numpy(), np.asarray(want, np.float32))
+            want = torch.from_numpy(np.array(want, np.float32)).to(dtype) + b.to(dtype)
         else:
             wd = torch.from_numpy(np.array(hq.decode(codes)))
             if dtype == torch.bfloat16:
                 wd = wd.bfloat16().float()
-            want = (x.float().reshape(-1, 36) @ wd.T).to(dtype).reshape(2, rows, 24)
-            np.testing.assert_array_equal(got.float().numpy(), want.float().numpy())
+            x2 = x.float().reshape(-1, 36)
+            want = (torch.addmm(b, x2, wd.T) if dtype == torch.float32
+                    else (x2 @ wd.T).to(dtype) + b.to(dtype)).reshape(2, rows, 24)
+        np.testing.assert_array_equal(got.float().numpy(), want.float().numpy())
         with torch.no_grad():
             for name in ("index", "tfield", "scale"):
                 getattr(layer, name).copy_(getattr(other, name))
@@ -183,10 +189,12 @@ def test_large_batch_decodes_slabs_of_rows(monkeypatch):
     np.testing.assert_allclose(slabs.numpy(), whole.numpy(), rtol=1e-6, atol=1e-5)
 
 
-def _linear(w):
-    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+def _linear(w, bias=None):
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias is not None)
     with torch.no_grad():
         linear.weight.copy_(torch.from_numpy(w))
+        if bias is not None:
+            linear.bias.copy_(torch.from_numpy(bias))
     return linear
 
 

@@ -267,11 +267,13 @@ _HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SLAB_WEIGHTS = 1 << 22
 
 
-def _matmul_host(x: torch.Tensor, host) -> torch.Tensor:
+def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The native kernels called directly on the tensors' memory (no JAX dispatch), the route
     ``hq.matmul`` takes: up to ``GEMM_ROWS`` rows (of the row bucket) the fused product, the
     same sums bit for bit; from there the decoded weight, a slab of rows at a time, and torch's
-    GEMM (sums in torch's order)."""
+    GEMM (sums in torch's order). ``bias`` (``[n]``), where given, is added as ``y + bias`` in
+    x's dtype would be: into the fresh output in place, and for float32 activations in the GEMM
+    as ``addmm`` (as ``F.linear`` adds it: no second pass over the output)."""
     cpu = hq.kernels.cpu
     if x.ndim == 0 or x.shape[-1] != host.k:  # as hq.matmul's check_activations
         raise ValueError(f"hnlq::matmul: x must be [..., k] with k = {host.k} (the codes' row "
@@ -282,16 +284,27 @@ def _matmul_host(x: torch.Tensor, host) -> torch.Tensor:
         slab = max(1, _SLAB_WEIGHTS // host.k)
         w = torch.empty(min(slab, host.n), host.k)
         parts = []
+        fold = bias is not None and x.dtype == torch.float32
+        b = bias.to(torch.float32) if fold else None
         for r0 in range(0, host.n, slab):
             part = host.rows(r0, min(host.n, r0 + slab))
-            cpu.decode_host(w.data_ptr(), part, bf16, threads)
-            parts.append(rows @ w[:part.n].T)
+            # On the calling thread: just after torch's GEMMs its OpenMP workers still spin on
+            # the other cores, and decoding threads of ours competing with them took 2-4x the
+            # time of one (a 1536 x 384 weight, 2 cores: 0.19-0.33 ms against 0.73-0.81 ms).
+            cpu.decode_host(w.data_ptr(), part, bf16, 1)
+            wt = w[:part.n].T
+            parts.append(torch.addmm(b[r0:r0 + part.n], rows, wt) if fold else rows @ wt)
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if fold:
+            bias = None
     else:
         y = torch.empty(rows.shape[0], host.n)
         cpu.decode_matmul_host(y.data_ptr(), rows.data_ptr(), rows.shape[0], host, bf16,
                                threads)
-    return y.to(x.dtype).reshape(x.shape[:-1] + (host.n,))
+    y = y.to(x.dtype)
+    if bias is not None:
+        y.add_(bias.to(y.dtype))
+    return y.reshape(x.shape[:-1] + (host.n,))
 
 
 @torch.library.custom_op("hnlq::matmul", mutates_args=())
@@ -436,15 +449,17 @@ def direct(*tensors: Optional[torch.Tensor]) -> bool:
 
 def matmul_direct(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,
                   scale: Optional[torch.Tensor], n: Optional[int],
-                  implementation: Optional[str], config: ConfigArgs) -> Optional[torch.Tensor]:
-    """``torch.ops.hnlq.matmul(x, index, tfield, scale, n, implementation, *config)`` computed
-    without the op's dispatch where the op would call the native kernels on the tensors' memory
-    and :func:`direct` allows it (the same result bit for bit); ``None`` where the op must
-    run (the caller then calls it)."""
+                  implementation: Optional[str], config: ConfigArgs,
+                  bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """``torch.ops.hnlq.matmul(x, index, tfield, scale, n, implementation, *config)`` (plus
+    ``bias``, where given: one with no gradient to record) computed without the op's dispatch
+    where the op would call the native kernels on the tensors' memory and :func:`direct`
+    allows it (the same product bit for bit; the bias as :func:`_matmul_host` adds it);
+    ``None`` where the op must run (the caller then calls it)."""
     if not direct(x, index, tfield, scale):
         return None
     host = _prepared_matmul(x, index, tfield, scale, n, implementation, config_of(*config))[3]
-    return None if host is None else _matmul_host(x, host)
+    return None if host is None else _matmul_host(x, host, bias)
 
 
 def rotate_direct(x: torch.Tensor, n: int, seed: int, inverse: bool) -> Optional[torch.Tensor]:

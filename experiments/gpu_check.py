@@ -98,7 +98,8 @@ def pytest_command(*targets: str, workers: int = 4) -> list:
 
 
 def run_tests(targets, clock):
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    # the programs users run: JAX's default compilation, not the tests' fast settings
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "HNLQ_TEST_FAST_COMPILE": "0"}
     try:
         r = subprocess.run(pytest_command(*targets), cwd=ROOT, capture_output=True, text=True,
                            env=env, timeout=max(clock.left() - 5, 1))

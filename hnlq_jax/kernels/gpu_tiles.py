@@ -11,7 +11,17 @@ DEFAULT = {"gemv": {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages":
                              "waves": 1}}
 
 # {generation: {op: {lattice: {"batch<=B": params}}}}, op: "gemv" or "decode_matmul"
-TILES: dict = {'sm90': {'gemv': {'D4': {'batch<=1': {'block_k': 256,
+TILES: dict = {'sm90': {'decode_matmul': {'D4': {'batch<=16': {'block_k': 64,
+                                                 'block_n': 64,
+                                                 'num_stages': 1,
+                                                 'num_warps': 4,
+                                                 'waves': 2}},
+                            'E8': {'batch<=16': {'block_k': 32,
+                                                 'block_n': 64,
+                                                 'num_stages': 1,
+                                                 'num_warps': 4,
+                                                 'waves': 2}}},
+          'gemv': {'D4': {'batch<=1': {'block_k': 256,
                                        'block_n': 16,
                                        'num_stages': 2,
                                        'num_warps': 4,

@@ -174,9 +174,20 @@ def ceilings(peak, small):
     return {"copy": {"bytes": 2 * a.nbytes, **copy}, "bf16_gemv": {"n": n, **gemv}}
 
 
-def sweep_candidates(op: str, lattice: str, batch: int):
+def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False):
     """Phase A: rows and blocks per program (4 warps, 1 stage); phase B varies the rest around
-    A's winner (the keys it names replace the winner's)."""
+    A's winner (the keys it names replace the winner's). ``quick``: ``gemv``'s tuning-table
+    entry with its blocks one by one and in pairs, and tiles of pairs."""
+    if quick:
+        entry = kernels.pallas.launch_params(op, CONFIGS[lattice], 8192, 8192 // CONFIGS[
+            lattice].d, batch)
+        entry = {k: entry[k] for k in ("block_n", "block_k", "num_warps", "num_stages")}
+        waves = 8 if batch == 1 else 4
+        a = [dict(entry, waves=waves, pairs=False), dict(entry, waves=waves, pairs=True)]
+        if batch == 1:
+            a += [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=4, pairs=True)
+                  for bn in (8, 16, 32) for bk in (256, 512)]
+        return a, []
     if op == "decode_matmul":  # its dot wants tiles >= 16; batch 16 fills one row tile
         a = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=2)
              for bn in (32, 64, 128) for bk in (32, 64, 128)]
@@ -189,14 +200,14 @@ def sweep_candidates(op: str, lattice: str, batch: int):
               for bn in (64, 128, 256) for bk in (16, 32)]
     b = [dict(num_warps=2), dict(num_warps=8), dict(num_stages=2), dict(waves=1),
          dict(waves=8)] if batch == 1 else []
-    return a, b
+    return a, b + [dict(pairs=True)]  # the tile's even and odd blocks apart
 
 
 # (op, batch): what the sweep times; the batch names the tuning table's class ("batch<=B")
 SWEEP = (("gemv", 1), ("gemv", 8), ("decode_matmul", 16))
 
 
-def sweep(clock, small):
+def sweep(clock, small, quick=False):
     """The kernels' launch parameters per op, lattice and batch class, timed; returns every
     row and the winners ({op: {lattice: {"batch<=B": entry}}})."""
     n = 256 if small else 8192
@@ -205,10 +216,10 @@ def sweep(clock, small):
         codes = hq.encode_rows(_weight(n, n), cfg)
         ws = _copies(codes, _nbytes(codes))
         ref_w = hq.decode(codes, implementation="xla")
-        for op, batch in SWEEP:
+        for op, batch in (SWEEP[:2] if quick else SWEEP):
             x = _x(batch, n)
             ref = jnp.dot(x.astype(jnp.float32), ref_w.T, precision="highest")
-            phase_a, phase_b = sweep_candidates(op, lattice, batch)
+            phase_a, phase_b = sweep_candidates(op, lattice, batch, quick)
             winner = None
             for phase in (phase_a, phase_b):
                 base = dict(winner["entry"]) if winner and phase is phase_b else {}
@@ -239,9 +250,9 @@ def sweep(clock, small):
     return {"n": n, "rows": rows, "best": best}
 
 
-def matmul_table(clock, peak, small, batches):
+def matmul_table(clock, peak, small, batches, shapes=SHAPES):
     """Fused codes kernels against the dense bfloat16 dot, XLA's int4 and decode-then-dot."""
-    shapes = [(256, 256)] if small else SHAPES
+    shapes = [(256, 256)] if small else shapes
     fused = functools.partial(hq.matmul, implementation="pallas")
     unfused = functools.partial(hq.matmul, implementation="xla")
     rows = []
@@ -490,6 +501,10 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=420, help="seconds for the whole run")
     p.add_argument("--allow-cpu", action="store_true", help="smoke run without a GPU")
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="a second look in a short lease: gemv's sweep around the tuning table "
+                        "(pairs or not), the product table at 8192² batch 1, 4 and 16, the "
+                        "tests, the torch path; into results/gpu_check_quick.*")
     p.add_argument("--tests", nargs="+", default=["tests/test_kernels.py"],
                    help="test files (or node ids) to run natively")
     p.add_argument("--profile-target", action="store_true",
@@ -523,7 +538,7 @@ def main(argv=None):
                multiprocessors=getattr(dev, "core_count", None))
     peak = peak_bandwidth(env["device"])
     out = {"environment": {**env, "hbm_peak_Bps": peak}}
-    suffix = "_cpu_smoke" if small else ""
+    suffix = ("_cpu_smoke" if small else "") + ("_quick" if args.quick else "")
     RESULTS.mkdir(exist_ok=True)
 
     def save():
@@ -547,16 +562,19 @@ def main(argv=None):
         save()
 
     section("ceilings", ceilings, peak, small)
-    section("sweep", sweep, clock, small, need=60)
+    section("sweep", sweep, clock, small, args.quick, need=60)
     if out.get("sweep"):  # this run's products use the winners, as the table will
         gpu_tiles.TILES[env["generation"]] = {**gpu_tiles.TILES.get(env["generation"], {}),
                                               **out["sweep"]["best"]}
-    if not small:  # what bounds gemv: the diagnosis the next kernel change starts from
+    if not small and not args.quick:  # what bounds gemv: where the next kernel change starts
         section("ncu", ncu_profile, clock, need=60)
-    section("matmul", matmul_table, clock, peak, small, (1, 16) if small else BATCHES, need=60)
+    section("matmul", matmul_table, clock, peak, small,
+            (1, 16) if small else (1, 4, 16) if args.quick else BATCHES,
+            [(8192, 8192)] if args.quick else SHAPES, need=60)
     if not args.skip_tests:
         section("tests", run_tests, args.tests, clock, need=30)
-    section("codec", codec_bandwidth, peak, small)
+    if not args.quick:
+        section("codec", codec_bandwidth, peak, small)
     section("torch", torch_path, small)
     out["timing"] = "CUPTI" if not small else "wall clock (no GPU)"
     save()

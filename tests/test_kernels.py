@@ -319,12 +319,18 @@ def test_gemv_matches_decoded_weights(cfg, method):
                      **how)
         assert got.shape == (batch, n) and got.dtype == jnp.float32
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-    # tiles that cover the weight exactly (no masks or clamps in the kernel)
+    # tiles that cover the weight exactly (no masks or clamps in the kernel), the blocks one by
+    # one and in even/odd pairs (M = 3 and the LUT method take the blocks one by one)
     exact = _weights(cfg, 32, 64 * cfg.d)
     x = rng.standard_normal((2, 64 * cfg.d)).astype(np.float32)
-    got = K.gemv(jnp.asarray(x), exact, jnp.float32, block_n=8, block_k=16, splits=2, **how)
     ref = _decoded_product(x, exact)
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    for pairs in (False, True):
+        f = functools.partial(K.gemv, codes=exact, out_dtype=jnp.float32, block_n=8,
+                              block_k=16, splits=2, pairs=pairs, **how)
+        np.testing.assert_allclose(f(jnp.asarray(x)), ref, rtol=1e-5,
+                                   atol=1e-5 * np.abs(ref).max())
+        split = "split[" in str(jax.make_jaxpr(f)(x))  # the tile's columns split in registers
+        assert split == (pairs and method != "lut" and cfg.M in (1, 2, 4)), (pairs, method)
     # bfloat16 in and out: the float32 sum rounded once
     x = x[:, :k]
     xb = jnp.asarray(x, jnp.bfloat16)
@@ -344,7 +350,7 @@ def test_gemv_failed_blocks_bias_and_front_door():
     bad = hq.Codes(bad.index.at[7, 2, 1].set(200), bad.tfield, WIDE_T, scale=bad.scale,
                    n=bad.n)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 64)), jnp.float32)
-    for how in _GEMV_METHODS.values():
+    for how in [*_GEMV_METHODS.values(), dict(pairs=True, block_k=16, splits=1)]:
         y = np.asarray(jax.jit(lambda x, c, how=how: K.gemv(  # jit: the codes are not
             x, c, jnp.float32, block_n=4, **how))(x, bad))  # checked, as in a model
         assert np.isnan(y[:, [3, 7]]).all() and np.isfinite(np.delete(y, [3, 7], 1)).all()
@@ -386,6 +392,7 @@ def test_packed_codebook():
 
 def test_launch_params_and_errors(monkeypatch):
     cfg, params = D4, K.pallas.launch_params
+    monkeypatch.setattr(gpu_tiles, "TILES", {})  # the defaults, whatever the sweeps wrote
     default = params("gemv", cfg, 64, 512, 1)
     assert default["block_n"] == gpu_tiles.DEFAULT["gemv"]["block_n"]
     # 4 programs of 16 rows: split until ~waves x 132 programs, at most one step each
@@ -541,6 +548,10 @@ def _lowering_cases(cfg, all_ops):
                                                  block_k=16, **gpu),
                              (jnp.zeros((2, 64 * cfg.d)), hq.encode_rows(
                                  jnp.ones((32, 64 * cfg.d)), cfg))),
+        "gemv_pairs": (lambda x, c: K.gemv(x, c, jnp.float32, block_n=16, block_k=32,
+                                           pairs=True, **gpu),
+                       (jnp.zeros((1, 64 * cfg.d)), hq.encode_rows(
+                           jnp.ones((32, 64 * cfg.d)), cfg))),
         # 3 shares of one step: tables of a length no power of two
         "gemv_lut_split": (lambda x, c: K.gemv(x, c, jnp.float32, splits=3, block_k=16,
                                                lut_tables=True, **gpu), (xa, cw)),

@@ -136,9 +136,10 @@ def test_rotate_op_bit_for_bit_without_jax_dispatch(monkeypatch, n):
 @pytest.mark.skipif(not hq.kernels.cpu.available(), reason="the native kernels are not built")
 @pytest.mark.parametrize("rotate", [False, True])
 def test_inference_skips_the_op_dispatch_bit_for_bit(rotate):
-    """An inference call of a layer on CPU tensors runs the native kernels without dispatching
-    the custom ops (no hnlq:: event in torch's profiler), with the ops' result bit for bit; with
-    autograd to record (x requires grad) the ops run and the gradient flows."""
+    """An inference call of a layer runs the ops' bodies without dispatching the custom ops (no
+    hnlq:: event in torch's profiler), with the ops' result bit for bit: the native kernels on
+    CPU tensors, the compiled JAX product for another implementation (as on CUDA tensors);
+    with autograd to record (x requires grad) the ops run and the gradient flows."""
     rng = np.random.default_rng(3)
     model = torch.nn.Sequential(_linear(rng.standard_normal((24, 36)).astype(np.float32)))
     tb.quantize_model(model, CFG, calibrate=False, rotate=rotate)
@@ -158,6 +159,13 @@ def test_inference_skips_the_op_dispatch_bit_for_bit(rotate):
         with mode():
             got, events = hnlq_events(lambda: layer(x))
         assert events == [] and torch.equal(got, want)
+    layer.implementation = "xla"  # the JAX path
+    with torch.no_grad():
+        got, events = hnlq_events(lambda: layer(x))
+        want_xla = torch.ops.hnlq.matmul(xr, layer.index, layer.tfield, layer.scale, 36, "xla",
+                                         *layer._op_config)
+    assert events == [] and torch.equal(got, want_xla)
+    layer.implementation = None
     xg = x.clone().requires_grad_(True)
     got, events = hnlq_events(lambda: layer(xg))
     assert "hnlq::matmul" in events and ("hnlq::rotate" in events) == rotate

@@ -313,7 +313,14 @@ def matmul(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,
            lattice: str, q: int, M: int, beta: float, alpha: float, max_T: int,
            dither: Optional[list[float]]) -> torch.Tensor:
     config = config_of(lattice, q, M, beta, alpha, max_T, dither)
-    codes, fn, wide, host = _prepared_matmul(x, index, tfield, scale, n, implementation, config)
+    prepared = _prepared_matmul(x, index, tfield, scale, n, implementation, config)
+    return _matmul_prepared(x, prepared)
+
+
+def _matmul_prepared(x: torch.Tensor, prepared) -> torch.Tensor:
+    """The op's product from :func:`_prepared_matmul`'s ``(codes, fn, wide, host)``: the
+    native kernels on the tensors' memory where ``host``, else the compiled JAX function."""
+    codes, fn, wide, host = prepared
     if host is not None:
         return _matmul_host(x, host)
     with x64_context(wide):
@@ -453,13 +460,16 @@ def matmul_direct(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,
                   bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """``torch.ops.hnlq.matmul(x, index, tfield, scale, n, implementation, *config)`` (plus
     ``bias``, where given: one with no gradient to record) computed without the op's dispatch
-    where the op would call the native kernels on the tensors' memory and :func:`direct`
-    allows it (the same product bit for bit; the bias as :func:`_matmul_host` adds it);
-    ``None`` where the op must run (the caller then calls it)."""
+    where :func:`direct` allows it: the op's own body (the same product bit for bit; on the
+    host path the bias as :func:`_matmul_host` adds it, elsewhere ``y + bias``); ``None``
+    where the op must run (the caller then calls it)."""
     if not direct(x, index, tfield, scale):
         return None
-    host = _prepared_matmul(x, index, tfield, scale, n, implementation, config_of(*config))[3]
-    return None if host is None else _matmul_host(x, host, bias)
+    prepared = _prepared_matmul(x, index, tfield, scale, n, implementation, config_of(*config))
+    if prepared[3] is not None:
+        return _matmul_host(x, prepared[3], bias)
+    y = _matmul_prepared(x, prepared)
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 def rotate_direct(x: torch.Tensor, n: int, seed: int, inverse: bool) -> Optional[torch.Tensor]:

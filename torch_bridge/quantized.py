@@ -133,9 +133,10 @@ class CodesLayer:
     def codes_matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None
                      ) -> torch.Tensor:
         """``x @ W_hat^T (+ bias)`` from the cached codes: ``torch.ops.hnlq.matmul``, whose
-        native kernels an inference call on CPU tensors runs without the op's dispatch
-        (:func:`torch_bridge.ops.matmul_direct`: the same product bit for bit, the bias folded
-        into the GEMM of a large float32 batch as ``F.linear`` folds it); else ``y + bias``."""
+        body an inference call runs without the op's dispatch (:func:`torch_bridge.ops.
+        matmul_direct`: the same product bit for bit; on CPU tensors the native kernels, the
+        bias folded into the GEMM of a large float32 batch as ``F.linear`` folds it); else
+        ``y + bias``."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__}: expected input [..., {self.in_features}], "
                              f"got {tuple(x.shape)}")

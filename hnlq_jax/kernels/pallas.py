@@ -701,9 +701,17 @@ _MAGIC = 0x4B000000
 _TWO23 = float(2**23)
 
 
+def _pair_columns(a, parts: int) -> list:
+    """The ``parts`` interleaved columns of a tile ``a [bn, c]``: ``a[:, j::parts]``, each
+    ``[bn, c / parts]`` (a reshape and splits in registers, no strided loads)."""
+    bn, c = a.shape
+    cols = jnp.split(a.reshape(bn, c // parts, parts), parts, axis=2)
+    return [col.reshape(bn, c // parts) for col in cols]
+
+
 def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
                  nbp: int, bk: int, steps: int, scaled: bool, mode: str, exact: bool,
-                 interpret: bool):
+                 pairs: bool, interpret: bool):
     s_ref = refs[0] if scaled else None
     tab_ref = refs[int(scaled)] if mode != "digits" else None
     ptab_ref, o_ref = refs[-2:]
@@ -713,9 +721,9 @@ def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: 
     q_rows = config.q**config.d
     weights = _numerics.level_weights(config)
 
-    def tile(t, acc):
-        k0 = pl.multiple_of(first + t * bk, bk)
-        ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb, exact)
+    def block_sums(ks, u, k0, x_at, off):
+        """``[bb, bn]``: the blocks' inner products with x, times ``2^(alpha T)``, summed;
+        ``x_at(j)``: x's plane ``j`` at the blocks (``[bb, c]``), ``off`` its offsets."""
         if mode == "lut":  # the block's inner products, gathered from x's tables
             at = (_iota(bb)[:, None, None] * nbp + (k0 + _iota(bk))[None, None, :]) * q_rows
             v = None
@@ -729,15 +737,37 @@ def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: 
             else:
                 coords = [c.astype(jnp.float32) for c in _lattice_point(ks, tab_ref, config, 0)]
             v = None
-            for j, c in enumerate(coords):  # [bb, bn, bk]: the block's inner products
-                p = xt_ref[j, :, pl.ds(k0, bk)][:, None, :] * c[None, :, :]
+            for j, c in enumerate(coords):  # [bb, bn, c]: the block's inner products
+                p = x_at(j)[:, None, :] * c[None, :, :]
                 v = p if v is None else v + p
         # 2^(alpha T) by u = T + 1; NaN for u = 0 (a failed block) and past max_T
         s = ptab_ref[u]
         if _index_can_overflow(config):
             s = jnp.where(valid_blocks(ks, u, config), s, jnp.nan)
-        v = v - off_ref[:, pl.ds(k0, bk)][:, None, :]
-        return acc + jnp.sum(s[None, :, :] * v, axis=2)
+        return jnp.sum(s[None, :, :] * (v - off[:, None, :]), axis=2)
+
+    def tile(t, acc):
+        k0 = pl.multiple_of(first + t * bk, bk)
+        if not pairs:
+            ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb, exact)
+            return acc + block_sums(ks, u, k0, lambda j: xt_ref[j, :, pl.ds(k0, bk)],
+                                    off_ref[:, pl.ds(k0, bk)])
+        # Even and odd blocks apart: the tile's index bytes and T bytes in whole-row loads
+        # (no byte-strided or gathered loads), split in registers; x comes in the same halves.
+        h = bk // 2
+        k2 = pl.multiple_of(first // 2 + t * h, h)
+        cols = _pair_columns(idx_ref[:, pl.ds(k0, bk), :].reshape(bn, bk * config.M),
+                             2 * config.M)
+        if t_bits(config) == 4:  # block 2i in the low nibble of byte i, 2i + 1 in the high
+            tb = t_ref[:, pl.ds(k2, h)].astype(jnp.int32)
+            us = [tb & 15, tb >> 4]
+        else:
+            us = [c.astype(jnp.int32) for c in _pair_columns(t_ref[:, pl.ds(k0, bk)], 2)]
+        for p in range(2):
+            ks = [c.astype(jnp.uint32) for c in cols[p * config.M:(p + 1) * config.M]]
+            acc = acc + block_sums(ks, us[p], k0, lambda j, p=p: xt_ref[p, j, :, pl.ds(k2, h)],
+                                   off_ref[p, :, pl.ds(k2, h)])
+        return acc
 
     acc = jax.lax.fori_loop(0, steps, tile, jnp.zeros((bb, bn), jnp.float32))
     live = None if exact else rows < n
@@ -760,7 +790,8 @@ def _gemv_mode(config: HNLQConfig, use_table, lut_tables, fn: str) -> str:
 
 def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = None,
          block_k: int | None = None, splits: int | None = None, num_warps: int | None = None,
-         num_stages: int | None = None, use_table=None, lut_tables: bool | None = None):
+         num_stages: int | None = None, use_table=None, lut_tables: bool | None = None,
+         pairs: bool | None = None):
     """``y = x @ W_hat^T`` for a few rows of ``x`` (at most :data:`GEMV_ROWS`): no ``dot``,
     no decoded weight; each weight block's lattice point meets the activations in registers.
 
@@ -786,6 +817,9 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
         ``lut.MAX_ONE_SIDED`` entries): per call, each row of x gets a table of its blocks'
         inner products with the whole codebook (:func:`hnlq_jax.lut.one_sided`, 1 KiB a block
         for D4 q=4), and a weight block costs one gather a level, no decoding.
+      pairs: read a tile's even and odd blocks apart, its index and T bytes in whole-row loads
+        split in registers (not byte by byte; the same sums), where the tiles cover the weight
+        exactly, ``nb`` is even and ``lut_tables`` is off; elsewhere the blocks one by one.
 
       Arguments left ``None`` come from the tuning table for the GPU in use
       (:func:`launch_params`).
@@ -810,7 +844,7 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
                          "decode_matmul")
     t = _launch(launch_params("gemv", config, n, nb, B), "kernels.gemv", block_n=block_n,
                 block_k=block_k, splits=splits, num_warps=num_warps, num_stages=num_stages,
-                use_table=use_table, lut_tables=lut_tables)
+                use_table=use_table, lut_tables=lut_tables, pairs=pairs)
     mode = _gemv_mode(config, t.get("use_table"), t.get("lut_tables"), "kernels.gemv")
     bn = _small_tile(t["block_n"], "block_n")
     bk = _tile(nb, t["block_k"], "block_k")
@@ -818,7 +852,7 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
         return jnp.zeros(lead + (n,), out_dtype)
     out = _gemv_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(out_dtype), mode,
                      _interpret(interpret, x, codes), bn, bk, t["splits"], t["num_warps"],
-                     t["num_stages"])
+                     t["num_stages"], bool(t.get("pairs")))
     return out.reshape(lead + (n,))
 
 
@@ -908,9 +942,9 @@ def _overload_table(config: HNLQConfig):
     return jnp.asarray(table)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))
 def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_warps,
-               num_stages):
+               num_stages, pairs):
     config = codes.config
     n, nb = codes.blocks_shape
     steps = pl.cdiv(pl.cdiv(nb, splits), bk)
@@ -933,16 +967,26 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
     if mode != "digits":
         extra_specs.append(_whole(extra[-1]))
     ptab = _overload_table(config)
-    tfield = codes.tfield.reshape(-1)
+    exact = n % bn == 0 and nbp == nb
+    # (Triton splits a tile into a power of two of parts: 2M of them)
+    pairs = pairs and exact and nb % 2 == 0 and mode != "lut" and config.M & (config.M - 1) == 0
+    if pairs:  # x's even and odd blocks apart, [2, ...]; the T field's rows as tiles
+        xt = xt.reshape(config.d, bb, nbp // 2, 2).transpose(3, 0, 1, 2)
+        off = off.reshape(bb, nbp // 2, 2).transpose(2, 0, 1)
+        tfield = codes.tfield.reshape(n, -1)
+        t_spec = pl.BlockSpec((bn, tfield.shape[1]), lambda i, s: (i, 0))
+    else:  # gathered by address
+        tfield = codes.tfield.reshape(-1)
+        t_spec = _whole(tfield)
     split = splits > 1
     out = pl.pallas_call(
         functools.partial(_gemv_kernel, config=config, n=n, nb=nb, nbp=nbp, bk=bk, steps=steps,
-                          scaled=codes.scale is not None, mode=mode,
-                          exact=n % bn == 0 and nbp == nb, interpret=interpret),
+                          scaled=codes.scale is not None, mode=mode, exact=exact, pairs=pairs,
+                          interpret=interpret),
         grid=(pl.cdiv(n, bn), splits),
         in_specs=[_whole(xt), _whole(off),
                   pl.BlockSpec((bn, nb, config.M), lambda i, s: (i, 0, 0)),
-                  _whole(tfield)] + extra_specs + [_whole(ptab)],
+                  t_spec] + extra_specs + [_whole(ptab)],
         out_specs=(pl.BlockSpec((1, bb, bn), lambda i, s: (s, 0, i)) if split else
                    pl.BlockSpec((bb, bn), lambda i, s: (0, i))),
         out_shape=jax.ShapeDtypeStruct((splits, bb, n) if split else (bb, n),

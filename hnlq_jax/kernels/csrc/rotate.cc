@@ -9,6 +9,7 @@
 //
 // Inputs x f32[R, n], s f32[n], B f32[m, m]; output y f32[R, n]; attributes k, m, inverse.
 
+#include <algorithm>
 #include <cmath>
 
 #include "common.h"
@@ -32,7 +33,7 @@ struct Rotate : hnlq::Tasks {
 // The normalized Walsh-Hadamard transform over the 2^k axis of v[2^k, m]: stage j adds and
 // subtracts the m-vectors 2^j apart; the pairs' spans of 2^j m values are contiguous.
 template <int M>
-inline void butterflies(float* v, int64_t k, int64_t m) {
+[[gnu::always_inline]] inline void butterflies(float* v, int64_t k, int64_t m) {
   if constexpr (M > 0) m = M;
   const int64_t rows = int64_t{1} << k;
   int64_t j = 0;
@@ -66,31 +67,47 @@ inline void butterflies(float* v, int64_t k, int64_t m) {
   for (int64_t t = 0; t < rows * m; ++t) v[t] *= scale;
 }
 
+// Groups (m-vectors) mixed together: their sums are independent chains of adds, which the
+// CPU overlaps (one group's 12 dependent adds would wait on each other's latency).
+constexpr int64_t kGroups = 4;
+
 // v[2^k, m] <- v B (B^T for an inverse is passed as B): each m-vector times the mixer, the
-// sums over j ascending (a product and an add each: no fused multiply-add). buffer: m floats
-// for a size without its own instance (M = 0).
-template <int M>
-inline void mix(float* v, const float* B, int64_t k, int64_t m, float* buffer) {
-  float fixed[M > 0 ? M : 1];
-  float* acc = M > 0 ? fixed : buffer;  // m floats
+// sums over j ascending (a product and an add each: no fused multiply-add), kGroups m-vectors
+// at a time. buffer: kGroups m floats for a size without its own instance (M = 0).
+template <int M, int G>
+[[gnu::always_inline]] inline void mix_groups(float* rows, const float* B, int64_t m,
+                                              float* acc) {
   if constexpr (M > 0) m = M;
-  for (int64_t g = 0; g < (int64_t{1} << k); ++g) {
-    float* row = v + g * m;
-    for (int64_t c = 0; c < m; ++c) acc[c] = 0.0f;
-    for (int64_t j = 0; j < m; ++j) {
-      const float vj = row[j];
-      for (int64_t c = 0; c < m; ++c) acc[c] += vj * B[j * m + c];
+  std::fill(acc, acc + G * m, 0.0f);
+  for (int64_t j = 0; j < m; ++j) {
+    const float* b = B + j * m;
+    for (int g = 0; g < G; ++g) {
+      const float vj = rows[g * m + j];
+      for (int64_t c = 0; c < m; ++c) acc[g * m + c] += vj * b[c];
     }
-    for (int64_t c = 0; c < m; ++c) row[c] = acc[c];
   }
+  std::copy(acc, acc + G * m, rows);
 }
 
-// The rows of the tiles this thread claims, for a mixer of size M (0: any size).
 template <int M>
-void run_rows(Rotate& call) {
+[[gnu::always_inline]] inline void mix(float* v, const float* B, int64_t k, int64_t m,
+                                       float* buffer) {
+  float fixed[M > 0 ? kGroups * M : 1];
+  float* acc = M > 0 ? fixed : buffer;  // [kGroups][m]
+  if constexpr (M > 0) m = M;
+  const int64_t groups = int64_t{1} << k;
+  int64_t g = 0;
+  for (; g + kGroups <= groups; g += kGroups) mix_groups<M, kGroups>(v + g * m, B, m, acc);
+  for (; g < groups; ++g) mix_groups<M, 1>(v + g * m, B, m, acc);
+}
+
+// The rows of the tiles this thread claims, for a mixer of size M (0: any size). Inlined (as
+// the steps above) into each instruction set's clone below, so that it is compiled for it.
+template <int M>
+[[gnu::always_inline]] inline void run_rows(Rotate& call) {
   const int64_t n = call.n, k = call.k, m = call.m;
   const float* B = call.inverse ? call.Bt.data() : call.B;
-  std::vector<float> buffer(M > 0 ? 0 : m);
+  std::vector<float> buffer(M > 0 ? 0 : kGroups * m);
   for (int64_t t; (t = call.next.fetch_add(1)) < call.tiles;) {
     for (int64_t r = t * call.rows; r < std::min(call.R, (t + 1) * call.rows); ++r) {
       const float* x = call.x + r * n;
@@ -109,9 +126,10 @@ void run_rows(Rotate& call) {
   }
 }
 
-// With AVX2 where the CPU has it (the same operations in the same order, so the same bits).
+// With AVX-512 or AVX2 where the CPU has them (the same operations in the same order, so the
+// same bits).
 template <int M>
-__attribute__((target_clones("avx2", "default"))) void run_clones(Rotate& call) {
+__attribute__((target_clones("avx512f", "avx2", "default"))) void run_clones(Rotate& call) {
   run_rows<M>(call);
 }
 

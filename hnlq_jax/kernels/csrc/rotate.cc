@@ -9,7 +9,6 @@
 //
 // Inputs x f32[R, n], s f32[n], B f32[m, m]; output y f32[R, n]; attributes k, m, inverse.
 
-#include <algorithm>
 #include <cmath>
 
 #include "common.h"
@@ -67,38 +66,24 @@ template <int M>
   for (int64_t t = 0; t < rows * m; ++t) v[t] *= scale;
 }
 
-// Groups (m-vectors) mixed together: their sums are independent chains of adds, which the
-// CPU overlaps (one group's 12 dependent adds would wait on each other's latency).
-constexpr int64_t kGroups = 4;
-
 // v[2^k, m] <- v B (B^T for an inverse is passed as B): each m-vector times the mixer, the
-// sums over j ascending (a product and an add each: no fused multiply-add), kGroups m-vectors
-// at a time. buffer: kGroups m floats for a size without its own instance (M = 0).
-template <int M, int G>
-[[gnu::always_inline]] inline void mix_groups(float* rows, const float* B, int64_t m,
-                                              float* acc) {
-  if constexpr (M > 0) m = M;
-  std::fill(acc, acc + G * m, 0.0f);
-  for (int64_t j = 0; j < m; ++j) {
-    const float* b = B + j * m;
-    for (int g = 0; g < G; ++g) {
-      const float vj = rows[g * m + j];
-      for (int64_t c = 0; c < m; ++c) acc[g * m + c] += vj * b[c];
-    }
-  }
-  std::copy(acc, acc + G * m, rows);
-}
-
+// sums over j ascending (a product and an add each: no fused multiply-add). buffer: m floats
+// for a size without its own instance (M = 0).
 template <int M>
 [[gnu::always_inline]] inline void mix(float* v, const float* B, int64_t k, int64_t m,
                                        float* buffer) {
-  float fixed[M > 0 ? kGroups * M : 1];
-  float* acc = M > 0 ? fixed : buffer;  // [kGroups][m]
+  float fixed[M > 0 ? M : 1];
+  float* acc = M > 0 ? fixed : buffer;  // m floats
   if constexpr (M > 0) m = M;
-  const int64_t groups = int64_t{1} << k;
-  int64_t g = 0;
-  for (; g + kGroups <= groups; g += kGroups) mix_groups<M, kGroups>(v + g * m, B, m, acc);
-  for (; g < groups; ++g) mix_groups<M, 1>(v + g * m, B, m, acc);
+  for (int64_t g = 0; g < (int64_t{1} << k); ++g) {
+    float* row = v + g * m;
+    for (int64_t c = 0; c < m; ++c) acc[c] = 0.0f;
+    for (int64_t j = 0; j < m; ++j) {
+      const float vj = row[j];
+      for (int64_t c = 0; c < m; ++c) acc[c] += vj * B[j * m + c];
+    }
+    for (int64_t c = 0; c < m; ++c) row[c] = acc[c];
+  }
 }
 
 // The rows of the tiles this thread claims, for a mixer of size M (0: any size). Inlined (as
@@ -107,7 +92,7 @@ template <int M>
 [[gnu::always_inline]] inline void run_rows(Rotate& call) {
   const int64_t n = call.n, k = call.k, m = call.m;
   const float* B = call.inverse ? call.Bt.data() : call.B;
-  std::vector<float> buffer(M > 0 ? 0 : kGroups * m);
+  std::vector<float> buffer(M > 0 ? 0 : m);
   for (int64_t t; (t = call.next.fetch_add(1)) < call.tiles;) {
     for (int64_t r = t * call.rows; r < std::min(call.R, (t + 1) * call.rows); ++r) {
       const float* x = call.x + r * n;

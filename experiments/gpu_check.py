@@ -417,10 +417,11 @@ def markdown(out) -> str:
                 f"{_us(r['E8']['fused'])} | {ratio('E8')} | {_us(r['D4']['decode_then_dot'])} | "
                 f"{_us(r['E8']['decode_then_dot'])} |")
         bits = {lat: mm[0][lat]["bits"] for lat in CONFIGS}
+        worst = max(r[lat]["fused"]["rel_diff"] for r in mm for lat in CONFIGS)
         lines += ["", f"Bits per weight in memory: D4 {bits['D4']:.2f}, E8 {bits['E8']:.2f} "
                   "(codes, T field and row scales), int4 4.125, bf16 16. Largest relative "
                   "difference of a fused product from the float32 product of the decoded "
-                  f"weights: {max(r[lat]['fused']['rel_diff'] for r in mm for lat in CONFIGS):.1e}.",
+                  f"weights: {worst:.1e}.",
                   ""]
     sw = out.get("sweep")
     if sw:

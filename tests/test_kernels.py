@@ -451,7 +451,8 @@ def test_empty_inputs():
     assert K.gemv(jnp.ones((2, 32)), no_rows, jnp.float32, lut_tables=True).shape == (2, 0)
     out = K.modq_sum(empty, 0)
     assert out.index.shape == (0, 2) and out.tfield.shape == (0,)
-    with pytest.raises(ValueError, match="summed axis 1 of the codes \\(blocks \\(3, 0\\)\\) is empty"):
+    with pytest.raises(ValueError,
+                       match="summed axis 1 of the codes \\(blocks \\(3, 0\\)\\) is empty"):
         K.modq_sum(empty, 1)
 
 

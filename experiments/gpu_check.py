@@ -20,7 +20,8 @@ measured):
    64.
 4. **tests**: ``tests/test_kernels.py`` (or ``--tests``) natively: the kernels compiled by
    Triton against XLA on the GPU.
-5. **codec**: encode and decode of N D4 vectors, bytes in + out over device time.
+5. **codec**: encode and decode of N D4 vectors, bytes in + out over device time (the front
+   doors, and the kernels at 1024 and 4096 blocks per program).
 6. **torch**: ``QuantizedLinear`` on CUDA tensors beside ``F.linear`` in bfloat16, and the
    bridge's cost per call at batch 1 (wall clock), split into its parts.
 
@@ -297,6 +298,14 @@ def codec_bandwidth(peak, small):
             ("decode", "xla", lambda _, c: hq.decode(c, implementation="xla"), codes)):
         rows.append({"op": op, "implementation": impl, "N": n,
                      **_timed(f, jnp.zeros(()), [arg], peak, nbytes, iterations=3)})
+    # the kernels' blocks per program (the front doors take 256): bandwidth by block size
+    for block in (1024, 4096):
+        for op, f, arg in (
+                ("encode", lambda _, v, b=block: kernels.encode(v, cfg, block=b), x),
+                ("decode", lambda _, c, b=block: kernels.decode(c, None, jnp.float32, block=b),
+                 codes)):
+            rows.append({"op": f"{op} (block={block})", "implementation": "pallas", "N": n,
+                         **_timed(f, jnp.zeros(()), [arg], peak, nbytes, iterations=3)})
     # E8's decode with its codebook packed (512 KiB, gathered) or from the digits
     e8 = CONFIGS["E8"]
     ce = hq.encode(x.reshape(-1, e8.d), e8, implementation="pallas")
@@ -505,7 +514,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="a second look in a short lease: gemv's sweep around the tuning table "
                         "(pairs or not), the product table at 8192² batch 1, 4 and 16, the "
-                        "tests, the torch path; into results/gpu_check_quick.*")
+                        "tests, the codec's bandwidth by block size, the torch path; into "
+                        "results/gpu_check_quick.*")
     p.add_argument("--tests", nargs="+", default=["tests/test_kernels.py"],
                    help="test files (or node ids) to run natively")
     p.add_argument("--profile-target", action="store_true",
@@ -574,8 +584,7 @@ def main(argv=None):
             [(8192, 8192)] if args.quick else SHAPES, need=60)
     if not args.skip_tests:
         section("tests", run_tests, args.tests, clock, need=30)
-    if not args.quick:
-        section("codec", codec_bandwidth, peak, small)
+    section("codec", codec_bandwidth, peak, small)
     section("torch", torch_path, small)
     out["timing"] = "CUPTI" if not small else "wall clock (no GPU)"
     save()

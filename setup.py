@@ -16,7 +16,10 @@ setup(ext_modules=[Extension(
     include_dirs=[jax.ffi.include_dir()],
     language="c++",
     # No -march=native: the AVX2 paths are chosen at run time, so the build runs anywhere.
-    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread"],
+    # -ffp-contract=off: no product and add fused where the source has two operations (an
+    # AVX-512 clone may use FMA, a default one cannot: the same bits on every CPU).
+    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread",
+                        "-ffp-contract=off"],
     extra_link_args=["-pthread"],
     optional=True,
 )])

@@ -175,16 +175,14 @@ def ceilings(peak, small):
     return {"copy": {"bytes": 2 * a.nbytes, **copy}, "bf16_gemv": {"n": n, **gemv}}
 
 
-def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False):
+def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
+                     generation: str = "sm90"):
     """Phase A: rows and blocks per program (4 warps, 1 stage); phase B varies the rest around
     A's winner (the keys it names replace the winner's). ``quick``: ``gemv``'s tuning-table
     entry with its blocks one by one and in pairs, and tiles of pairs."""
     if quick:
-        entry = kernels.pallas.launch_params(op, CONFIGS[lattice], 8192, 8192 // CONFIGS[
-            lattice].d, batch)
-        entry = {k: entry[k] for k in ("block_n", "block_k", "num_warps", "num_stages")}
-        waves = 8 if batch == 1 else 4
-        a = [dict(entry, waves=waves, pairs=False), dict(entry, waves=waves, pairs=True)]
+        entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
+        a = [dict(entry, pairs=False), dict(entry, pairs=True)]
         if batch == 1:
             a += [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=4, pairs=True)
                   for bn in (8, 16, 32) for bk in (256, 512)]
@@ -212,6 +210,7 @@ def sweep(clock, small, quick=False):
     """The kernels' launch parameters per op, lattice and batch class, timed; returns every
     row and the winners ({op: {lattice: {"batch<=B": entry}}})."""
     n = 256 if small else 8192
+    generation = kernels.pallas.gpu_generation(jax.devices()[0]) or "sm90"
     rows, best = [], {}
     for lattice, cfg in CONFIGS.items():
         codes = hq.encode_rows(_weight(n, n), cfg)
@@ -220,7 +219,7 @@ def sweep(clock, small, quick=False):
         for op, batch in (SWEEP[:2] if quick else SWEEP):
             x = _x(batch, n)
             ref = jnp.dot(x.astype(jnp.float32), ref_w.T, precision="highest")
-            phase_a, phase_b = sweep_candidates(op, lattice, batch, quick)
+            phase_a, phase_b = sweep_candidates(op, lattice, batch, quick, generation)
             winner = None
             for phase in (phase_a, phase_b):
                 base = dict(winner["entry"]) if winner and phase is phase_b else {}
@@ -229,6 +228,9 @@ def sweep(clock, small, quick=False):
                         break
                     entry = {**base, **cand}
                     t = kernels.pallas.launch_params(op, cfg, n, n // cfg.d, batch, entry)
+                    if entry.get("pairs") and not kernels.pallas.reads_pairs(cfg, n,
+                                                                             n // cfg.d, t):
+                        continue  # the tiles do not let gemv read pairs: the entry without
                     if op == "gemv":
                         fn = functools.partial(kernels.gemv, out_dtype=jnp.bfloat16, **t)
                     else:
@@ -528,7 +530,10 @@ def main(argv=None):
         profile_target()
         return 0
     if args.report or args.write_tiles:
-        out = report.load_results("gpu_check")
+        if args.quick and args.report:
+            p.error("--report writes the full run's table into docs/gpu.md; a quick run's is "
+                    "results/gpu_check_quick.md")
+        out = report.load_results("gpu_check_quick" if args.quick else "gpu_check")
         if args.write_tiles:
             write_tiles(out["sweep"]["best"], out["environment"]["generation"],
                         ROOT / "hnlq_jax" / "kernels" / "gpu_tiles.py")

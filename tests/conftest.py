@@ -1,7 +1,6 @@
 """Shared test set-up: 8 fake CPU devices (before any JAX op), a persistent compilation cache,
 bounded memory maps, golden files, hypothesis, compile counting."""
 
-import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -22,7 +21,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # process: every test worker on the GPU machine).
 if os.environ.get("HNLQ_TEST_FAST_COMPILE", "1") == "1":
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-    jaxlib_version = tuple(int(v) for v in importlib.metadata.version("jaxlib").split(".")[:2])
+    from jaxlib import version as _jaxlib  # a string only: XLA is not loaded yet
+
+    jaxlib_version = tuple(int(v) for v in _jaxlib.__version__.split(".")[:2])
     if (jaxlib_version < (0, 11)
             and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")

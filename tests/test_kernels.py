@@ -341,6 +341,20 @@ def test_gemv_matches_decoded_weights(cfg, method):
                                atol=1e-2 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("cfg", [hq.HNLQConfig("A2", 4, 1, beta=0.3),
+                                 hq.HNLQConfig("Z2", 4, 4, beta=0.2)], ids=["M1", "M4"])
+def test_gemv_pairs_split_into_2M_columns(cfg):
+    """Pairs of blocks with 1 and 4 levels: a tile's index bytes split into 2 and 8 columns
+    (the configs above take 4), against the decoded weights."""
+    codes = _weights(cfg, 16, 64 * cfg.d)
+    x = np.random.default_rng(7).standard_normal((3, 64 * cfg.d)).astype(np.float32)
+    f = functools.partial(K.gemv, codes=codes, out_dtype=jnp.float32, block_n=8, block_k=16,
+                          splits=2, pairs=True)
+    assert "split[" in str(jax.make_jaxpr(f)(x))
+    ref = _decoded_product(x, codes)
+    np.testing.assert_allclose(f(jnp.asarray(x)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_gemv_failed_blocks_bias_and_front_door():
     """A failed block (T = -1) or an index past q^d gives a NaN row and leaves the others; the
     packed fields' bias is exact for one-hot activations; matmul takes gemv for a few rows."""
@@ -410,6 +424,14 @@ def test_launch_params_and_errors(monkeypatch):
     assert params("gemv", cfg, 1024, 1024, 4)["splits"] == 5  # ceil(132 / 32)
     assert params("gemv", hq.HNLQConfig("E8", 4, 2), 64, 64, 1)["block_n"] == 16
     assert params("decode_matmul", cfg, 64, 64, 16)["block_n"] == 32  # no entry: defaults
+    # pairs only where the tiles cover the weight exactly (8192^2 D4: 2048 blocks a row)
+    t = dict(block_n=16, block_k=256, num_warps=4, num_stages=1, pairs=True)
+    assert K.pallas.reads_pairs(cfg, 8192, 2048, dict(t, splits=2))
+    assert not K.pallas.reads_pairs(cfg, 8192, 2048, dict(t, splits=3))  # 3 x 3 x 256 > 2048
+    assert not K.pallas.reads_pairs(cfg, 8200, 2048, dict(t, splits=2))  # a ragged row tile
+    assert not K.pallas.reads_pairs(cfg, 8192, 2048, dict(t, splits=2, lut_tables=True))
+    assert not K.pallas.reads_pairs(cfg, 8192, 2048, dict(t, splits=2, pairs=False))
+    assert not K.pallas.reads_pairs(hq.HNLQConfig("A2", 3, 3), 8192, 2048, dict(t, splits=2))
     codes = _weights(D4, 8, 64)
     x = jnp.ones((K.GEMV_ROWS + 1, 64))
     with pytest.raises(ValueError, match="at most 8 rows of x, got 9"):

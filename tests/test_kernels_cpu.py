@@ -288,6 +288,49 @@ def test_rotate_matches_xla(n, rows, seed, inverse):
                          jnp.bfloat16))
 
 
+def _rotate_in_order(x, n, seed, inverse):
+    """Rotation(n, seed) of float32 rows x by NumPy, the kernel's operations in its order,
+    each rounded to float32 (no fused multiply-add): signs, butterflies, scale, mixer (the sums
+    over j ascending from 0); the inverse reversed with B^T."""
+    k, m, _ = hq.incoherence.split_size(n)
+    s, B = hq.incoherence.tables(n, seed, np.dtype(np.float32))
+    v = x.reshape(-1, 1 << k, m).copy()
+
+    def butterflies(v):
+        for j in range(k):
+            w = v.reshape(v.shape[0], -1, 2, 1 << j, m)
+            a, b = w[:, :, 0].copy(), w[:, :, 1].copy()
+            w[:, :, 0], w[:, :, 1] = a + b, a - b
+        return v * np.float32(2.0 ** (-0.5 * k)) if k else v
+
+    def mix(v, B):
+        acc = np.zeros_like(v)
+        for j in range(m):
+            acc = acc + v[:, :, j:j + 1] * B[j][None, None, :]
+        return acc
+
+    if inverse:
+        v = butterflies(mix(v, np.ascontiguousarray(B.T)) if m > 1 else v)
+        return v.reshape(x.shape) * s
+    v = butterflies((x * s).reshape(v.shape))
+    return (mix(v, B) if m > 1 else v).reshape(x.shape)
+
+
+@pytest.mark.parametrize("n", [384, 1280, 1792, 2048])
+def test_rotate_bits_are_its_operations_in_order(n):
+    """The kernel's bits on this CPU's instruction set are those of its operations in order,
+    each rounded (no product and add fused by the compiler, which would make an AVX-512 CPU's
+    bits differ from an AVX2 one's): mixers of 12 and 20 (instances of their own), 7 (any size),
+    none (2048: all butterflies, two stages a pass and an odd one alone)."""
+    x = np.random.default_rng(n).standard_normal((37, n)).astype(np.float32)
+    signs, mixer = hq.incoherence.tables(n, 5, np.dtype(np.float32))
+    k = hq.incoherence.split_size(n)[0]
+    for inverse in (False, True):
+        y = np.empty_like(x)
+        cpu.rotate_host(y.ctypes.data, x.ctypes.data, 37, signs, mixer, k, inverse)
+        np.testing.assert_array_equal(y, _rotate_in_order(x, n, 5, inverse))
+
+
 def test_rotate_host_is_the_ffi_kernel():
     """The direct call on host buffers (the torch bridge's) gives the FFI kernel's bits, in
     place too, on any thread count."""

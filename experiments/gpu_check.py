@@ -293,21 +293,19 @@ def codec_bandwidth(peak, small):
     rows = []
     codes = hq.encode(x, cfg, implementation="pallas")
     nbytes = x.nbytes + _nbytes(codes)
-    # (XLA's encode, ~100x slower on a GPU, is left out: it would take the run's budget)
-    for op, impl, f, arg in (
-            ("encode", "pallas", lambda _, v: hq.encode(v, cfg, implementation="pallas"), x),
-            ("decode", "pallas", lambda _, c: hq.decode(c, implementation="pallas"), codes),
-            ("decode", "xla", lambda _, c: hq.decode(c, implementation="xla"), codes)):
+    # (XLA's encode, ~100x slower on a GPU, is left out: it would take the run's budget);
+    # then the kernels at more blocks per program (the front doors take 256)
+    cases = [("encode", "pallas", lambda _, v: hq.encode(v, cfg, implementation="pallas"), x),
+             ("decode", "pallas", lambda _, c: hq.decode(c, implementation="pallas"), codes),
+             ("decode", "xla", lambda _, c: hq.decode(c, implementation="xla"), codes)]
+    for b in (1024, 4096):
+        cases += [(f"encode (block={b})", "pallas",
+                   lambda _, v, b=b: kernels.encode(v, cfg, block=b), x),
+                  (f"decode (block={b})", "pallas",
+                   lambda _, c, b=b: kernels.decode(c, None, jnp.float32, block=b), codes)]
+    for op, impl, f, arg in cases:
         rows.append({"op": op, "implementation": impl, "N": n,
                      **_timed(f, jnp.zeros(()), [arg], peak, nbytes, iterations=3)})
-    # the kernels' blocks per program (the front doors take 256): bandwidth by block size
-    for block in (1024, 4096):
-        for op, f, arg in (
-                ("encode", lambda _, v, b=block: kernels.encode(v, cfg, block=b), x),
-                ("decode", lambda _, c, b=block: kernels.decode(c, None, jnp.float32, block=b),
-                 codes)):
-            rows.append({"op": f"{op} (block={block})", "implementation": "pallas", "N": n,
-                         **_timed(f, jnp.zeros(()), [arg], peak, nbytes, iterations=3)})
     # E8's decode with its codebook packed (512 KiB, gathered) or from the digits
     e8 = CONFIGS["E8"]
     ce = hq.encode(x.reshape(-1, e8.d), e8, implementation="pallas")

@@ -436,6 +436,9 @@ def test_launch_params_and_errors(monkeypatch):
     x = jnp.ones((K.GEMV_ROWS + 1, 64))
     with pytest.raises(ValueError, match="at most 8 rows of x, got 9"):
         K.gemv(x, codes, jnp.float32)
+    for bad in (dict(pairs="yes"), dict(lut_tables=1)):
+        with pytest.raises(TypeError, match=f"{next(iter(bad))} must be a bool"):
+            K.gemv(x[:1], codes, jnp.float32, **bad)
     for bad in (dict(splits=0), dict(num_warps=1.5), dict(block_n=6), dict(block_k=8)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             K.gemv(x[:1], codes, jnp.float32, **bad)

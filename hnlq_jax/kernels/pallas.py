@@ -924,6 +924,9 @@ def _launch(t: dict, fn: str, **given) -> dict:
     for name in ("splits", "num_warps", "num_stages"):
         if not isinstance(t[name], int) or t[name] < 1:
             raise ValueError(f"{fn}: {name} must be a positive int, got {t[name]!r}")
+    for name in ("pairs", "lut_tables"):
+        if not isinstance(t.get(name, False), bool):
+            raise TypeError(f"{fn}: {name} must be a bool, got {t[name]!r}")
     return t
 
 

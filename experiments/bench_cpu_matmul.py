@@ -15,7 +15,8 @@ calls, after a warm-up call that compiles; the float paths, ``native`` and the t
 Weights stream from memory as in a real model: every path cycles through enough copies of its
 weight (float or codes) that together they exceed ``--rotate-mb`` (default 320 MB, beyond any
 CPU cache here), so no call finds its weight in cache. Ratios are quantized time / float32 dot
-time, measured side by side. Also: the per-call cost of the torch bridge at a tiny layer.
+time, measured side by side. Also: the per-call cost of the torch bridge at a tiny layer, and
+the native rotation of a rotated layer's activations beside the float layer it precedes.
 
 Writes ``results/bench_cpu_matmul.json`` and ``.png`` and the table in
 ``docs/performance.md``. Usage: ``python experiments/bench_cpu_matmul.py [--quick]
@@ -161,6 +162,30 @@ def bridge_overhead(repeat, rng):
     return out
 
 
+def rotation_cost(repeat, rng, rows=1280):
+    """Seconds of the native rotation of ``[rows, n]`` float32 activations as a rotated
+    ``QuantizedLinear`` runs it (``hq.kernels.cpu.rotate_host`` on the calling thread) beside
+    the float layer it precedes, ``F.linear`` to 384 outputs (MiniLM's q, k, v, o: n = 384; its
+    second MLP layer: n = 1536; 1,280 rows: 32 sentences of 40 tokens), interleaved. ``None``
+    where the extension is not built."""
+    if not hq.kernels.cpu.available():
+        return None
+    out = {}
+    for n in (384, 1536):
+        x = torch.from_numpy(rng.standard_normal((rows, n)).astype(np.float32))
+        w = torch.from_numpy(rng.standard_normal((384, n)).astype(np.float32))
+        y = torch.empty_like(x)
+        k = hq.incoherence.split_size(n)[0]
+        signs, mixer = hq.incoherence.tables(n, 0, np.dtype(np.float32))
+        with torch.no_grad():
+            out[n] = interleaved({
+                "rotate": (lambda v: hq.kernels.cpu.rotate_host(
+                    y.data_ptr(), v.data_ptr(), rows, signs, mixer, k, False), [x], {}),
+                "linear": (lambda v: torch.nn.functional.linear(v, w), [x], {})},
+                repeat, ROUNDS)
+    return out
+
+
 def minilm(repeat):
     """all-MiniLM-L6-v2 ``encode`` of 64 sentences at batch 32: the float model against the
     same model after ``quantize_model`` (D4 and E8 q=4 M=2, round to nearest: the speed does
@@ -212,7 +237,7 @@ def table(results) -> str:
             f"as a call that records autograd does: "
             f"{b.get('torch hnlq::matmul op', float('nan')) * 1e6:.0f} us), `nn.Linear` "
             f"{b['torch nn.Linear'] * 1e6:.0f} us."
-            + minilm_line(results.get("minilm")))
+            + minilm_line(results.get("minilm")) + rotation_line(results.get("rotation")))
 
 
 def minilm_line(m) -> str:
@@ -224,6 +249,16 @@ def minilm_line(m) -> str:
             + ("" if "D4 rotated" not in m else
                f", D4 with `rotate=True` {m['D4 rotated']:.3f} s "
                f"({m['D4 rotated'] / m['float']:.2f}x)") + ".")
+
+
+def rotation_line(r) -> str:
+    if not r:
+        return ""
+    return (" The native rotation of 1,280 activation rows on one thread (what a rotated layer "
+            "adds): " + ", ".join(
+                f"{n} wide {v['rotate'] * 1e3:.2f} ms ({v['rotate'] / v['linear']:.2f}x "
+                f"`F.linear` to 384 outputs, {v['linear'] * 1e3:.2f} ms)"
+                for n, v in sorted(r.items(), key=lambda kv: int(kv[0]))) + ".")
 
 
 def plot(results, path):
@@ -258,6 +293,7 @@ def main():
     if args.minilm_only and not args.report:
         results = load_results("bench_cpu_matmul")
         results["minilm"] = minilm(max(5, args.repeat // 3))
+        results["rotation"] = rotation_cost(max(20, args.repeat), rng=np.random.default_rng(0))
         (RESULTS / "bench_cpu_matmul.json").write_text(json.dumps(results, indent=1))
     elif not args.report:
         rng = np.random.default_rng(0)
@@ -273,6 +309,7 @@ def main():
             "rotate_mb": args.rotate_mb, "repeat": args.repeat, "rows": rows,
             "bridge": bridge_overhead(max(200, args.repeat), rng),
             "minilm": minilm(max(5, args.repeat // 3)),
+            "rotation": rotation_cost(max(20, args.repeat), rng),
         }
         (RESULTS / "bench_cpu_matmul.json").write_text(json.dumps(results, indent=1))
         plot(results, RESULTS / "bench_cpu_matmul.png")

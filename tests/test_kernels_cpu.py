@@ -288,12 +288,12 @@ def test_rotate_matches_xla(n, rows, seed, inverse):
                          jnp.bfloat16))
 
 
-def _rotate_in_order(x, n, seed, inverse):
-    """Rotation(n, seed) of float32 rows x by NumPy, the kernel's operations in its order,
-    each rounded to float32 (no fused multiply-add): signs, butterflies, scale, mixer (the sums
-    over j ascending from 0); the inverse reversed with B^T."""
-    k, m, _ = hq.incoherence.split_size(n)
-    s, B = hq.incoherence.tables(n, seed, np.dtype(np.float32))
+def _rotate_in_order(x, k, s, B, inverse):
+    """The rotation by signs s and mixer B of float32 rows x (n = 2^k m) by NumPy, the
+    kernel's operations in its order, each rounded to float32 (no fused multiply-add): signs,
+    butterflies, scale, mixer (the sums over j ascending from 0); the inverse reversed with
+    B^T."""
+    m = B.shape[0]
     v = x.reshape(-1, 1 << k, m).copy()
 
     def butterflies(v):
@@ -316,19 +316,25 @@ def _rotate_in_order(x, n, seed, inverse):
     return (mix(v, B) if m > 1 else v).reshape(x.shape)
 
 
-@pytest.mark.parametrize("n", [384, 1280, 1792, 2048])
-def test_rotate_bits_are_its_operations_in_order(n):
+@pytest.mark.parametrize("n", [384, 1280, 1408, 1792, 2048])
+@pytest.mark.parametrize("mixer_kind", ["tables", "random"])
+def test_rotate_bits_are_its_operations_in_order(n, mixer_kind):
     """The kernel's bits on this CPU's instruction set are those of its operations in order,
-    each rounded (no product and add fused by the compiler, which would make an AVX-512 CPU's
-    bits differ from an AVX2 one's): mixers of 12 and 20 (instances of their own), 7 (any size),
-    none (2048: all butterflies, two stages a pass and an odd one alone)."""
-    x = np.random.default_rng(n).standard_normal((37, n)).astype(np.float32)
+    each rounded (no product and add fused where the product is inexact, which would make an
+    AVX-512 CPU's bits differ from an AVX2 one's): mixers of 12 and 20 (instances of their own:
+    Paley signs, fused multiply-adds of exact products), 44 (Paley) and 7 (any size), none
+    (2048: all butterflies, two stages a pass and an odd one alone); the tables' mixers and
+    random ones (not +-c: products and adds)."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((37, n)).astype(np.float32)
     signs, mixer = hq.incoherence.tables(n, 5, np.dtype(np.float32))
+    if mixer_kind == "random":
+        mixer = rng.standard_normal(mixer.shape).astype(np.float32)
     k = hq.incoherence.split_size(n)[0]
     for inverse in (False, True):
         y = np.empty_like(x)
         cpu.rotate_host(y.ctypes.data, x.ctypes.data, 37, signs, mixer, k, inverse)
-        np.testing.assert_array_equal(y, _rotate_in_order(x, n, 5, inverse))
+        np.testing.assert_array_equal(y, _rotate_in_order(x, k, signs, mixer, inverse))
 
 
 def test_rotate_host_is_the_ffi_kernel():

@@ -418,7 +418,7 @@ def _rotate_host(x: torch.Tensor, n: int, seed: int, inverse: bool) -> torch.Ten
     """The native kernel of ``Rotation(n, seed)`` on the memory of a CPU tensor (no JAX
     dispatch). Up to :data:`_ROTATE_ONE_THREAD` values on the calling thread: in a model it
     runs right after torch's GEMMs, whose OpenMP workers still spin on the other cores (as
-    :func:`_matmul_host`'s decode; a rotated MiniLM, ~500,000 values a call, encoded in 1.67x
+    :func:`_matmul_host`'s decode; a rotated MiniLM, ~300,000 values a call, encoded in 1.67x
     the float model's time with one thread, 2.03x with two); larger calls on torch's threads."""
     rows = x.to(torch.float32).contiguous()
     y = torch.empty_like(rows)

@@ -10,6 +10,7 @@
 // Inputs x f32[R, n], s f32[n], B f32[m, m]; output y f32[R, n]; attributes k, m, inverse.
 
 #include <cmath>
+#include <cstring>
 
 #include "common.h"
 
@@ -21,13 +22,82 @@ constexpr char kName[] = "hnlq_rotate";
 constexpr int64_t kTileValues = 1 << 14;  // values a task rotates (whole rows)
 
 struct Rotate : hnlq::Tasks {
-  const float *x, *s, *B;
-  std::vector<float> Bt;  // B^T (inverse)
+  const float *x, *s;
+  std::vector<float> Bp;  // B = c Bp (B^T for an inverse), rows padded to 16 chunks(m) floats
+  float c;                // 1, or |B_jc| where all are equal (Bp then holds signs: signs)
+  bool signs;
   float* y;
   int64_t R, n, k, m, rows;  // rows: a tile's
   bool inverse;
   void (*work)(Rotate&) = nullptr;
 };
+
+// Vectors of W floats (GCC's vector extension: one instruction each where the instruction set
+// has that width, several where it has not), unaligned.
+// (Typedefs: GCC drops vector_size in an alias template. The functions taking and returning
+// them are always inlined: no call crosses an ABI, so its warning about them is moot.)
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float Floats1;
+typedef float Floats4 __attribute__((vector_size(16), aligned(4)));
+typedef float Floats8 __attribute__((vector_size(32), aligned(4)));
+typedef float Floats16 __attribute__((vector_size(64), aligned(4)));
+template <int W> struct VectorOf;
+template <> struct VectorOf<1> { using type = Floats1; };
+template <> struct VectorOf<4> { using type = Floats4; };
+template <> struct VectorOf<8> { using type = Floats8; };
+template <> struct VectorOf<16> { using type = Floats16; };
+template <int W>
+using Floats = typename VectorOf<W>::type;
+
+template <int W>
+[[gnu::always_inline]] inline Floats<W> load(const float* p) {
+  Floats<W> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <int W>
+[[gnu::always_inline]] inline void store(float* p, const Floats<W>& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// One pass over v[total] of one butterfly stage (Two false: spans lo, hi become lo + hi, lo - hi)
+// or two (four spans a, b, c, d become (a + b) + (c + d), (a - b) + (c - d), (a + b) - (c + d),
+// (a - b) - (c - d): the sums of the two stages), W values at a time (W divides span).
+template <bool Two, int W>
+[[gnu::always_inline]] inline void pass_of(float* v, int64_t total, int64_t span) {
+  using V = Floats<W>;
+  for (int64_t a = 0; a < total; a += (Two ? 4 : 2) * span) {
+    float* p0 = v + a;
+    float* p1 = p0 + span;
+    for (int64_t t = 0; t < span; t += W) {
+      const V a0 = load<W>(p0 + t), a1 = load<W>(p1 + t);
+      const V s0 = a0 + a1, d0 = a0 - a1;
+      if constexpr (Two) {
+        float* p2 = p1 + span;
+        float* p3 = p2 + span;
+        const V a2 = load<W>(p2 + t), a3 = load<W>(p3 + t);
+        const V s1 = a2 + a3, d1 = a2 - a3;
+        store<W>(p0 + t, s0 + s1);
+        store<W>(p1 + t, d0 + d1);
+        store<W>(p2 + t, s0 - s1);
+        store<W>(p3 + t, d0 - d1);
+      } else {
+        store<W>(p0 + t, s0);
+        store<W>(p1 + t, d0);
+      }
+    }
+  }
+}
+
+// pass_of with the widest vectors that divide the span (spans are m 2^j: 12, 24, 48, ...).
+template <bool Two>
+[[gnu::always_inline]] inline void pass(float* v, int64_t total, int64_t span) {
+  if (span % 16 == 0) return pass_of<Two, 16>(v, total, span);
+  if (span % 8 == 0) return pass_of<Two, 8>(v, total, span);
+  if (span % 4 == 0) return pass_of<Two, 4>(v, total, span);
+  pass_of<Two, 1>(v, total, span);
+}
 
 // The normalized Walsh-Hadamard transform over the 2^k axis of v[2^k, m]: stage j adds and
 // subtracts the m-vectors 2^j apart; the pairs' spans of 2^j m values are contiguous.
@@ -49,60 +119,61 @@ template <int M>
     }
     j = 3;
   }
-  // Stages j and j + 1 in one pass (the same sums: four spans a, b, c, d become
-  // (a + b) + (c + d), (a - b) + (c - d), (a + b) - (c + d), (a - b) - (c - d)), half the
-  // passes over the row; an odd last stage alone.
-  for (; j + 1 < k; j += 2) {
-    const int64_t span = (int64_t{1} << j) * m;
-    for (int64_t a = 0; a < rows * m; a += 4 * span) {
-      float* p0 = v + a;
-      float* p1 = p0 + span;
-      float* p2 = p1 + span;
-      float* p3 = p2 + span;
-      for (int64_t t = 0; t < span; ++t) {
-        const float s0 = p0[t] + p1[t], d0 = p0[t] - p1[t];
-        const float s1 = p2[t] + p3[t], d1 = p2[t] - p3[t];
-        p0[t] = s0 + s1;
-        p1[t] = d0 + d1;
-        p2[t] = s0 - s1;
-        p3[t] = d0 - d1;
-      }
-    }
-  }
-  for (; j < k; ++j) {
-    const int64_t span = (int64_t{1} << j) * m;
-    for (int64_t a = 0; a < rows * m; a += 2 * span) {
-      float* lo = v + a;
-      float* hi = lo + span;
-      for (int64_t t = 0; t < span; ++t) {
-        const float u = lo[t], w = hi[t];
-        lo[t] = u + w;
-        hi[t] = u - w;
-      }
-    }
-  }
+  // Stages j and j + 1 in one pass (the same sums), half the passes over the row; an odd last
+  // stage alone.
+  for (; j + 1 < k; j += 2) pass<true>(v, rows * m, m << j);
+  for (; j < k; ++j) pass<false>(v, rows * m, m << j);
   if (k == 0) return;
   const float scale = static_cast<float>(std::pow(2.0, -0.5 * static_cast<double>(k)));
   for (int64_t t = 0; t < rows * m; ++t) v[t] *= scale;
 }
 
-// v[2^k, m] <- v B (B^T for an inverse is passed as B): each m-vector times the mixer, the
-// sums over j ascending (a product and an add each: no fused multiply-add). buffer: m floats
-// for a size without its own instance (M = 0).
+// Vectors of 16 floats a mixer row takes, padded with zeros (M: 12 -> 1, 20 -> 2).
+constexpr int64_t chunks(int64_t m) { return (m + 15) / 16; }
+
+// v[groups, M] <- v S for a matrix S of entries +-1 (Sp: its rows padded to 16 chunks(M)
+// floats): each output m-vector a sum of broadcast values times S's rows, the sums over j
+// ascending. Every product is exact, so a fused multiply-add (allowed here, and only here:
+// the FMA of an AVX-512 or AVX CPU, one instruction where a product and an add take two) gives
+// the bits of the product and the add on any CPU.
 template <int M>
-[[gnu::always_inline]] inline void mix(float* v, const float* B, int64_t k, int64_t m,
-                                       float* buffer) {
-  float fixed[M > 0 ? M : 1];
-  float* acc = M > 0 ? fixed : buffer;  // m floats
+__attribute__((target_clones("avx512f", "fma", "default"), optimize("fp-contract=fast")))
+void mix_signs(float* v, const float* Sp, int64_t groups) {
+  constexpr int64_t C = chunks(M);
+  Floats16 rows[M * C];  // in registers where the instruction set has enough
+  for (int64_t i = 0; i < M * C; ++i) rows[i] = load<16>(Sp + 16 * i);
+  for (int64_t g = 0; g < groups; ++g) {
+    float* out = v + g * M;
+    Floats16 acc[C] = {};
+    for (int64_t j = 0; j < M; ++j)
+      for (int64_t c = 0; c < C; ++c) acc[c] += out[j] * rows[j * C + c];
+    std::memcpy(out, acc, M * sizeof(float));
+  }
+}
+
+// v[2^k, m] <- v B (B^T for an inverse is passed as B): each m-vector times the mixer, the
+// sums over j ascending (a product and an add each: no fused multiply-add). With B = c S
+// (c > 0, Bp: S's rows padded to 16 chunks(m) floats; entries +-1 for the Paley mixers),
+// v is first multiplied by c: v_j B_jc = +-(v_j c) exactly, the same bits. With a size of
+// its own (M > 0) and signs, mix_signs; otherwise one value at a time, into buffer (m floats).
+template <int M>
+[[gnu::always_inline]] inline void mix(float* v, const float* Bp, float c, bool signs,
+                                       int64_t k, int64_t m, float* buffer) {
   if constexpr (M > 0) m = M;
-  for (int64_t g = 0; g < (int64_t{1} << k); ++g) {
+  const int64_t groups = int64_t{1} << k;
+  for (int64_t t = 0; t < groups * m; ++t) v[t] *= c;
+  if constexpr (M > 0) {
+    if (signs) return mix_signs<M>(v, Bp, groups);
+  }
+  const int64_t w = 16 * chunks(m);
+  for (int64_t g = 0; g < groups; ++g) {
     float* row = v + g * m;
-    for (int64_t c = 0; c < m; ++c) acc[c] = 0.0f;
+    for (int64_t c = 0; c < m; ++c) buffer[c] = 0.0f;
     for (int64_t j = 0; j < m; ++j) {
       const float vj = row[j];
-      for (int64_t c = 0; c < m; ++c) acc[c] += vj * B[j * m + c];
+      for (int64_t c = 0; c < m; ++c) buffer[c] += vj * Bp[j * w + c];
     }
-    for (int64_t c = 0; c < m; ++c) row[c] = acc[c];
+    std::copy(buffer, buffer + m, row);
   }
 }
 
@@ -111,21 +182,21 @@ template <int M>
 template <int M>
 [[gnu::always_inline]] inline void run_rows(Rotate& call) {
   const int64_t n = call.n, k = call.k, m = call.m;
-  const float* B = call.inverse ? call.Bt.data() : call.B;
-  std::vector<float> buffer(M > 0 ? 0 : m);
+  const float* B = call.Bp.data();
+  std::vector<float> buffer(m);
   for (int64_t t; (t = call.next.fetch_add(1)) < call.tiles;) {
     for (int64_t r = t * call.rows; r < std::min(call.R, (t + 1) * call.rows); ++r) {
       const float* x = call.x + r * n;
       float* y = call.y + r * n;
       if (call.inverse) {
         std::copy(x, x + n, y);
-        if (m > 1) mix<M>(y, B, k, m, buffer.data());
+        if (m > 1) mix<M>(y, B, call.c, call.signs, k, m, buffer.data());
         butterflies<M>(y, k, m);
         for (int64_t i = 0; i < n; ++i) y[i] *= call.s[i];
       } else {
         for (int64_t i = 0; i < n; ++i) y[i] = x[i] * call.s[i];
         butterflies<M>(y, k, m);
-        if (m > 1) mix<M>(y, B, k, m, buffer.data());
+        if (m > 1) mix<M>(y, B, call.c, call.signs, k, m, buffer.data());
       }
     }
   }
@@ -159,15 +230,21 @@ ffi::Error set_up(Rotate& call, int64_t R, int64_t n, int64_t sn, int64_t bm, in
   return ffi::Error::Success();
 }
 
-// The operands of a checked call; B^T for an inverse.
+// The operands of a checked call; the mixer (B^T for an inverse) as c Bp, its rows padded for
+// mix: Bp its signs where all its entries are +-c (a Paley mixer), else B itself (c = 1).
 void set_operands(Rotate& call, const float* x, const float* s, const float* B, float* y,
                   bool inverse) {
-  call.x = x; call.s = s; call.B = B; call.y = y; call.inverse = inverse;
-  if (!inverse) return;
-  const int64_t m = call.m;
-  call.Bt.resize(m * m);
+  call.x = x; call.s = s; call.y = y; call.inverse = inverse;
+  const int64_t m = call.m, w = 16 * chunks(m);
+  const float c = std::fabs(B[0]);
+  call.signs = c > 0.0f && std::all_of(B, B + m * m, [c](float b) { return std::fabs(b) == c; });
+  call.c = call.signs ? c : 1.0f;
+  call.Bp.assign(m * w, 0.0f);
   for (int64_t j = 0; j < m; ++j)
-    for (int64_t c = 0; c < m; ++c) call.Bt[j * m + c] = B[c * m + j];
+    for (int64_t i = 0; i < m; ++i) {
+      const float b = inverse ? B[i * m + j] : B[j * m + i];
+      call.Bp[j * w + i] = call.signs ? (b > 0.0f ? 1.0f : -1.0f) : b;
+    }
 }
 
 ffi::Error RotateImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> s,

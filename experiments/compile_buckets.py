@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import time
 
 import jax
@@ -183,6 +184,7 @@ def minilm_table(res: dict) -> str:
              f"{1e3 * r['float_s']:.0f} ms", f"{r['overhead_per_layer_ms']:.2f} ms",
              str(r["compiles"])] for r in res["rows"]]
     worst = max(r["overhead_per_layer_ms"] for r in res["rows"])
+    ratio = sorted(r["steady_s"] / r["float_s"] for r in res["rows"])
     cold = sum(b["first_s"] for b in res["buckets"])
     return markdown_table(["(batch, tokens)", "row bucket", "first call", "steady (best of 3)",
                            "float model", "first-call overhead per layer", "compiles"],
@@ -191,7 +193,8 @@ def minilm_table(res: dict) -> str:
         f"rotate=True), jax {res['jax']}, torch {res['torch']}. Before these calls, one call "
         f"per row bucket ({len(res['buckets'])} buckets) took {cold:.1f} s in all "
         f"({sum(b['compiles'] for b in res['buckets'])} compiles). Worst first-call overhead "
-        f"of a new shape: {worst:.2f} ms per layer.") + (
+        f"of a new shape: {worst:.2f} ms per layer. Steady state against the float model: "
+        f"{ratio[0]:.2f}-{ratio[-1]:.2f}x (median {statistics.median(ratio):.2f}x).") + (
         f"\n\nReload from the saved state dict ({r['state_dict_mib']:.1f} MiB): building the "
         f"float architecture {r['build_s']:.2f} s, then `torch_bridge.load_quantized` "
         f"{r['load_quantized_s']:.2f} s (no encoding); outputs equal bit for bit: "

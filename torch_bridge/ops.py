@@ -262,6 +262,19 @@ def _prepared_matmul(x, index, tfield, scale, n, implementation, config):
 _HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# The direct calls' work below which they run on the calling thread: in a model they follow
+# torch's operations, whose OpenMP workers still spin on the other cores, and a thread of ours
+# competing with them costs more than it brings (experiments/host_threads.py; the work is
+# weights x activation rows for the fused product, values for a rotation).
+MATMUL_ONE_THREAD = 1 << 24
+ROTATE_ONE_THREAD = 1 << 22
+
+
+def _threads(work: int, one_thread: int) -> int:
+    """Threads for a direct call of ``work``: 1 below ``one_thread``, else torch's."""
+    return 1 if work < one_thread else torch.get_num_threads()
+
+
 # Decoded weights held at a time by a large batch's product (16 MiB of float32): a weight of
 # 4096 x 11008 would take 180 MB whole.
 _SLAB_WEIGHTS = 1 << 22
@@ -270,8 +283,9 @@ _SLAB_WEIGHTS = 1 << 22
 def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The native kernels called directly on the tensors' memory (no JAX dispatch), the route
     ``hq.matmul`` takes: up to ``GEMM_ROWS`` rows (of the row bucket) the fused product, the
-    same sums bit for bit; from there the decoded weight, a slab of rows at a time, and torch's
-    GEMM (sums in torch's order). ``bias`` (``[n]``), where given, is added as ``y + bias`` in
+    same sums bit for bit (on the calling thread below :data:`MATMUL_ONE_THREAD` weights x
+    rows); from there the decoded weight, a slab of rows at a time, and torch's GEMM (sums in
+    torch's order). ``bias`` (``[n]``), where given, is added as ``y + bias`` in
     x's dtype would be: into the fresh output in place, and for float32 activations in the GEMM
     as ``addmm`` (as ``F.linear`` adds it: no second pass over the output)."""
     cpu = hq.kernels.cpu
@@ -279,7 +293,7 @@ def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> 
         raise ValueError(f"hnlq::matmul: x must be [..., k] with k = {host.k} (the codes' row "
                          f"length), got shape {tuple(x.shape)}")
     rows = x.reshape(-1, host.k).to(torch.float32).contiguous()
-    bf16, threads = x.dtype == torch.bfloat16, torch.get_num_threads()
+    bf16 = x.dtype == torch.bfloat16
     if row_bucket(rows.shape[0]) >= cpu.GEMM_ROWS:  # a slab of weight rows at a time
         slab = max(1, _SLAB_WEIGHTS // host.k)
         w = torch.empty(min(slab, host.n), host.k)
@@ -300,7 +314,7 @@ def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> 
     else:
         y = torch.empty(rows.shape[0], host.n)
         cpu.decode_matmul_host(y.data_ptr(), rows.data_ptr(), rows.shape[0], host, bf16,
-                               threads)
+                               _threads(rows.shape[0] * host.n * host.k, MATMUL_ONE_THREAD))
     y = y.to(x.dtype)
     if bias is not None:
         y.add_(bias.to(y.dtype))
@@ -409,14 +423,11 @@ def _rotates_on_host(x: torch.Tensor, n: int) -> bool:
             and hq.incoherence.default_implementation(n, jax_dtype(x.dtype), "cpu") == "native")
 
 
-# Values a direct rotation takes on the calling thread (~8 ms of work on one core): above it,
-# torch's threads outweigh its spinning workers.
-_ROTATE_ONE_THREAD = 1 << 22
 
 
 def _rotate_host(x: torch.Tensor, n: int, seed: int, inverse: bool) -> torch.Tensor:
     """The native kernel of ``Rotation(n, seed)`` on the memory of a CPU tensor (no JAX
-    dispatch). Up to :data:`_ROTATE_ONE_THREAD` values on the calling thread: in a model it
+    dispatch). Below :data:`ROTATE_ONE_THREAD` values on the calling thread: in a model it
     runs right after torch's GEMMs, whose OpenMP workers still spin on the other cores (as
     :func:`_matmul_host`'s decode; a rotated MiniLM, ~300,000 values a call, encoded in 1.67x
     the float model's time with one thread, 2.03x with two); larger calls on torch's threads."""
@@ -426,7 +437,7 @@ def _rotate_host(x: torch.Tensor, n: int, seed: int, inverse: bool) -> torch.Ten
     signs, mixer = hq.incoherence.tables(n, seed, np.dtype(np.float32))
     hq.kernels.cpu.rotate_host(y.data_ptr(), rows.data_ptr(), rows.numel() // n, signs, mixer, k,
                                inverse,
-                               1 if rows.numel() <= _ROTATE_ONE_THREAD else torch.get_num_threads())
+                               _threads(rows.numel(), ROTATE_ONE_THREAD))
     return y.to(x.dtype)
 
 

@@ -65,12 +65,13 @@ def test_layer_codes_are_viewed_again_after_an_in_place_write():
 
 
 @pytest.mark.skipif(not hq.kernels.cpu.available(), reason="the native kernels are not built")
-@pytest.mark.parametrize("rows", [1, 3, 10, 127, 130])
+@pytest.mark.parametrize("rows", [1, 3, 10, 16, 20, 127, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_kernels_called_directly(rows, dtype):
     """On CPU tensors the matmul op calls the native kernels on the tensors' memory (no JAX
-    dispatch): below GEMM_ROWS rows (of the bucket) the fused product, bit for bit the jitted
-    hq.matmul; from there the decoded weight times x in torch's GEMM, bit for bit
+    dispatch): below ops.GEMM_ROWS rows (of the bucket: 2 x 16 rows below, 2 x 20 at it) the
+    fused product, bit for bit the jitted hq.matmul; from there the decoded weight times x in
+    torch's GEMM, bit for bit
     x @ hq.decode(codes).T in torch. The bias is added as y + bias in x's dtype, except that
     a float32 GEMM takes it as F.linear does (addmm). Non-contiguous x and leading axes too;
     the layer's codes are read where they live (a copy_ into them reaches the next call)."""
@@ -89,7 +90,7 @@ def test_native_kernels_called_directly(rows, dtype):
         with torch.no_grad():
             got = layer(x)
         assert got.dtype == dtype and got.shape == (2, rows, 24)
-        if hq.buckets.row_bucket(2 * rows) < hq.kernels.cpu.GEMM_ROWS:
+        if hq.buckets.row_bucket(2 * rows) < tb.ops.GEMM_ROWS:
             want = jax.jit(lambda a, c: hq.matmul(a, c, implementation="native"))(jx, codes)
             want = torch.from_numpy(np.array(want, np.float32)).to(dtype) + b.to(dtype)
         else:

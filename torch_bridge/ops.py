@@ -21,8 +21,8 @@ op                  JAX function (same result bit for bit)
 
 On CPU tensors, where the native kernels are built, ``matmul`` calls them on the tensors' memory
 (:func:`hnlq_jax.kernels.cpu.decode_matmul_host`; no JAX dispatch per call): the same sums as
-the jitted :func:`hnlq_jax.matmul` below ``GEMM_ROWS`` rows, torch's GEMM of the decoded weight
-from there; ``rotate`` likewise calls the rotation kernel
+the jitted :func:`hnlq_jax.matmul` below :data:`GEMM_ROWS` rows, torch's GEMM of the decoded
+weight from there; ``rotate`` likewise calls the rotation kernel
 (:func:`hnlq_jax.kernels.cpu.rotate_host`) where ``Rotation.apply`` takes it.
 
 Float64 inputs (or a float64 ``dtype``) run under JAX's x64 mode
@@ -268,6 +268,11 @@ _HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # weights x activation rows for the fused product, values for a rotation).
 MATMUL_ONE_THREAD = 1 << 24
 ROTATE_ONE_THREAD = 1 << 22
+# Activation rows (of the row bucket) from which the layer decodes the weight and leaves the
+# sums to torch's GEMM. Lower than hnlq_jax.kernels.cpu.GEMM_ROWS (XLA's crossover, the product
+# called alone): after torch's operations the fused kernel loses from 32-48 rows at every
+# weight shape measured (experiments/host_threads.py), while torch's GEMM runs unhindered.
+GEMM_ROWS = 40
 
 
 def _threads(work: int, one_thread: int) -> int:
@@ -281,11 +286,12 @@ _SLAB_WEIGHTS = 1 << 22
 
 
 def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The native kernels called directly on the tensors' memory (no JAX dispatch), the route
-    ``hq.matmul`` takes: up to ``GEMM_ROWS`` rows (of the row bucket) the fused product, the
-    same sums bit for bit (on the calling thread below :data:`MATMUL_ONE_THREAD` weights x
+    """The native kernels called directly on the tensors' memory (no JAX dispatch). Below
+    :data:`GEMM_ROWS` rows (of the row bucket) the fused product, the sums of the jitted
+    ``hq.matmul`` bit for bit (on the calling thread below :data:`MATMUL_ONE_THREAD` weights x
     rows); from there the decoded weight, a slab of rows at a time, and torch's GEMM (sums in
-    torch's order). ``bias`` (``[n]``), where given, is added as ``y + bias`` in
+    torch's order; ``hq.matmul`` itself switches to XLA's GEMM from
+    ``hq.kernels.cpu.GEMM_ROWS``). ``bias`` (``[n]``), where given, is added as ``y + bias`` in
     x's dtype would be: into the fresh output in place, and for float32 activations in the GEMM
     as ``addmm`` (as ``F.linear`` adds it: no second pass over the output)."""
     cpu = hq.kernels.cpu
@@ -294,7 +300,7 @@ def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> 
                          f"length), got shape {tuple(x.shape)}")
     rows = x.reshape(-1, host.k).to(torch.float32).contiguous()
     bf16 = x.dtype == torch.bfloat16
-    if row_bucket(rows.shape[0]) >= cpu.GEMM_ROWS:  # a slab of weight rows at a time
+    if row_bucket(rows.shape[0]) >= GEMM_ROWS:  # a slab of weight rows at a time
         slab = max(1, _SLAB_WEIGHTS // host.k)
         w = torch.empty(min(slab, host.n), host.k)
         parts = []

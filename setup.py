@@ -17,7 +17,8 @@ setup(ext_modules=[Extension(
     language="c++",
     # No -march=native: the AVX2 paths are chosen at run time, so the build runs anywhere.
     # -ffp-contract=off: no product and add fused where the source has two operations (an
-    # AVX-512 clone may use FMA, a default one cannot: the same bits on every CPU).
+    # AVX-512 clone may use FMA, a default one cannot: the same bits on every CPU). The one
+    # exception is rotate.cc's mix_signs, whose products are exact (times +-1), marked there.
     extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread",
                         "-ffp-contract=off"],
     extra_link_args=["-pthread"],

@@ -20,6 +20,8 @@ def write_between_markers(path: pathlib.Path, name: str, text: str) -> None:
     (appending the markers when the page has none yet)."""
     doc = path.read_text()
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if doc.count(begin) > 1 or doc.count(end) > 1:
+        raise ValueError(f"{path}: the markers of {name!r} appear more than once")
     if begin not in doc:
         doc += f"\n{begin}\n{end}\n"
     head, rest = doc.split(begin, 1)

@@ -8,7 +8,8 @@ integer arrays, ``index`` and ``tfield`` (plus ``scale`` and ``n`` for row codes
 :class:`torch_bridge.Codes`); the config as the primitives of :func:`config_args`.
 
 ==================  ========================================================================
-op                  JAX function (same result bit for bit)
+op                  JAX function (same result bit for bit; ``matmul`` on CPU tensors: below
+                    :data:`GEMM_ROWS` rows, from there in torch's GEMM's sum order)
 ==================  ========================================================================
 ``encode``          :func:`hnlq_jax.encode` -> ``(index, tfield)``
 ``decode``          :func:`hnlq_jax.decode`
@@ -427,8 +428,6 @@ def _rotates_on_host(x: torch.Tensor, n: int) -> bool:
     return (x.device.type == "cpu" and x.dtype in _HOST_DTYPES and x.ndim > 0
             and x.shape[-1] == n
             and hq.incoherence.default_implementation(n, jax_dtype(x.dtype), "cpu") == "native")
-
-
 
 
 def _rotate_host(x: torch.Tensor, n: int, seed: int, inverse: bool) -> torch.Tensor:

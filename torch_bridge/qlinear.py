@@ -3,7 +3,8 @@
 It keeps the float master weight (trained as usual) and caches the compact row codes of it
 (the format of :mod:`torch_bridge.quantized` and the Flax ``QDense``, so both give the same codes
 and the same beta for the same weights). The forward value is ``torch.ops.hnlq.matmul`` on the
-codes (:func:`hnlq_jax.matmul`, bit for bit), in training and in eval mode alike; the backward
+codes (:func:`hnlq_jax.matmul`, bit for bit; on CPU tensors from ``torch_bridge.ops.GEMM_ROWS``
+rows in torch's GEMM's sum order), in training and in eval mode alike; the backward
 pass is straight-through:
 
 * ``dL/dx``: the exact gradient of the product with the decoded weight (``matmul``'s);

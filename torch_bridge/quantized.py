@@ -17,7 +17,8 @@ aside: it lives in the scales) or another ``in_features``, or codes without thei
 buffer is written; corrupted codes (an index ``>= q^d``, a T field above ``max_T + 1``) raise
 too.
 
-**Forward**: ``torch.ops.hnlq.matmul`` (:func:`hnlq_jax.matmul`, bit for bit) plus the bias,
+**Forward**: ``torch.ops.hnlq.matmul`` (:func:`hnlq_jax.matmul`, bit for bit; on CPU tensors
+below ``torch_bridge.ops.GEMM_ROWS`` rows, from there torch's GEMM) plus the bias,
 also under ``torch.compile(fullgraph=True)``.
 
 **Calibration and rotation** (:func:`quantize_model` ``calibration=run``, ``rotate=True``): the

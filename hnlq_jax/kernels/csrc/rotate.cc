@@ -134,7 +134,7 @@ constexpr int64_t chunks(int64_t m) { return (m + 15) / 16; }
 // v[groups, M] <- v S for a matrix S of entries +-1 (Sp: its rows padded to 16 chunks(M)
 // floats): each output m-vector a sum of broadcast values times S's rows, the sums over j
 // ascending. Every product is exact, so a fused multiply-add (allowed here, and only here:
-// the FMA of an AVX-512 or AVX CPU, one instruction where a product and an add take two) gives
+// the FMA of an AVX-512 or FMA3 CPU, one instruction where a product and an add take two) gives
 // the bits of the product and the add on any CPU.
 template <int M>
 __attribute__((target_clones("avx512f", "fma", "default"), optimize("fp-contract=fast")))
@@ -152,26 +152,28 @@ void mix_signs(float* v, const float* Sp, int64_t groups) {
 }
 
 // v[2^k, m] <- v B (B^T for an inverse is passed as B): each m-vector times the mixer, the
-// sums over j ascending (a product and an add each: no fused multiply-add). With B = c S
-// (c > 0, Bp: S's rows padded to 16 chunks(m) floats; entries +-1 for the Paley mixers),
-// v is first multiplied by c: v_j B_jc = +-(v_j c) exactly, the same bits. With a size of
-// its own (M > 0) and signs, mix_signs; otherwise one value at a time, into buffer (m floats).
+// sums over j ascending (a product and an add each, or where the product is exact an FMA of
+// the same bits). With B = c S (signs: c > 0, Bp: S's rows padded to 16 chunks(m) floats,
+// entries +-1 for the Paley mixers), v is first multiplied by c: v_j B_jc = +-(v_j c) exactly,
+// the same bits. With a size of its own (M > 1) and signs, mix_signs; otherwise one value at
+// a time, into buffer (m floats).
 template <int M>
 [[gnu::always_inline]] inline void mix(float* v, const float* Bp, float c, bool signs,
                                        int64_t k, int64_t m, float* buffer) {
   if constexpr (M > 0) m = M;
   const int64_t groups = int64_t{1} << k;
-  for (int64_t t = 0; t < groups * m; ++t) v[t] *= c;
-  if constexpr (M > 0) {
+  if (signs)
+    for (int64_t t = 0; t < groups * m; ++t) v[t] *= c;
+  if constexpr (M > 1) {
     if (signs) return mix_signs<M>(v, Bp, groups);
   }
   const int64_t w = 16 * chunks(m);
   for (int64_t g = 0; g < groups; ++g) {
     float* row = v + g * m;
-    for (int64_t c = 0; c < m; ++c) buffer[c] = 0.0f;
+    for (int64_t i = 0; i < m; ++i) buffer[i] = 0.0f;
     for (int64_t j = 0; j < m; ++j) {
       const float vj = row[j];
-      for (int64_t c = 0; c < m; ++c) buffer[c] += vj * Bp[j * w + c];
+      for (int64_t i = 0; i < m; ++i) buffer[i] += vj * Bp[j * w + i];
     }
     std::copy(buffer, buffer + m, row);
   }
@@ -189,7 +191,7 @@ template <int M>
       const float* x = call.x + r * n;
       float* y = call.y + r * n;
       if (call.inverse) {
-        std::copy(x, x + n, y);
+        if (y != x) std::copy(x, x + n, y);
         if (m > 1) mix<M>(y, B, call.c, call.signs, k, m, buffer.data());
         butterflies<M>(y, k, m);
         for (int64_t i = 0; i < n; ++i) y[i] *= call.s[i];

@@ -72,6 +72,9 @@ def test_docs_tables_are_their_scripts_reports(tmp_path):
     written = {name for name in markers
                if any(f'"{name}"' in p.read_text() for p in scripts)}
     assert written == markers, f"tables no script re-renders: {sorted(markers - written)}"
+    for p in docs:  # a second copy of a table would stay stale: --report rewrites the first
+        names = MARKER.findall(p.read_text())
+        assert len(names) == len(set(names)), f"{p.name}: a table's markers appear twice"
     copy = tmp_path / "repo"
     shutil.copytree(ROOT / "docs", copy / "docs")
     shutil.copytree(ROOT / "experiments", copy / "experiments",
@@ -82,3 +85,19 @@ def test_docs_tables_are_their_scripts_reports(tmp_path):
     for p in docs:
         assert (copy / p.relative_to(ROOT)).read_text() == p.read_text(), (
             f"{p.name}: a table differs from its script's --report")
+
+
+def test_write_between_markers_refuses_duplicated_markers(tmp_path):
+    """A page holding a table's markers twice is an error, not a silent update of one copy."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        from report import write_between_markers
+    finally:
+        sys.path.pop(0)
+    page = tmp_path / "page.md"
+    page.write_text("<!-- t:begin -->\nold\n<!-- t:end -->\n")
+    write_between_markers(page, "t", "new")
+    assert "new" in page.read_text() and "old" not in page.read_text()
+    page.write_text(page.read_text() * 2)
+    with pytest.raises(ValueError, match="more than once"):
+        write_between_markers(page, "t", "newer")

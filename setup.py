@@ -11,7 +11,8 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "hnlq_jax.kernels._cpu",
     sources=["hnlq_jax/kernels/csrc/module.cc", "hnlq_jax/kernels/csrc/decode.cc",
-             "hnlq_jax/kernels/csrc/decode_matmul.cc", "hnlq_jax/kernels/csrc/rotate.cc"],
+             "hnlq_jax/kernels/csrc/decode_matmul.cc", "hnlq_jax/kernels/csrc/lut_matmul.cc",
+             "hnlq_jax/kernels/csrc/rotate.cc"],
     depends=["hnlq_jax/kernels/csrc/common.h", "hnlq_jax/kernels/csrc/decode_rows.h"],
     include_dirs=[jax.ffi.include_dir()],
     language="c++",

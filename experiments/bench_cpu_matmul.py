@@ -7,8 +7,9 @@ calls, after a warm-up call that compiles; the float paths, ``native`` and the t
 * ``float32 dot``: jitted ``jnp.einsum`` of x and the float32 weight (highest precision);
 * ``torch fp32`` / ``torch bf16``: ``torch.nn.functional.linear`` (no grad);
 * ``native`` / ``xla`` / ``lut``: jitted ``hq.matmul(x, codes, implementation=...)`` on row codes
-  (D4 q=4 M=2 and E8 q=4 M=2, beta calibrated on N(0,1)); ``lut`` only where it finishes in
-  reasonable time (it gathers per batch row);
+  (D4 q=4 M=2 and E8 q=4 M=2, beta calibrated on N(0,1)); ``lut`` (x's one-sided tables summed
+  by the native lookup-table kernel where built) only where it finishes in reasonable time (it
+  gathers per batch row);
 * ``torch QuantizedLinear``: the layer users get from ``torch_bridge.quantize_model``
   (``implementation=None``: the native kernel where built), float32 activations.
 
@@ -44,7 +45,7 @@ from report import DOCS, RESULTS, add_report_flag, load_results, markdown_table,
 SHAPES = [(1024, 1024), (4096, 4096), (11008, 4096)]  # [n_out, k]; 11008 x 4096: an LLM MLP
 BATCHES = [1, 4, 16, 64]
 LATTICES = ["D4", "E8"]
-LUT_MAX_WORK = 2**24  # batch * n_out * k beyond which the lut path is not timed (seconds/call)
+LUT_MAX_WORK = 2**26  # batch * n_out * k beyond which the lut path is not timed (seconds/call)
 ROUNDS = 3  # interleaved rounds of the fast paths (each --repeat calls)
 
 

@@ -28,12 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax import _numerics
+from hnlq_jax import _numerics, kernels
 from hnlq_jax.codec import codebook, codebook_table, decode_blocks, default_float, to_blocks
 from hnlq_jax.codes import Codes, check_codes, concrete_all, unpack_t, valid_blocks
 from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = [
+    "IMPLEMENTATIONS",
     "MAX_ONE_SIDED",
     "MAX_TWO_SIDED",
     "dot",
@@ -335,19 +336,25 @@ def dot_one_sided(codes_x, y):
     return _row_scale(_dot_one_sided(index, u, y, config), scale)
 
 
-def _gather_matmul(U, E, idx, s, config):
+def _gather_matmul(U, E, idx, u, config, native: bool):
     """``out[m, n] = sum_k s[n, k] (sum_j q^j U[m, k, idx[n, k, j]] - E[m, k])``.
 
     Args:
       U: ``[m, nb, Q]`` per-block tables of the m rows.
       E: ``[m, nb]`` per-block offsets, or ``None``.
       idx: ``[n, nb, M]`` codebook indices of the n coded columns.
-      s: ``[n, nb]`` their block scales.
+      u: ``[n, nb]`` their T field values: ``s`` is their block scales (NaN where invalid).
+      native: the sums by the native kernel (``kernels.cpu.lut_matmul``; float32), else by
+        XLA's gathers.
     """
     m, nb, Q = U.shape
     n, M = idx.shape[0], config.M
     if m == 0 or n == 0 or nb == 0:
         return jnp.zeros((m, n), U.dtype)
+    if native:  # the steps by u: _block_scale of every u value (index 0 is always in range)
+        steps = _block_scale(jnp.zeros((256, M), jnp.int32), jnp.arange(256), config, U.dtype)
+        return kernels.cpu.lut_matmul(U, E, idx, u.astype(jnp.uint8), steps, config.q)
+    s = _block_scale(idx, u, config, U.dtype)
     # Gathering along the table axis of each block (not from one flattened table) is ~1.7x
     # faster on XLA:CPU; columns go in chunks so the gathered [m, nb, chunk, M] stays small.
     chunk = min(n, max(1, _GATHER_CHUNK // (m * nb * M)))
@@ -370,8 +377,8 @@ def _gather_matmul(U, E, idx, s, config):
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5))
-def _matmul(a, ua, b, ub, config, pad):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _matmul(a, ua, b, ub, config, pad, native):
     dtype = default_float()
     lead = ua.shape[:-1]
     m = int(np.prod(lead, dtype=np.int64))  # not -1: a reshape cannot infer it when nb = 0
@@ -387,7 +394,7 @@ def _matmul(a, ua, b, ub, config, pad):
         tz, zz = zt
         U = U - tz
         E = sA * (jnp.sum(tz[a] * _numerics.level_weights(config, dtype), -1) - zz)
-    out = _gather_matmul(sA[..., None] * U, E, b, _block_scale(b, ub, config, dtype), config)
+    out = _gather_matmul(sA[..., None] * U, E, b, ub, config, native)
     if pad:
         out = out - jnp.matmul(_tail(a, ua, config, dtype, pad),
                                _tail(b, ub, config, dtype, pad).T, precision=_HIGHEST)
@@ -402,7 +409,29 @@ def _matrix_codes(codes, fn: str, what: str):
     return index, u, scale
 
 
-def matmul(codes_A, codes_B):
+IMPLEMENTATIONS = ("xla", "native")
+
+
+def _native(implementation, fn: str, config, *arrays) -> bool:
+    """Whether a matrix product's sums run natively: ``implementation`` checked (``None``: the
+    native kernel where it is built, the inputs live on a CPU and the product is float32)."""
+    if implementation not in (None,) + IMPLEMENTATIONS:
+        raise ValueError(f"{fn}: implementation must be one of {IMPLEMENTATIONS} or None, got "
+                         f"{implementation!r}")
+    wide = default_float() == jnp.float64 or any(
+        getattr(a, "dtype", None) == jnp.float64 for a in arrays)
+    if implementation == "native":
+        why = kernels.cpu.why_unavailable()
+        if why or wide:
+            raise ValueError(f"{fn}: no native lookup-table product here: "
+                             f"{why or 'it sums float32, the product is float64'}; use "
+                             "implementation='xla'")
+        return True
+    return (implementation is None and kernels.cpu.available() and not wide
+            and kernels.platform(*arrays) == "cpu")
+
+
+def matmul(codes_A, codes_B, *, implementation=None):
     """``A_hat @ B_hat`` of two coded matrices through the two-sided table.
 
     ``A`` is given by its rows and ``B`` by its columns, both coded along the contraction
@@ -413,6 +442,9 @@ def matmul(codes_A, codes_B):
       codes_A: blocks ``[..., nb]`` (rows of length k, any leading shape).
       codes_B: blocks ``[n, nb]`` (the n columns of B), of the same config. Row scales of
         either multiply the result.
+      implementation: the sums over the table rows of A's blocks: ``"native"`` (the native
+        CPU kernel, ``kernels.cpu.lut_matmul``), ``"xla"`` (XLA's gathers) or ``None``
+        (native where it is built, the codes live on a CPU and the product is float32).
 
     Returns:
       ``[..., n]`` (float64 under x64, else float32), equal to decode-then-matmul up to float
@@ -424,34 +456,40 @@ def matmul(codes_A, codes_B):
     _check_two_sided(config, "matmul")
     if ua.shape[-1] != ub.shape[-1]:
         raise ValueError(f"matmul: A has {ua.shape[-1]} blocks per row, B {ub.shape[-1]} per column")
-    out = _matmul(a, ua, b, ub, config, _padding(codes_A, codes_B, "matmul"))
+    native = _native(implementation, "matmul", config, a, b)
+    out = _matmul(a, ua, b, ub, config, _padding(codes_A, codes_B, "matmul"), native)
     if sa is not None:
         out = out * sa.astype(out.dtype)[..., None]
     return _row_scale(out, sb)
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _matmul_one_sided(index, u, x, config):
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _matmul_one_sided(index, u, x, config, native):
     lead = x.shape[:-1]
     t = _one_sided(x.reshape((-1, x.shape[-1])), config)  # [m, nb, Q]
     E = None
     if config.dither is not None:
         E = dither_dot(to_blocks(x.reshape((-1, x.shape[-1])).astype(t.dtype), config.d), config)
-    out = _gather_matmul(t, E, index, _block_scale(index, u, config, t.dtype), config)
+    out = _gather_matmul(t, E, index, u, config, native)
     return out.reshape(lead + out.shape[-1:])
 
 
-def matmul_one_sided(codes_W, x):
+def matmul_one_sided(codes_W, x, *, implementation=None):
     """``x @ W_hat^T``: real activations times coded weights (weight-only quantization).
 
     Args:
       codes_W: blocks ``[n, nb]``: the n output rows of W, each coded along its length-k input
         axis (row scales are applied).
       x: ``[..., k]`` real activations, ``ceil(k/d) = nb``.
+      implementation: the sums over x's tables: ``"native"``, ``"xla"`` or ``None``, as
+        :func:`matmul`'s.
 
     Returns:
       ``[..., n]`` in x's dtype (at least float32), equal to ``x @ decode(W)^T`` up to float
       rounding.
+
+    Raises:
+      ValueError: an unknown implementation, or ``"native"`` where it cannot run.
     """
     index, u, scale = _matrix_codes(codes_W, "matmul_one_sided", "W")
     config = codes_W.config
@@ -459,4 +497,5 @@ def matmul_one_sided(codes_W, x):
     x = _check_real(x, u.shape[-1], config, "matmul_one_sided", "x", codes_W.n)
     if x.size == 0 or u.shape[0] == 0:
         return jnp.zeros(x.shape[:-1] + (u.shape[0],), jnp.promote_types(x.dtype, jnp.float32))
-    return _row_scale(_matmul_one_sided(index, u, x, config), scale)
+    native = _native(implementation, "matmul_one_sided", config, index, x)
+    return _row_scale(_matmul_one_sided(index, u, x, config, native), scale)

@@ -51,16 +51,18 @@ def _weight(cfg, n_out, k, seed=0):
 def test_decoded_weights_bit_for_bit(name, isa):
     """One-hot rows of x read single decoded weights: equal to the XLA path's decode exactly
     (row scale applied, the padded tail of a ragged row dropped) on each of the product's
-    three paths (up to 4 rows: straight into the sums; more: through the buffer; from
-    GEMM_ROWS: the decode kernel, then a GEMM), at the start, middle and ragged end of the
-    rows (jitted: exact row counts, no bucket padding)."""
-    codes = _weight(CONFIGS[name], 13, 203)
+    paths (up to 4 rows: straight into the sums; more: through the buffer, or by planes four
+    rows at a time; from GEMM_ROWS: the decode kernel, then a GEMM), in the whole steps of
+    256 weights of the planes, the registers after them and the ragged end of the rows
+    (jitted: exact row counts, no bucket padding)."""
+    codes = _weight(CONFIGS[name], 13, 600)
     want = np.asarray(hq.decode(codes, implementation="xla")).T
-    eye = jnp.eye(203, dtype=jnp.float32)
+    eye = jnp.eye(600, dtype=jnp.float32)
     native = jax.jit(lambda x, c: hq.matmul(x, c, implementation="native"))
-    assert 203 >= cpu.GEMM_ROWS > 100
+    assert 600 >= cpu.GEMM_ROWS > 100
     np.testing.assert_array_equal(np.asarray(native(eye, codes)), want)
-    for rows in (slice(0, 3), slice(96, 100), slice(200, 203), slice(3, 103)):
+    for rows in (slice(0, 3), slice(250, 262), slice(560, 563), slice(590, 600),
+                 slice(3, 103)):
         np.testing.assert_array_equal(np.asarray(native(eye[rows], codes)), want[rows])
 
 
@@ -112,10 +114,25 @@ def test_decode_defaults_and_refusals():
         assert hq.decode(codes, dtype=jnp.float64).dtype == jnp.float64  # None: XLA
 
 
+@pytest.mark.parametrize("name", ["D4-q4-M2", "D4-q4-M2-T64", "D4-q4-M2-dither"])
+def test_planes_a_row_does_not_depend_on_the_batch(name):
+    """With VBMI, D4 q=4 M=2 products run by coordinate planes at every batch size, four
+    activation rows at a time: a row gives the same bits in any batch, at any k (here two whole
+    steps of 256 weights, registers after them and a ragged end)."""
+    if cpu.isa() != "avx512vbmi":
+        pytest.skip(f"this CPU runs the kernels with {cpu.isa()}, not avx512vbmi")
+    codes = _weight(CONFIGS[name], 11, 601)
+    x = np.random.default_rng(5).standard_normal((11, 601)).astype(np.float32)
+    native = jax.jit(lambda x, c: hq.matmul(x, c, implementation="native"))
+    full = np.asarray(native(x, codes))
+    for rows in (slice(0, 1), slice(0, 3), slice(2, 7), slice(10, 11), slice(1, 10)):
+        np.testing.assert_array_equal(np.asarray(native(x[rows], codes)), full[rows])
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 @settings(max_examples=4, deadline=None)
-@given(batch=st.integers(1, 19), k=st.integers(1, 90), n_out=st.integers(1, 21),
-       seed=st.integers(0, 2**16))
+@given(batch=st.integers(1, 19), k=st.one_of(st.integers(1, 90), st.integers(250, 700)),
+       n_out=st.integers(1, 21), seed=st.integers(0, 2**16))
 def test_matches_xla(name, batch, k, n_out, seed):
     codes = _weight(CONFIGS[name], n_out, k, seed)
     x = np.random.default_rng(seed + 1).standard_normal((batch, k)).astype(np.float32)
@@ -181,19 +198,20 @@ def test_failed_and_corrupted_blocks_give_nan_under_jit(isa):
         hq.matmul(x, bad, implementation="native")
 
 
-@pytest.mark.parametrize("name", ["D4-q4-M2", "E8-q4-M2", "E8-q2-M2"])
-def test_a_failed_block_in_whole_registers(name, isa):
-    """A failed block (T = -1) in a row of whole registers (k = 64, 2 rows of x: decoded
-    registers straight into the sums; the block shares its register with others) makes that
-    row's products NaN and no other row's."""
+@pytest.mark.parametrize("name", ["D4-q4-M2", "D4-q4-M2-T64", "E8-q4-M2", "E8-q2-M2"])
+@pytest.mark.parametrize("k", [64, 320])
+def test_a_failed_block_in_whole_registers(name, k, isa):
+    """A failed block (T = -1) in a row of whole registers (2 rows of x: decoded registers
+    straight into the sums; the block shares its register with others; k = 320: D4's first
+    64 blocks in a step of the planes) makes that row's products NaN and no other row's."""
     cfg = CONFIGS[name]
-    codes = _weight(cfg, 3, 64)
+    codes = _weight(cfg, 3, k)
     T = np.asarray(codes.T).copy()
     T[1, 5] = -1
     tfield = hq.Codes.from_labels(np.asarray(codes.labels), T, cfg).tfield
     bad = hq.Codes(codes.index, tfield, cfg, scale=codes.scale, n=codes.n)
     y = np.asarray(jax.jit(lambda x, c: hq.matmul(x, c, implementation="native"))(
-        np.ones((2, 64), np.float32), bad))
+        np.ones((2, k), np.float32), bad))
     assert np.isnan(y[:, 1]).all() and np.isfinite(y[:, [0, 2]]).all()
 
 
@@ -202,8 +220,10 @@ def test_isa_levels_and_refusals():
     assert best in cpu.ISAS
     with cpu.use_isa("portable"):
         assert cpu.isa() == "portable"
-        with cpu.use_isa("avx512"):  # a limit, not a demand: at most what the CPU has
+        with cpu.use_isa("avx512vbmi"):  # a limit, not a demand: at most what the CPU has
             assert cpu.isa() == best
+        with cpu.use_isa("avx2"):
+            assert cpu.isa() == min("avx2", best, key=cpu.ISAS.index)
         assert cpu.isa() == "portable"
     assert cpu.isa() == best
     with pytest.raises(ValueError, match="one of"):

@@ -314,3 +314,63 @@ def test_bad_input():
         lut.matmul(c, _random_codes(cfg, (2, 4), rng))
     with pytest.raises(ValueError, match=r"length 9..12"):
         lut.matmul_one_sided(c, np.zeros((5, 8)))
+
+
+# The native sums (kernels.cpu.lut_matmul): 16 blocks a register with AVX-512 for two levels of
+# uint8 indices (D4 q=4, E8 q=2, Z2 q=3), a block at a time otherwise (A2's two-sided table,
+# three levels, E8 q=4's uint16 indices: one-sided only)
+NATIVE = [hq.HNLQConfig("D4", 4, 2, beta=0.2), hq.HNLQConfig("D4", 3, 3, beta=0.3),
+          hq.HNLQConfig("E8", 4, 2, beta=0.25)] + CONFIGS
+needs_native = pytest.mark.skipif(not hq.kernels.cpu.available(),
+                                  reason=f"{hq.kernels.cpu.why_unavailable()}")
+
+
+@needs_native
+@pytest.mark.parametrize("cfg", NATIVE, ids=lambda c: f"{c.lattice}q{c.q}M{c.M}")
+@settings(max_examples=3, deadline=None)
+@given(m=st.integers(1, 5), n=st.integers(1, 19), nb=st.integers(1, 40),
+       seed=st.integers(0, 2**16))
+def test_native_sums_equal_xla(cfg, m, n, nb, seed):
+    """Both products' native sums against XLA's gathers, within float rounding (whole
+    registers of 16 blocks, a ragged rest, several tiles of 8 columns)."""
+    rng = np.random.default_rng(seed)
+    if cfg.lattice == "E8" and cfg.q == 4:
+        nb = min(nb, 4)  # one-sided tables of 65,536 entries a block
+    W, A = _random_codes(cfg, (n, nb), rng), _random_codes(cfg, (m, nb), rng)
+    x = rng.normal(size=(m, nb * cfg.d)).astype(np.float32)
+    pairs = [(lut.matmul_one_sided, (W, x))]
+    if cfg.q**(2 * cfg.d) <= lut.MAX_TWO_SIDED:
+        pairs.append((lut.matmul, (A, W)))
+    for fn, args in pairs:
+        got = np.asarray(fn(*args, implementation="native"))
+        want = np.asarray(fn(*args, implementation="xla"))
+        assert got.dtype == np.float32 and got.shape == want.shape == (m, n)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        np.testing.assert_array_equal(np.asarray(fn(*args)), got)  # None: native on a CPU
+
+
+@needs_native
+def test_native_invalid_blocks_give_nan_under_jit():
+    """A failed block (T = -1) in a whole register and an index >= q^d (D4 q=3: uint8 indices
+    up to 255; only under jit, eager calls refuse them) make their columns NaN, as XLA's."""
+    cfg = hq.HNLQConfig("D4", 3, 2, beta=0.3)
+    rng = np.random.default_rng(7)
+    W = _random_codes(cfg, (3, 20), rng)
+    W = hq.Codes.from_labels(W.labels, W.T.at[0, 3].set(-1), cfg)
+    W = hq.Codes(W.index.at[2, 17, 1].set(200), W.tfield, cfg)
+    x = rng.normal(size=(2, 80)).astype(np.float32)
+    for impl in ("native", "xla"):
+        y = np.asarray(jax.jit(lambda c, v, impl=impl: lut.matmul_one_sided(
+            c, v, implementation=impl))(W, x))
+        assert np.isnan(y[:, [0, 2]]).all() and np.isfinite(y[:, 1]).all()
+
+
+def test_native_refusals():
+    cfg = CONFIGS[2]
+    W = _random_codes(cfg, (3, 4), np.random.default_rng(8))
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        lut.matmul_one_sided(W, np.ones((1, 16), np.float32), implementation="lut")
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match="no native lookup-table product"):
+            lut.matmul(W, W, implementation="native")
+        assert lut.matmul(W, W).dtype == jnp.float64  # None: XLA's float64 gathers

@@ -20,6 +20,11 @@ kernel             what it does                                 reference
                    tiles of rows decoded straight into the      implementation="xla"``
                    output (for a large batch's product: one     (bit for bit)
                    decode, then a float GEMM)
+``lut_matmul``     the lookup-table products' sums: per block    ``hq.lut.matmul`` /
+                   and level one lookup in the tables U and an  ``matmul_one_sided(...,
+                   add, per block a multiply by its step; a     implementation="xla"``
+                   task a tile of 8 columns, 16 blocks a        (sums in another order)
+                   register by AVX-512 gathers
 ``rotate``         ``x R`` / ``x R^T`` of a rotation (signs,        ``Rotation.apply(...,
                    butterflies, mixer), rows of x a task        implementation="xla"``
                                                                 (equal within float32
@@ -45,8 +50,8 @@ from hnlq_jax.codes import Codes, index_dtype, t_bits
 from hnlq_jax.config import HNLQConfig, pow2_table
 
 __all__ = ["GEMM_ROWS", "HostCodes", "ISAS", "available", "decode", "decode_host",
-           "decode_matmul", "decode_matmul_host", "isa", "rotate", "rotate_host", "unsupported",
-           "use_isa", "why_unavailable"]
+           "decode_matmul", "decode_matmul_host", "isa", "lut_matmul", "rotate", "rotate_host",
+           "unsupported", "use_isa", "why_unavailable"]
 
 try:
     from hnlq_jax.kernels import _cpu
@@ -71,16 +76,18 @@ def why_unavailable() -> str | None:
 
 
 # The instruction sets the kernels have code for, in order (csrc/decode_rows.h's Isa).
-ISAS = ("portable", "avx2", "avx512")
+ISAS = ("portable", "avx2", "avx512", "avx512vbmi")
 
 
 def isa() -> str:
     """The instruction set the product and decode kernels run with now: the best of
-    :data:`ISAS` this CPU has (``"avx512"``: AVX-512 F/BW/DQ/VL + FMA; ``"avx2"``: AVX2 +
-    FMA; ``"portable"``: plain C++), at most :func:`use_isa`'s limit.
+    :data:`ISAS` this CPU has (``"avx512vbmi"``: AVX-512 with VBMI's byte permutes;
+    ``"avx512"``: AVX-512 F/BW/DQ/VL + FMA; ``"avx2"``: AVX2 + FMA; ``"portable"``: plain
+    C++), at most :func:`use_isa`'s limit.
 
     Decoded weights are the same bits on every level; products sum 16 lanes with AVX-512 and
-    8 with AVX2, so their float sums differ in rounding between the two.
+    8 with AVX2, and D4 q=4 M=2 products with VBMI sum by coordinate planes, so their float
+    sums differ in rounding between levels.
 
     Raises:
       RuntimeError: the native kernels are not built.
@@ -159,7 +166,7 @@ def _tables(config: HNLQConfig):
 
     The codebook is padded to the index dtype's whole range so that any stored index reads in
     bounds (the kernel marks indices >= q^d failed); in the pair layout it is the table of
-    ``r(k0) + q r(k1)`` over all 65,536 keys, in the packed layout one 32-bit word a row
+    ``r(k0) + q r(k1)`` over all 65,536 keys followed by ``r``, in the packed layout one 32-bit word a row
     (two an 8-byte row of the argument). ``pow2[u]`` is ``2^(alpha (u - 1))`` for a valid
     T field value u and NaN otherwise (u = 0: a failed block; u > max_T + 1: corrupted).
     """
@@ -169,8 +176,8 @@ def _tables(config: HNLQConfig):
     codebook = np.zeros((rows, config.d), np.int8)
     codebook[:len(table)] = table
     if mode == _PAIRS:  # key = k0 + 256 k1 (little-endian uint16 of the two index bytes)
-        codebook = (table[:, None, :] * config.q + table[None, :, :]).reshape(-1, 4)
-        codebook = codebook.astype(np.int8)
+        pairs = (table[:, None, :] * config.q + table[None, :, :]).reshape(-1, 4)
+        codebook = np.concatenate([pairs, table]).astype(np.int8)  # then r: the planes
     if mode == _PACKED:  # word k = sum_i (r_i + 7) 16^i, two words an 8-byte row
         words = np.zeros(rows, np.uint32)
         words[:len(table)] = np.sum((table + 7).astype(np.uint32) << (4 * np.arange(8)), axis=1)
@@ -248,6 +255,29 @@ def decode_matmul(x, codes: Codes, bf16_weights: bool = False):
                                                  jnp.float32),
                             vmap_method="sequential")
     return call(x, *operands, **attrs)
+
+
+def lut_matmul(U, E, index, u, steps, q: int):
+    """The lookup-table product's sums ``y[m, n] = sum_k steps[u[n, k]] (sum_j q^j U[m, k,
+    index[n, k, j]] - E[m, k])`` (NaN where an index is ``>= Q``): :mod:`hnlq_jax.lut`'s
+    one- and two-sided matrix products on a CPU.
+
+    Args:
+      U: ``[m, nb, Q]`` float32 per-block tables.
+      E: ``[m, nb]`` float32 per-block offsets, or ``None``.
+      index: ``[n, nb, M]`` uint8 or uint16 codebook indices.
+      u: ``[n, nb]`` uint8 T field values.
+      steps: ``[256]`` float32 block scales by ``u`` (NaN where ``u`` is not valid).
+      q: the codes' q (level ``j`` weighs ``q^j``).
+
+    Returns:
+      ``[m, n]`` float32.
+    """
+    E = jnp.zeros((0,), jnp.float32) if E is None else E
+    call = jax.ffi.ffi_call("hnlq_lut_matmul",
+                            jax.ShapeDtypeStruct((U.shape[0], index.shape[0]), jnp.float32),
+                            vmap_method="sequential")
+    return call(U, E, index, u, steps, q=np.int64(q))
 
 
 def rotate(x, signs, mixer, k: int, m: int, inverse: bool):

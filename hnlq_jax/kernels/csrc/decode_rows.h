@@ -37,10 +37,16 @@
 namespace hnlq {
 
 // The codebook argument's layout (chosen by hnlq_jax.kernels.cpu, see pairs_avx2 and
-// horner_avx2): kGeneric and kHorner pass r itself, kPairs the two-level table, kPacked r as
-// one 32-bit word a row (8 coordinates of 4 bits, excess 7: r_i = nibble_i - 7), half the
-// bytes of kHorner's table (E8 q = 4: 256 KiB, which stays in a 512 KiB L2).
+// horner_avx2): kGeneric and kHorner pass r itself, kPairs the two-level table then r,
+// kPacked r as one 32-bit word a row (8 coordinates of 4 bits, excess 7: r_i = nibble_i - 7),
+// half the bytes of kHorner's table (E8 q = 4: 256 KiB, which stays in a 512 KiB L2).
 enum Mode : int64_t { kGeneric = 0, kPairs = 1, kHorner = 2, kPacked = 3 };
+
+// The codebook argument's rows in layout `mode` for an index of 8 or 16 (u16) bits.
+inline int64_t codebook_rows(int64_t mode, bool u16) {
+  const int64_t range = u16 ? 65536 : 256;
+  return mode == kPairs ? 65536 + 256 : mode == kPacked ? range / 2 : range;
+}
 
 inline int32_t packed_coordinate(uint32_t word, int i) {
   return static_cast<int32_t>((word >> (4 * i)) & 15u) - 7;
@@ -49,19 +55,20 @@ inline int32_t packed_coordinate(uint32_t word, int i) {
 // The instruction sets a kernel has code for, in order. A call runs the best one the CPU has
 // (checked once, at run time: the build does not assume any), at most isa_limit() (module.cc's
 // set_isa_limit: tests and benchmarks compare the levels on one machine). kAvx512's products
-// sum 16 lanes where kAvx2's sum 8, so their float sums differ in rounding; decoded weights are
-// the same bits on every level.
-enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+// sum 16 lanes where kAvx2's sum 8, and kVbmi's D4 pair codes sum by coordinate planes
+// (planes_vbmi), so their float sums differ in rounding; decoded weights are the same bits on
+// every level.
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kVbmi = 3 };
 
 inline int supported_isa() {
 #ifdef HNLQ_X86
-  static const int isa =
-      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-              __builtin_cpu_supports("fma")
-          ? kAvx512
-          : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? kAvx2
-                                                                            : kPortable;
+  static const int isa = [] {
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return kPortable;
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512dq") || !__builtin_cpu_supports("avx512vl"))
+      return kAvx2;
+    return __builtin_cpu_supports("avx512vbmi") ? kVbmi : kAvx512;
+  }();
   return isa;
 #else
   return kPortable;
@@ -69,7 +76,7 @@ inline int supported_isa() {
 }
 
 inline std::atomic<int>& isa_limit() {
-  static std::atomic<int> limit{kAvx512};
+  static std::atomic<int> limit{kVbmi};
   return limit;
 }
 
@@ -93,6 +100,8 @@ struct Problem {
   int64_t mode;                // a Mode: the codebook's layout
   const float* pair_steps;     // 4-bit T, d = 4 or 8: [256][2d] steps of both blocks of a byte
                                // (each d times); else null
+  const int8_t* planes;        // kPairs: r's coordinate planes, byte k of plane i r_i(k)
+                               // [4][256] (decode_matmul.cc's planes_vbmi); else null
 };
 
 inline float round_bf16(float w) {
@@ -158,7 +167,7 @@ inline __attribute__((always_inline)) void decode_row(const Problem& p, int64_t 
 //
 // * kPairs (d = 4, M = 2, uint8 index): the codebook argument is the two-level table
 //   c[k0 + 256 k1] = r(k0) + q r(k1) (65,536 x 4 int8, 256 KiB: L2), read with one 16-bit key
-//   per block; two blocks a register.
+//   per block, two blocks a register; then r itself (256 x 4, for planes_vbmi).
 // * kHorner (d = 8, q a power of two): c = r(k_{M-1}) q + ... + r(k_0) summed in int8 lanes
 //   (the caller checked that every partial sum fits), one block a register.
 //
@@ -354,6 +363,8 @@ inline bool registers_apply(const Problem& p) {
 }
 
 #define HNLQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
+#define HNLQ_VBMI \
+  __attribute__((target("avx512vbmi,avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
 
 // The register decodes with AVX-512 (kAvx512; decode_matmul.cc's small-batch product): 16
 // weights a register (four D4 blocks, two E8 blocks), each lane computed as finish_avx2's.
@@ -362,8 +373,8 @@ struct RowConsts512 {
   bool scale, bf16;
 };
 
-HNLQ_AVX512 inline __m512 finish_avx512(const RowConsts512& k, __m512i c, __m512 s) {
-  const __m512 xhat = _mm512_mul_ps(_mm512_cvtepi32_ps(c), k.cart);
+HNLQ_AVX512 inline __m512 finish_avx512(const RowConsts512& k, __m512 c, __m512 s) {
+  const __m512 xhat = _mm512_mul_ps(c, k.cart);
   __m512 w = _mm512_mul_ps(_mm512_mul_ps(k.beta, _mm512_sub_ps(xhat, k.z)), s);
   if (k.scale) w = _mm512_mul_ps(w, k.rs);
   if (k.bf16) {  // as round_bf16
@@ -568,6 +579,8 @@ __attribute__((target("avx2,fma"))) void decode_row_avx2(const Problem& p, int64
 // claim (common.h).
 struct Shared : Tasks {
   alignas(64) float pair_steps[256 * 16];
+  alignas(64) int8_t planes[4 * 256];
+  std::vector<float> xp;  // the activations in plane order (decode_matmul.cc's plane_order)
   Problem p;
   int isa = kPortable;  // the call's Isa (active_isa() when its codes were set)
   void (*work)(Shared&) = nullptr;
@@ -576,6 +589,11 @@ struct Shared : Tasks {
 // Kernel<Index, D, Isa>::run(call) for the codes' index type and d at the call's Isa level
 // (each level's code compiled for its instruction set).
 #ifdef HNLQ_X86
+template <template <typename, int, int> class Kernel, typename Index, int D>
+HNLQ_VBMI void run_vbmi(Shared& call) {
+  Kernel<Index, D, kVbmi>::run(call);
+}
+
 template <template <typename, int, int> class Kernel, typename Index, int D>
 HNLQ_AVX512 void run_avx512(Shared& call) {
   Kernel<Index, D, kAvx512>::run(call);
@@ -590,6 +608,7 @@ __attribute__((target("avx2,fma"))) void run_avx2(Shared& call) {
 template <template <typename, int, int> class Kernel, typename Index, int D>
 void run_cpu(Shared& call) {
 #ifdef HNLQ_X86
+  if (call.isa == kVbmi) return run_vbmi<Kernel, Index, D>(call);
   if (call.isa == kAvx512) return run_avx512<Kernel, Index, D>(call);
   if (call.isa == kAvx2) return run_avx2<Kernel, Index, D>(call);
 #endif
@@ -652,7 +671,7 @@ inline ffi::Error set_codes(const char* kernel, const CodesView& v, const Attrs&
   const bool pairs = a.mode == kPairs, packed = a.mode == kPacked;
   ffi::Error e = check(
       p.d >= 1 && p.d <= 8 && 512 % p.d == 0 && a.qd >= 1 && a.qd <= range && p.M >= 1 &&
-          a.q >= 2 && v.rows == (pairs ? 65536 : packed ? range / 2 : range) &&
+          a.q >= 2 && v.rows == codebook_rows(a.mode, v.u16) &&
           a.mode >= kGeneric && a.mode <= kPacked &&
           (!pairs || (!v.u16 && p.M == 2 && a.qd == 256)) &&
           ((a.mode != kHorner && !packed) || (p.d == 8 && (a.q & (a.q - 1)) == 0)),
@@ -667,6 +686,12 @@ inline ffi::Error set_codes(const char* kernel, const CodesView& v, const Attrs&
   p.codebook = v.codebook; p.pow2 = v.pow2; p.dither = v.dither;
   call.isa = active_isa();
   p.fold = !p.bf16 && std::all_of(v.dither, v.dither + p.d, [](float z) { return z == 0.0f; });
+  p.planes = nullptr;
+  if (pairs) {  // the pair table's 65,536 rows, then r's 256
+    for (int64_t k = 0; k < 256; ++k)
+      for (int64_t i = 0; i < 4; ++i) call.planes[256 * i + k] = v.codebook[4 * (65536 + k) + i];
+    p.planes = call.planes;
+  }
   p.pair_steps = nullptr;
   if (a.t4 && (p.d == 4 || p.d == 8)) {
     const int64_t d = p.d;

@@ -11,6 +11,7 @@
 
 extern "C" XLA_FFI_Error* HnlqDecode(XLA_FFI_CallFrame* frame);
 extern "C" XLA_FFI_Error* HnlqDecodeMatmul(XLA_FFI_CallFrame* frame);
+extern "C" XLA_FFI_Error* HnlqLutMatmul(XLA_FFI_CallFrame* frame);
 extern "C" XLA_FFI_Error* HnlqRotate(XLA_FFI_CallFrame* frame);
 
 namespace {
@@ -23,6 +24,7 @@ struct Target {
 constexpr Target kTargets[] = {
     {"hnlq_decode", HnlqDecode},
     {"hnlq_decode_matmul", HnlqDecodeMatmul},
+    {"hnlq_lut_matmul", HnlqLutMatmul},
     {"hnlq_rotate", HnlqRotate},
 };
 
@@ -42,9 +44,7 @@ struct DirectArgs {
                            reinterpret_cast<const uint8_t*>(tfield), N, tb,
                            reinterpret_cast<const float*>(scale), has_scale ? N : 0,
                            reinterpret_cast<const int8_t*>(codebook),
-                           mode == hnlq::kPairs ? 65536
-                               : (u16 ? 65536 : 256) / (mode == hnlq::kPacked ? 2 : 1),
-                           d,
+                           hnlq::codebook_rows(mode, u16 != 0), d,
                            reinterpret_cast<const float*>(pow2), 256,
                            reinterpret_cast<const float*>(dither), d};
   }
@@ -113,12 +113,12 @@ PyObject* Rotate(PyObject*, PyObject* args) {
 }
 
 // set_isa_limit(level) -> the previous limit: calls starting from now run at most Isa `level`
-// (0 portable, 1 AVX2, 2 AVX-512; decode_rows.h), for tests and benchmarks.
+// (0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512 VBMI; decode_rows.h), for tests and benchmarks.
 PyObject* SetIsaLimit(PyObject*, PyObject* args) {
   int level;
   if (!PyArg_ParseTuple(args, "i", &level)) return nullptr;
-  if (level < hnlq::kPortable || level > hnlq::kAvx512) {
-    PyErr_SetString(PyExc_ValueError, "set_isa_limit: level must be 0, 1 or 2");
+  if (level < hnlq::kPortable || level > hnlq::kVbmi) {
+    PyErr_SetString(PyExc_ValueError, "set_isa_limit: level must be 0, 1, 2 or 3");
     return nullptr;
   }
   return PyLong_FromLong(hnlq::isa_limit().exchange(level));
@@ -136,7 +136,7 @@ PyMethodDef kMethods[] = {
     {"set_isa_limit", SetIsaLimit, METH_VARARGS,
      "set_isa_limit(level) -> previous: calls from now run at most this instruction set."},
     {"active_isa", ActiveIsa, METH_NOARGS,
-     "active_isa() -> the instruction set level a call starting now runs (0, 1, 2)."},
+     "active_isa() -> the instruction set level a call starting now runs (0 to 3)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -7,6 +7,8 @@ N(0,1) entries, D4 q=4 M=2 row codes (``hq.encode_rows``, the layers' weight for
 * ``lut.matmul_one_sided(codes_W, x)``: real activations, weights as codes (one-sided tables);
 * ``lut.matmul(codes_x, codes_W)``: both coded (two-sided table; x as row codes too); the time
   to encode x is listed separately;
+* each LUT product with its sums by the native kernel (``implementation="native"``, where it is
+  built) and by XLA's gathers (``"xla"``);
 * ``hq.matmul(x, codes_W)``: the front door with its default implementation;
 * decode-then-dot: ``x @ decode(codes_W)^T`` per call (the weights stay codes);
 * ``float32``: the dense float32 weight, ``jnp.einsum`` (XLA's best form for batch 1).
@@ -62,8 +64,11 @@ def run(size, batches, repeat):
     cW = hq.encode_rows(W, cfg)
     Wq = hq.decode(cW)
 
-    one_sided = jax.jit(lut.matmul_one_sided)
-    two_sided = jax.jit(lut.matmul)
+    impls = ("native", "xla") if hq.kernels.cpu.available() else ("xla",)
+    one_sided = {i: jax.jit(lambda c, x, i=i: lut.matmul_one_sided(c, x, implementation=i))
+                 for i in impls}
+    two_sided = {i: jax.jit(lambda a, b, i=i: lut.matmul(a, b, implementation=i)) for i in impls}
+    sums = {"native": "native sums", "xla": "XLA gathers"}
     front_door = jax.jit(lambda x, c: hq.matmul(x, c))
     encode_x = jax.jit(lambda x: hq.encode_rows(x, cfg))
     decode_dot = jax.jit(lambda c, x: jnp.einsum("bk,nk->bn", x, hq.decode(c)))
@@ -76,11 +81,14 @@ def run(size, batches, repeat):
         xq = hq.decode(cx)
         exact_w = np.asarray(x, np.float64) @ np.asarray(Wq, np.float64).T
         exact_xw = np.asarray(xq, np.float64) @ np.asarray(Wq, np.float64).T
-        results = {
-            "matmul_one_sided (LUT)": (best_time(one_sided, cW, x, repeat=repeat),
-                                       one_sided(cW, x), exact_w),
-            "matmul two-sided (LUT)": (best_time(two_sided, cx, cW, repeat=repeat),
-                                       two_sided(cx, cW), exact_xw),
+        results = {}
+        for i in impls:
+            results[f"matmul_one_sided (LUT, {sums[i]})"] = (
+                best_time(one_sided[i], cW, x, repeat=repeat), one_sided[i](cW, x), exact_w)
+        for i in impls:
+            results[f"matmul two-sided (LUT, {sums[i]})"] = (
+                best_time(two_sided[i], cx, cW, repeat=repeat), two_sided[i](cx, cW), exact_xw)
+        results |= {
             "hq.matmul (default implementation)": (best_time(front_door, x, cW, repeat=repeat),
                                                    front_door(x, cW), exact_w),
             "decode-then-dot": (best_time(decode_dot, cW, x, repeat=repeat),

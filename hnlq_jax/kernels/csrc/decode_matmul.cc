@@ -26,12 +26,12 @@ constexpr int64_t kFusedRows = 4;  // up to this many rows of x: decoded registe
                                    // into the sums (more: through the buffer, 4 x 2 blocking;
                                    // by planes, four rows at a time)
 
-// Whether a call at Isa level `isa` multiplies pair codes by planes (row_planes).
+// Whether a call at Isa level `isa` multiplies pair codes by planes (tile_planes).
 inline bool planes_apply(const Problem& p, int isa) {
   return isa == kVbmi && p.mode == kPairs;
 }
 
-// x'[b, 256 g + 64 i + l] = x[b, 256 g + 4 l + i] for the whole steps of row_planes (l < 64,
+// x'[b, 256 g + 64 i + l] = x[b, 256 g + 4 l + i] for the whole steps of tile_planes (l < 64,
 // i < 4); the rest of each row as it is.
 void plane_order(const float* x, int64_t B, int64_t K, float* xp) {
   const int64_t planar = K / 256 * 256;
@@ -164,26 +164,12 @@ HNLQ_AVX512 void row_dot_avx512(const Problem& p, int64_t r, int64_t b0) {
 // planes (p.planes, a plane's 256 bytes in four registers) by two two-register byte permutes
 // and a blend on the key's top bit; c_i = r_i(k0) + q r_i(k1) summed in int8 lanes (q = 4;
 // _mode checked that the sums fit). Lanes of coordinate i of the step's blocks 16h..16h+15
-// meet the activations permuted alike (plane_order). Folded, a step sums per block
-// u = sum_i x_i c_i and then s u (s = 2^(alpha T): 9 float operations per 16 blocks where
-// pairs_avx512 takes 12, and no table read from L2: 4096 x 4096 at batch 1 on one thread
-// 2.5 ms against 3.1 ms); else each weight as finish_avx512 and x times it. Four sums per
-// activation row (by h folded, by i else).
-template <int NB, bool Fold>
-struct Planes512 {
-  const float* x;  // x' row 0 (plane_order)
-  int64_t K;
-  RowConsts512 k;
-  __m512 z[4];        // the dither's coordinate i in every lane
-  __m512 acc[NB][4];  // [row][h folded, i else]
-  HNLQ_AVX512 void operator()(int64_t o, __m512 c, __m512 s, int i) {
-    RowConsts512 ki = k;
-    ki.z = z[i];
-    const __m512 w = finish_avx512(ki, c, s);
-    for (int b = 0; b < NB; ++b)
-      acc[b][i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + b * K + o), acc[b][i]);
-  }
-};
+// meet the activations permuted alike (plane_order). A task decodes the step of each of its
+// weight rows once, then multiplies them into every activation row, which it reads once for
+// all of them. Folded, a pair of rows sums per block u = sum_i x_i c_i and then s u (s =
+// 2^(alpha T): 9 float operations per 16 blocks where pairs_avx512 takes 12, and no table
+// read from L2); else x times each weight as finish_avx512 decodes it. One sum a pair of
+// rows, in the same order at every batch size.
 
 // A byte of each lane of k looked up in a 256-byte table (four registers).
 HNLQ_VBMI inline __m512i lookup256(const __m512i* t, __m512i k, __mmask64 top) {
@@ -205,62 +191,145 @@ HNLQ_VBMI inline __m512 steps16(const Problem& p, const uint8_t* tf, int64_t j, 
   return _mm512_i32gather_ps(u, p.pow2, 4);
 }
 
-template <int NB, bool Fold>
-HNLQ_VBMI void row_planes(const Problem& p, int64_t r, int64_t b0) {
-  const float* dz = p.dither;
-  Planes512<NB, Fold> sink{p.x + b0 * p.K, p.K, row_consts512_of<4>(p, r),
-                           {_mm512_set1_ps(dz[0]), _mm512_set1_ps(dz[1]), _mm512_set1_ps(dz[2]),
-                            _mm512_set1_ps(dz[3])},
-                           {}};
-  for (int b = 0; b < NB; ++b)
-    for (int i = 0; i < 4; ++i) sink.acc[b][i] = _mm512_setzero_ps();
-  __m512i t[4][4];
+// A decoded step of one weight row: folded, c (by plane i and lanes h) and the steps; else
+// the weights.
+struct PlaneStep {
+  __m512 v[4][4];  // [i][h]
+  __m512 s[4];     // [h], folded only
+};
+
+// What decode_step needs of a call, in registers.
+struct PlaneConsts {
+  __m512i t[4][4];  // r's planes
+  __m512i even, odd;
+  __m512 pow2;
+  __m512 z[4];
+};
+
+HNLQ_VBMI inline PlaneConsts plane_consts(const Problem& p) {
+  PlaneConsts c;
   for (int i = 0; i < 4; ++i)
-    for (int h = 0; h < 4; ++h) t[i][h] = _mm512_load_si512(p.planes + 256 * i + 64 * h);
+    for (int h = 0; h < 4; ++h) c.t[i][h] = _mm512_load_si512(p.planes + 256 * i + 64 * h);
   alignas(64) uint8_t pick[2][64];  // the even (level 0) and odd (level 1) bytes of 128
   for (int l = 0; l < 64; ++l) pick[0][l] = static_cast<uint8_t>(2 * l), pick[1][l] = 2 * l + 1;
-  const __m512i even = _mm512_load_si512(pick[0]), odd = _mm512_load_si512(pick[1]);
-  const __m512 pow2 = _mm512_loadu_ps(p.pow2);
-  const uint8_t* key = static_cast<const uint8_t*>(p.index) + r * p.nb * 2;
+  c.even = _mm512_load_si512(pick[0]);
+  c.odd = _mm512_load_si512(pick[1]);
+  c.pow2 = _mm512_loadu_ps(p.pow2);
+  for (int i = 0; i < 4; ++i) c.z[i] = _mm512_set1_ps(p.dither[i]);
+  return c;
+}
+
+template <bool Fold>
+HNLQ_VBMI inline void decode_step(const Problem& p, int64_t r, int64_t g, const PlaneConsts& pc,
+                                  const RowConsts512& k, PlaneStep& out) {
+  const uint8_t* key = static_cast<const uint8_t*>(p.index) + (r * p.nb + 64 * g) * 2;
   const uint8_t* tf = p.tfield + r * p.tb;
-  const int64_t steps = p.K / 256;  // whole steps inside K
-  for (int64_t g = 0; g < steps; ++g, key += 128) {
-    const __m512i lo = _mm512_loadu_si512(key), hi = _mm512_loadu_si512(key + 64);
-    const __m512i k0 = _mm512_permutex2var_epi8(lo, even, hi);
-    const __m512i k1 = _mm512_permutex2var_epi8(lo, odd, hi);
-    const __mmask64 top0 = _mm512_movepi8_mask(k0), top1 = _mm512_movepi8_mask(k1);
-    __m512 s[4];
-    for (int h = 0; h < 4; ++h) s[h] = steps16(p, tf, 64 * g + 16 * h, pow2);
-    alignas(64) int8_t cb[4][64];  // widened from memory: no extracts
-    for (int i = 0; i < 4; ++i) {
-      const __m512i r1 = lookup256(t[i], k1, top1);
-      const __m512i c = _mm512_add_epi8(r1, r1);
-      _mm512_store_si512(cb[i], _mm512_add_epi8(lookup256(t[i], k0, top0),
-                                                _mm512_add_epi8(c, c)));
-    }
-    const float* xg = sink.x + 256 * g;
+  const __m512i lo = _mm512_loadu_si512(key), hi = _mm512_loadu_si512(key + 64);
+  const __m512i k0 = _mm512_permutex2var_epi8(lo, pc.even, hi);
+  const __m512i k1 = _mm512_permutex2var_epi8(lo, pc.odd, hi);
+  const __mmask64 top0 = _mm512_movepi8_mask(k0), top1 = _mm512_movepi8_mask(k1);
+  __m512 s[4];
+  for (int h = 0; h < 4; ++h) s[h] = steps16(p, tf, 64 * g + 16 * h, pc.pow2);
+  alignas(64) int8_t cb[4][64];  // widened from memory: no extracts
+  for (int i = 0; i < 4; ++i) {
+    const __m512i r1 = lookup256(pc.t[i], k1, top1);
+    const __m512i c = _mm512_add_epi8(r1, r1);
+    _mm512_store_si512(cb[i], _mm512_add_epi8(lookup256(pc.t[i], k0, top0), _mm512_add_epi8(c, c)));
+  }
+  for (int i = 0; i < 4; ++i) {
+    RowConsts512 ki = k;
+    ki.z = pc.z[i];
     for (int h = 0; h < 4; ++h) {
-      __m512 cf[4];
-      for (int i = 0; i < 4; ++i)
-        cf[i] = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(cb[i] + 16 * h))));
-      if constexpr (Fold) {
-        for (int b = 0; b < NB; ++b) {
-          const float* xb = xg + b * p.K + 16 * h;
-          __m512 u = _mm512_mul_ps(_mm512_loadu_ps(xb), cf[0]);
-          for (int i = 1; i < 4; ++i) u = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 64 * i), cf[i], u);
-          sink.acc[b][h] = _mm512_fmadd_ps(u, s[h], sink.acc[b][h]);
-        }
-      } else {
-        for (int i = 0; i < 4; ++i) sink(256 * g + 64 * i + 16 * h, cf[i], s[h], i);
+      const __m512 cf = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(cb[i] + 16 * h))));
+      out.v[i][h] = Fold ? cf : finish_avx512(ki, cf, s[h]);
+    }
+  }
+  for (int h = 0; h < 4; ++h) out.s[h] = s[h];
+}
+
+// A decoded step into one activation row's sum (x: the row at the step in plane order).
+template <bool Fold>
+HNLQ_AVX512 inline __m512 step_sum(const PlaneStep& st, const __m512 (&x)[4][4], __m512 sum) {
+  for (int h = 0; h < 4; ++h) {
+    if constexpr (Fold) {
+      __m512 u = _mm512_mul_ps(x[0][h], st.v[0][h]);
+      for (int i = 1; i < 4; ++i) u = _mm512_fmadd_ps(x[i][h], st.v[i][h], u);
+      sum = _mm512_fmadd_ps(u, st.s[h], sum);
+    } else {
+      for (int i = 0; i < 4; ++i) sum = _mm512_fmadd_ps(st.v[i][h], x[i][h], sum);
+    }
+  }
+  return sum;
+}
+
+HNLQ_AVX512 inline void load_step(const float* x, __m512 (&out)[4][4]) {
+  for (int i = 0; i < 4; ++i)
+    for (int h = 0; h < 4; ++h) out[i][h] = _mm512_loadu_ps(x + 64 * i + 16 * h);
+}
+
+// Weight row r against NB <= 4 activation rows: each step decoded and multiplied at once, the
+// sums in registers (the same operations as tile_planes').
+template <int NB, bool Fold>
+HNLQ_VBMI void row_planes(const Problem& p, int64_t r) {
+  const PlaneConsts c = plane_consts(p);
+  const RowConsts512 k = row_consts512_of<4>(p, r);
+  __m512 sum[NB];
+  for (int b = 0; b < NB; ++b) sum[b] = _mm512_setzero_ps();
+  const int64_t steps = p.K / 256;
+  for (int64_t g = 0; g < steps; ++g) {
+    PlaneStep st;
+    decode_step<Fold>(p, r, g, c, k, st);
+    for (int b = 0; b < NB; ++b) {
+      __m512 x[4][4];
+      load_step(p.x + b * p.K + 256 * g, x);
+      sum[b] = step_sum<Fold>(st, x, sum[b]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    Dot512<1, Fold> rest{nullptr, p.K, k, {sum[b]}};
+    row_rest512<uint8_t, 4, 1, Fold>(p, r, b, 64 * steps, rest);
+  }
+}
+
+// Weight rows [r0, r0 + R) (R <= kRowTile) against every activation row (acc: R x B
+// registers of scratch, as floats).
+template <bool Fold>
+HNLQ_VBMI void tile_planes(const Problem& p, int64_t r0, int64_t R, float* acc) {
+  if (p.B <= kFusedRows) {
+    for (int64_t r = r0; r < r0 + R; ++r) {
+      switch (p.B) {
+        case 1: row_planes<1, Fold>(p, r); break;
+        case 2: row_planes<2, Fold>(p, r); break;
+        case 3: row_planes<3, Fold>(p, r); break;
+        default: row_planes<4, Fold>(p, r);
+      }
+    }
+    return;
+  }
+  const PlaneConsts c = plane_consts(p);
+  RowConsts512 k[kRowTile];
+  for (int64_t rr = 0; rr < R; ++rr) k[rr] = row_consts512_of<4>(p, r0 + rr);
+  std::fill(acc, acc + 16 * R * p.B, 0.0f);
+  PlaneStep st[kRowTile];
+  const int64_t steps = p.K / 256;  // whole steps inside K
+  for (int64_t g = 0; g < steps; ++g) {
+    for (int64_t rr = 0; rr < R; ++rr)
+      decode_step<Fold>(p, r0 + rr, g, c, k[rr], st[rr]);
+    for (int64_t b = 0; b < p.B; ++b) {
+      __m512 x[4][4];
+      load_step(p.x + b * p.K + 256 * g, x);
+      for (int64_t rr = 0; rr < R; ++rr) {
+        float* a = acc + 16 * (rr * p.B + b);
+        _mm512_storeu_ps(a, step_sum<Fold>(st[rr], x, _mm512_loadu_ps(a)));
       }
     }
   }
-  Dot512<NB, Fold> rest{nullptr, p.K, sink.k, {}};
-  for (int b = 0; b < NB; ++b)
-    rest.acc[b] = _mm512_add_ps(_mm512_add_ps(sink.acc[b][0], sink.acc[b][1]),
-                                _mm512_add_ps(sink.acc[b][2], sink.acc[b][3]));
-  row_rest512<uint8_t, 4, NB, Fold>(p, r, b0, 64 * steps, rest);
+  for (int64_t rr = 0; rr < R; ++rr)  // each pair's sum, then the blocks after the steps
+    for (int64_t b = 0; b < p.B; ++b) {
+      Dot512<1, Fold> rest{nullptr, p.K, k[rr], {_mm512_loadu_ps(acc + 16 * (rr * p.B + b))}};
+      row_rest512<uint8_t, 4, 1, Fold>(p, r0 + rr, b, 64 * steps, rest);
+    }
 }
 
 // Row r against activation rows [b0, b0 + min(4, B - b0)).
@@ -274,19 +343,6 @@ HNLQ_AVX512 void rows_dot512(const Problem& p, int64_t r, int64_t b0) {
   }
 }
 
-// Row r against every activation row by planes, four activation rows at a time (each row's
-// sums in the same order whatever the batch: its result does not depend on the batch).
-template <bool Fold>
-HNLQ_VBMI void rows_planes(const Problem& p, int64_t r) {
-  for (int64_t b0 = 0; b0 < p.B; b0 += kFusedRows) {
-    switch (std::min<int64_t>(kFusedRows, p.B - b0)) {
-      case 1: row_planes<1, Fold>(p, r, b0); break;
-      case 2: row_planes<2, Fold>(p, r, b0); break;
-      case 3: row_planes<3, Fold>(p, r, b0); break;
-      default: row_planes<4, Fold>(p, r, b0);
-    }
-  }
-}
 #endif
 
 // acc[b * R + r] += sum_k x[b, k0 + k] * w[r * ldw + k] for k < len.
@@ -434,8 +490,7 @@ inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0
 #ifdef HNLQ_X86
   if constexpr (Isa == kVbmi && D == 4) {  // pair codes by planes at every batch size
     if (planes_apply(p, Isa)) {
-      for (int64_t r = r0; r < r0 + R; ++r)
-        p.fold ? rows_planes<true>(p, r) : rows_planes<false>(p, r);
+      p.fold ? tile_planes<true>(p, r0, R, acc) : tile_planes<false>(p, r0, R, acc);
       return;
     }
   }
@@ -495,7 +550,9 @@ template <typename Index, int D, int Isa>
 struct Product {
   static void run(Shared& call) {
     const Problem& p = call.p;
-    std::vector<float> buf(kRowTile * kChunk), acc(p.B * kRowTile);
+    // acc: the buffer path's sums (B x kRowTile floats), or tile_planes' (B x kRowTile
+    // registers)
+    std::vector<float> buf(kRowTile * kChunk), acc(p.B * kRowTile * 16);
     for (int64_t t; (t = call.next.fetch_add(1)) < call.tiles;) {
       const int64_t r0 = t * kRowTile;
       row_tile<Index, D, Isa>(p, r0, std::min(kRowTile, p.N - r0), buf.data(), acc.data());

@@ -286,10 +286,19 @@ HNLQ_VBMI void row_planes(const Problem& p, int64_t r) {
       sum[b] = step_sum<Fold>(st, x, sum[b]);
     }
   }
-  for (int b = 0; b < NB; ++b) {
-    Dot512<1, Fold> rest{nullptr, p.K, k, {sum[b]}};
-    row_rest512<uint8_t, 4, 1, Fold>(p, r, b, 64 * steps, rest);
-  }
+  Dot512<NB, Fold> rest{nullptr, p.K, k, {}};
+  for (int b = 0; b < NB; ++b) rest.acc[b] = sum[b];
+  row_rest512<uint8_t, 4, NB, Fold>(p, r, 0, 64 * steps, rest);
+}
+
+// The blocks after the steps of weight row r, NB activation rows from b0 (sums: their
+// steps' sums): as row_rest512, each row's operations those of row_planes.
+template <int NB, bool Fold>
+HNLQ_AVX512 inline void rest_planes(const Problem& p, int64_t r, const RowConsts512& k,
+                                    int64_t b0, const float* sums) {
+  Dot512<NB, Fold> rest{nullptr, p.K, k, {}};
+  for (int b = 0; b < NB; ++b) rest.acc[b] = _mm512_loadu_ps(sums + 16 * b);
+  row_rest512<uint8_t, 4, NB, Fold>(p, r, b0, p.K / 256 * 64, rest);
 }
 
 // Weight rows [r0, r0 + R) (R <= kRowTile) against every activation row (acc: R x B
@@ -325,11 +334,17 @@ HNLQ_VBMI void tile_planes(const Problem& p, int64_t r0, int64_t R, float* acc) 
       }
     }
   }
-  for (int64_t rr = 0; rr < R; ++rr)  // each pair's sum, then the blocks after the steps
-    for (int64_t b = 0; b < p.B; ++b) {
-      Dot512<1, Fold> rest{nullptr, p.K, k[rr], {_mm512_loadu_ps(acc + 16 * (rr * p.B + b))}};
-      row_rest512<uint8_t, 4, 1, Fold>(p, r0 + rr, b, 64 * steps, rest);
+  for (int64_t rr = 0; rr < R; ++rr) {  // the blocks after the steps, 4 activation rows a time
+    const float* sums = acc + 16 * rr * p.B;
+    int64_t b = 0;
+    for (; b + 4 <= p.B; b += 4) rest_planes<4, Fold>(p, r0 + rr, k[rr], b, sums + 16 * b);
+    switch (p.B - b) {
+      case 1: rest_planes<1, Fold>(p, r0 + rr, k[rr], b, sums + 16 * b); break;
+      case 2: rest_planes<2, Fold>(p, r0 + rr, k[rr], b, sums + 16 * b); break;
+      case 3: rest_planes<3, Fold>(p, r0 + rr, k[rr], b, sums + 16 * b); break;
+      default: break;
     }
+  }
 }
 
 // Row r against activation rows [b0, b0 + min(4, B - b0)).

@@ -336,6 +336,29 @@ def dot_one_sided(codes_x, y):
     return _row_scale(_dot_one_sided(index, u, y, config), scale)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _native_sums(U, E, idx, u, config):
+    """:func:`_gather_matmul`'s sums by the native kernel (float32), differentiable in U and E
+    as the XLA path (whose VJP its backward pass takes)."""
+    M = config.M  # the steps by u: _block_scale of every u value (index 0 is always in range)
+    steps = _block_scale(jnp.zeros((256, M), jnp.int32), jnp.arange(256), config, U.dtype)
+    return kernels.cpu.lut_matmul(U, E, idx, u.astype(jnp.uint8), steps, config.q)
+
+
+def _native_sums_fwd(U, E, idx, u, config):
+    return _native_sums(U, E, idx, u, config), (U, E, idx, u)
+
+
+def _native_sums_bwd(config, res, g):
+    U, E, idx, u = res
+    _, vjp = jax.vjp(lambda U, E: _gather_matmul(U, E, idx, u, config, False), U, E)
+    zeros = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), (idx, u))
+    return vjp(g) + zeros
+
+
+_native_sums.defvjp(_native_sums_fwd, _native_sums_bwd)
+
+
 def _gather_matmul(U, E, idx, u, config, native: bool):
     """``out[m, n] = sum_k s[n, k] (sum_j q^j U[m, k, idx[n, k, j]] - E[m, k])``.
 
@@ -351,9 +374,8 @@ def _gather_matmul(U, E, idx, u, config, native: bool):
     n, M = idx.shape[0], config.M
     if m == 0 or n == 0 or nb == 0:
         return jnp.zeros((m, n), U.dtype)
-    if native:  # the steps by u: _block_scale of every u value (index 0 is always in range)
-        steps = _block_scale(jnp.zeros((256, M), jnp.int32), jnp.arange(256), config, U.dtype)
-        return kernels.cpu.lut_matmul(U, E, idx, u.astype(jnp.uint8), steps, config.q)
+    if native:
+        return _native_sums(U, E, idx, u, config)
     s = _block_scale(idx, u, config, U.dtype)
     # Gathering along the table axis of each block (not from one flattened table) is ~1.7x
     # faster on XLA:CPU; columns go in chunks so the gathered [m, nb, chunk, M] stays small.
@@ -412,20 +434,24 @@ def _matrix_codes(codes, fn: str, what: str):
 IMPLEMENTATIONS = ("xla", "native")
 
 
-def _native(implementation, fn: str, config, *arrays) -> bool:
-    """Whether a matrix product's sums run natively: ``implementation`` checked (``None``: the
-    native kernel where it is built, the inputs live on a CPU and the product is float32)."""
+def _check_implementation(implementation, fn: str):
     if implementation not in (None,) + IMPLEMENTATIONS:
         raise ValueError(f"{fn}: implementation must be one of {IMPLEMENTATIONS} or None, got "
                          f"{implementation!r}")
-    wide = default_float() == jnp.float64 or any(
-        getattr(a, "dtype", None) == jnp.float64 for a in arrays)
+
+
+def _native(implementation, fn: str, dtype, *arrays) -> bool:
+    """Whether a matrix product's sums run natively: ``implementation`` checked (``None``: the
+    native kernel where it is built, the inputs live on a CPU and the tables' ``dtype`` is
+    float32)."""
+    _check_implementation(implementation, fn)
+    wide = dtype != jnp.float32
     if implementation == "native":
         why = kernels.cpu.why_unavailable()
         if why or wide:
             raise ValueError(f"{fn}: no native lookup-table product here: "
-                             f"{why or 'it sums float32, the product is float64'}; use "
-                             "implementation='xla'")
+                             f"{why or f'it sums float32, the tables are {jnp.dtype(dtype)}'};"
+                             " use implementation='xla'")
         return True
     return (implementation is None and kernels.cpu.available() and not wide
             and kernels.platform(*arrays) == "cpu")
@@ -456,7 +482,7 @@ def matmul(codes_A, codes_B, *, implementation=None):
     _check_two_sided(config, "matmul")
     if ua.shape[-1] != ub.shape[-1]:
         raise ValueError(f"matmul: A has {ua.shape[-1]} blocks per row, B {ub.shape[-1]} per column")
-    native = _native(implementation, "matmul", config, a, b)
+    native = _native(implementation, "matmul", default_float(), a, b)
     out = _matmul(a, ua, b, ub, config, _padding(codes_A, codes_B, "matmul"), native)
     if sa is not None:
         out = out * sa.astype(out.dtype)[..., None]
@@ -495,7 +521,9 @@ def matmul_one_sided(codes_W, x, *, implementation=None):
     config = codes_W.config
     check_one_sided(config, "matmul_one_sided")
     x = _check_real(x, u.shape[-1], config, "matmul_one_sided", "x", codes_W.n)
+    _check_implementation(implementation, "matmul_one_sided")
+    dtype = jnp.promote_types(x.dtype, jnp.float32)  # the tables'
     if x.size == 0 or u.shape[0] == 0:
-        return jnp.zeros(x.shape[:-1] + (u.shape[0],), jnp.promote_types(x.dtype, jnp.float32))
-    native = _native(implementation, "matmul_one_sided", config, index, x)
+        return jnp.zeros(x.shape[:-1] + (u.shape[0],), dtype)
+    native = _native(implementation, "matmul_one_sided", dtype, index, x)
     return _row_scale(_matmul_one_sided(index, u, x, config, native), scale)

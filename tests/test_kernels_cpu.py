@@ -145,15 +145,19 @@ def test_matches_xla(name, batch, k, n_out, seed):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_half_precision_as_the_reference(dtype):
-    """bfloat16: the reference's bfloat16-rounded weights (exact on one-hot rows);
-    float16: float32 weights, the result rounded to float16."""
-    codes = _weight(CONFIGS["E8-q4-M2"], 9, 64)
-    eye = jnp.eye(64, dtype=dtype)
-    got = hq.matmul(eye, codes, implementation="native")
-    want = hq.matmul(eye, codes, implementation="xla")
-    assert got.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+@pytest.mark.parametrize("name, k", [("E8-q4-M2", 64), ("D4-q4-M2", 300)])
+def test_half_precision_as_the_reference(dtype, name, k):
+    """bfloat16: the reference's bfloat16-rounded weights (exact on one-hot rows; D4 at
+    k = 300: a step of the planes); float16: float32 weights, the result rounded to
+    float16."""
+    codes = _weight(CONFIGS[name], 9, k)
+    eye = jnp.eye(k, dtype=dtype)
+    f = {i: jax.jit(lambda x, c, i=i: hq.matmul(x, c, implementation=i))
+         for i in ("native", "xla")}
+    for rows in (slice(0, 64), slice(k - 64, k), slice(0, 3)):  # under GEMM_ROWS: fused
+        got, want = (f[i](eye[rows], codes) for i in ("native", "xla"))
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_block_codes_batch_shapes_and_empty():

@@ -328,11 +328,12 @@ needs_native = pytest.mark.skipif(not hq.kernels.cpu.available(),
 @needs_native
 @pytest.mark.parametrize("cfg", NATIVE, ids=lambda c: f"{c.lattice}q{c.q}M{c.M}")
 @settings(max_examples=3, deadline=None)
-@given(m=st.integers(1, 5), n=st.integers(1, 19), nb=st.integers(1, 40),
+@given(m=st.integers(1, 5), n=st.integers(1, 19), nb=st.integers(16, 40),
        seed=st.integers(0, 2**16))
 def test_native_sums_equal_xla(cfg, m, n, nb, seed):
     """Both products' native sums against XLA's gathers, within float rounding (whole
-    registers of 16 blocks, a ragged rest, several tiles of 8 columns)."""
+    registers of 16 blocks, a ragged rest, several tiles of 8 columns), on the CPU's best
+    instruction set and the portable loop."""
     rng = np.random.default_rng(seed)
     if cfg.lattice == "E8" and cfg.q == 4:
         nb = min(nb, 4)  # one-sided tables of 65,536 entries a block
@@ -342,10 +343,13 @@ def test_native_sums_equal_xla(cfg, m, n, nb, seed):
     if cfg.q**(2 * cfg.d) <= lut.MAX_TWO_SIDED:
         pairs.append((lut.matmul, (A, W)))
     for fn, args in pairs:
-        got = np.asarray(fn(*args, implementation="native"))
         want = np.asarray(fn(*args, implementation="xla"))
-        assert got.dtype == np.float32 and got.shape == want.shape == (m, n)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        for level in ("portable", hq.kernels.cpu.isa()):
+            with hq.kernels.cpu.use_isa(level):
+                got = np.asarray(fn(*args, implementation="native"))
+            assert got.dtype == np.float32 and got.shape == want.shape == (m, n)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                       err_msg=level)
         np.testing.assert_array_equal(np.asarray(fn(*args)), got)  # None: native on a CPU
 
 
@@ -357,7 +361,7 @@ def test_native_invalid_blocks_give_nan_under_jit():
     rng = np.random.default_rng(7)
     W = _random_codes(cfg, (3, 20), rng)
     W = hq.Codes.from_labels(W.labels, W.T.at[0, 3].set(-1), cfg)
-    W = hq.Codes(W.index.at[2, 17, 1].set(200), W.tfield, cfg)
+    W = hq.Codes(W.index.at[2, 5, 1].set(200), W.tfield, cfg)  # in a register of 16 blocks
     x = rng.normal(size=(2, 80)).astype(np.float32)
     for impl in ("native", "xla"):
         y = np.asarray(jax.jit(lambda c, v, impl=impl: lut.matmul_one_sided(
@@ -365,12 +369,30 @@ def test_native_invalid_blocks_give_nan_under_jit():
         assert np.isnan(y[:, [0, 2]]).all() and np.isfinite(y[:, 1]).all()
 
 
+@needs_native
+def test_native_sums_differentiate_as_xla():
+    """The native sums take the XLA path's VJP: gradients in x (one-sided) equal XLA's."""
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    rng = np.random.default_rng(9)
+    W = _random_codes(cfg, (5, 20), rng)
+    x = rng.normal(size=(3, 80)).astype(np.float32)
+    g = rng.normal(size=(3, 5)).astype(np.float32)  # a linear loss: the same VJP, same bits
+    grads = [jax.grad(lambda v, i=i: jnp.sum(g * lut.matmul_one_sided(
+        W, v, implementation=i)))(x) for i in ("native", "xla")]
+    np.testing.assert_array_equal(grads[0], grads[1])
+
+
 def test_native_refusals():
     cfg = CONFIGS[2]
     W = _random_codes(cfg, (3, 4), np.random.default_rng(8))
-    with pytest.raises(ValueError, match="implementation must be one of"):
-        lut.matmul_one_sided(W, np.ones((1, 16), np.float32), implementation="lut")
+    for x in (np.ones((1, 16), np.float32), np.ones((0, 16), np.float32)):  # empty: checked too
+        with pytest.raises(ValueError, match="implementation must be one of"):
+            lut.matmul_one_sided(W, x, implementation="lut")
     with jax.enable_x64(True):
-        with pytest.raises(ValueError, match="no native lookup-table product"):
+        with pytest.raises(ValueError, match="the tables are float64"):
             lut.matmul(W, W, implementation="native")
         assert lut.matmul(W, W).dtype == jnp.float64  # None: XLA's float64 gathers
+        if hq.kernels.cpu.available():  # float32 activations: float32 tables, native
+            x = np.ones((1, 16), np.float32)
+            np.testing.assert_array_equal(
+                lut.matmul_one_sided(W, x, implementation="native"), lut.matmul_one_sided(W, x))

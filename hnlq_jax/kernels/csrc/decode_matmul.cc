@@ -567,7 +567,8 @@ struct Product {
     const Problem& p = call.p;
     // acc: the buffer path's sums (B x kRowTile floats), or tile_planes' (B x kRowTile
     // registers)
-    std::vector<float> buf(kRowTile * kChunk), acc(p.B * kRowTile * 16);
+    std::vector<float> buf(kRowTile * kChunk),
+        acc(p.B * kRowTile * (planes_apply(p, call.isa) ? 16 : 1));
     for (int64_t t; (t = call.next.fetch_add(1)) < call.tiles;) {
       const int64_t r0 = t * kRowTile;
       row_tile<Index, D, Isa>(p, r0, std::min(kRowTile, p.N - r0), buf.data(), acc.data());

@@ -673,7 +673,7 @@ inline ffi::Error set_codes(const char* kernel, const CodesView& v, const Attrs&
       p.d >= 1 && p.d <= 8 && 512 % p.d == 0 && a.qd >= 1 && a.qd <= range && p.M >= 1 &&
           a.q >= 2 && v.rows == codebook_rows(a.mode, v.u16) &&
           a.mode >= kGeneric && a.mode <= kPacked &&
-          (!pairs || (!v.u16 && p.M == 2 && a.qd == 256)) &&
+          (!pairs || (!v.u16 && p.d == 4 && p.M == 2 && a.qd == 256)) &&
           ((a.mode != kHorner && !packed) || (p.d == 8 && (a.q & (a.q - 1)) == 0)),
       kernel, "codebook must be s8[index range, d <= 8] in a layout that fits the codes");
   if (e.failure()) return e;

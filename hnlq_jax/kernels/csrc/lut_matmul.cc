@@ -110,7 +110,9 @@ HNLQ_AVX512 void tile_avx512(const LutCall& p, int64_t r, int64_t c0, int64_t c1
 // One call's column tiles, claimed until none is left.
 void run(LutCall& p) {
 #ifdef HNLQ_X86
-  const bool wide = p.isa >= kAvx512 && !p.u16 && p.M == 2 && p.Q <= 256;
+  // int32 offsets into a row of U
+  const bool wide = p.isa >= kAvx512 && !p.u16 && p.M == 2 && p.Q <= 256 &&
+                    p.nb * p.Q < std::numeric_limits<int32_t>::max();
 #else
   const bool wide = false;
 #endif

@@ -49,12 +49,6 @@ inline float row_factor(const Problem& p, int64_t r) {
 }
 
 #ifdef HNLQ_X86
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
 
 // A sink that multiplies decoded registers into NB activation rows' sums. Folded: the sums
 // are of x * (c * s), and the row's factor beta * cart * row_scale is applied once, to the
@@ -109,12 +103,9 @@ __attribute__((target("avx2,fma"))) void rows_dot(const Problem& p, int64_t r) {
 #endif
 
 #ifdef HNLQ_X86
-// The AVX-512 twins (kAvx512) of hsum, Dot, row_dot_avx2 and tile_product_avx2: 16 lanes a
+// The AVX-512 twins (kAvx512) of Dot, row_dot_avx2 and tile_product_avx2: 16 lanes a
 // register. Both paths of a product sum a row alike on each level (lanes, then the ragged end
 // in order), so that a row's result does not depend on the batch size there either.
-HNLQ_AVX512 inline float hsum512(__m512 v) {
-  return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
-}
 
 template <int NB, bool Fold>
 struct Dot512 {
@@ -271,8 +262,7 @@ HNLQ_AVX512 inline void load_step(const float* x, __m512 (&out)[4][4]) {
 // Weight row r against NB <= 4 activation rows: each step decoded and multiplied at once, the
 // sums in registers (the same operations as tile_planes').
 template <int NB, bool Fold>
-HNLQ_VBMI void row_planes(const Problem& p, int64_t r) {
-  const PlaneConsts c = plane_consts(p);
+HNLQ_VBMI void row_planes(const Problem& p, int64_t r, const PlaneConsts& c) {
   const RowConsts512 k = row_consts512_of<4>(p, r);
   __m512 sum[NB];
   for (int b = 0; b < NB; ++b) sum[b] = _mm512_setzero_ps();
@@ -305,18 +295,18 @@ HNLQ_AVX512 inline void rest_planes(const Problem& p, int64_t r, const RowConsts
 // registers of scratch, as floats).
 template <bool Fold>
 HNLQ_VBMI void tile_planes(const Problem& p, int64_t r0, int64_t R, float* acc) {
+  const PlaneConsts c = plane_consts(p);
   if (p.B <= kFusedRows) {
     for (int64_t r = r0; r < r0 + R; ++r) {
       switch (p.B) {
-        case 1: row_planes<1, Fold>(p, r); break;
-        case 2: row_planes<2, Fold>(p, r); break;
-        case 3: row_planes<3, Fold>(p, r); break;
-        default: row_planes<4, Fold>(p, r);
+        case 1: row_planes<1, Fold>(p, r, c); break;
+        case 2: row_planes<2, Fold>(p, r, c); break;
+        case 3: row_planes<3, Fold>(p, r, c); break;
+        default: row_planes<4, Fold>(p, r, c);
       }
     }
     return;
   }
-  const PlaneConsts c = plane_consts(p);
   RowConsts512 k[kRowTile];
   for (int64_t rr = 0; rr < R; ++rr) k[rr] = row_consts512_of<4>(p, r0 + rr);
   std::fill(acc, acc + 16 * R * p.B, 0.0f);

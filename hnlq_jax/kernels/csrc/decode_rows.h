@@ -366,6 +366,18 @@ inline bool registers_apply(const Problem& p) {
 #define HNLQ_VBMI \
   __attribute__((target("avx512vbmi,avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
 
+// The sum of a register's lanes (the products' and lut_matmul.cc's, in one order).
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+HNLQ_AVX512 inline float hsum512(__m512 v) {
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+
 // The register decodes with AVX-512 (kAvx512; decode_matmul.cc's small-batch product): 16
 // weights a register (four D4 blocks, two E8 blocks), each lane computed as finish_avx2's.
 struct RowConsts512 {

@@ -96,14 +96,8 @@ HNLQ_AVX512 void tile_avx512(const LutCall& p, int64_t r, int64_t c0, int64_t c1
       acc[c] = _mm512_fmadd_ps(s, v, acc[c]);
     }
   }
-  for (int64_t c = 0; c < c1 - c0; ++c) {
-    const __m512 a = acc[c];
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    s4 = _mm_add_ss(s4, _mm_shuffle_ps(s4, s4, 1));
-    p.y[r * p.n + c0 + c] = _mm_cvtss_f32(s4) + column_rest<uint8_t>(p, r, c0 + c, k);
-  }
+  for (int64_t c = 0; c < c1 - c0; ++c)
+    p.y[r * p.n + c0 + c] = hsum512(acc[c]) + column_rest<uint8_t>(p, r, c0 + c, k);
 }
 #endif
 

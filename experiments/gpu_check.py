@@ -8,8 +8,10 @@ measured):
    8192^2, against the device's HBM peak: the GEMV row must read 70-90 % before any ratio
    against it means anything.
 2. **sweep**: the launch parameters (rows and blocks per program, warps, stages, split-K
-   waves) of ``kernels.gemv`` at batch 1 and 8 and of ``kernels.decode_matmul`` at batch 16,
-   for D4 q=4 M=2 and E8 q=4 M=2 at 8192^2; the winners go into
+   waves) of ``kernels.gemv`` (Triton) and ``kernels.mosaic_gpu.gemv`` (Mosaic GPU, the
+   codebooks it holds: D4) at batch 1 and 8 and of ``kernels.decode_matmul`` at batch 16,
+   for D4 q=4 M=2 and E8 q=4 M=2 at 8192^2; the faster of the two gemv kernels becomes the
+   batch class's ``"backend"``; the winners go into
    ``hnlq_jax/kernels/gpu_tiles.py`` (``--write-tiles`` after the run) and into this run's
    table.
 3. **matmul**: ``hq.matmul(x, codes, implementation="pallas")`` (``gemv`` up to 8 rows,
@@ -18,8 +20,8 @@ measured):
    by XLA: what a JAX user would pick instead) and decode-then-dot (``"xla"``), bfloat16
    activations, 4096^2, 8192^2 and 28672 x 8192 (an LLM MLP's up-projection), batch 1, 4, 16,
    64.
-4. **tests**: ``tests/test_kernels.py`` (or ``--tests``) natively: the kernels compiled by
-   Triton against XLA on the GPU.
+4. **tests**: ``tests/test_kernels.py`` and ``tests/test_kernels_mosaic_gpu.py`` (or
+   ``--tests``) natively: the kernels compiled by Triton and Mosaic GPU against XLA on the GPU.
 5. **codec**: encode and decode of N D4 vectors, bytes in + out over device time (the front
    doors, and the kernels at 1024 and 4096 blocks per program).
 6. **torch**: ``QuantizedLinear`` on CUDA tensors beside ``F.linear`` in bfloat16, and the
@@ -180,6 +182,14 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
     """Phase A: rows and blocks per program (4 warps, 1 stage); phase B varies the rest around
     A's winner (the keys it names replace the winner's). ``quick``: ``gemv``'s tuning-table
     entry with its blocks one by one and in pairs, and tiles of pairs."""
+    if op == "gemv_mosaic":  # kernels.mosaic_gpu.gemv: rows a program, words a step, stages
+        if quick:
+            entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
+            return [entry] + [dict(entry, block_w=bw) for bw in (16, 32, 64)
+                              if bw != entry["block_w"]], []
+        a = [dict(block_n=bn, block_w=bw, stages=4, waves=4)
+             for bn in (64, 128) for bw in ((16, 32, 64) if batch == 1 else (16, 32))]
+        return a, [dict(stages=2), dict(stages=8), dict(waves=2), dict(waves=8)]
     if quick:
         entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
         a = [dict(entry, pairs=False), dict(entry, pairs=True)]
@@ -202,8 +212,12 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
     return a, b + [dict(pairs=True)]  # the tile's even and odd blocks apart
 
 
-# (op, batch): what the sweep times; the batch names the tuning table's class ("batch<=B")
-SWEEP = (("gemv", 1), ("gemv", 8), ("decode_matmul", 16))
+# (op, batch): what the sweep times; the batch names the tuning table's class ("batch<=B").
+# "gemv_mosaic" (kernels.mosaic_gpu.gemv, for the codebooks it holds) competes with "gemv":
+# where it wins, the table's gemv entry names it ("backend") and hq.matmul takes it.
+SWEEP = (("gemv", 1), ("gemv", 8), ("gemv_mosaic", 1), ("gemv_mosaic", 8),
+         ("decode_matmul", 16))
+QUICK_SWEEP = SWEEP[:4]
 
 
 def sweep(clock, small, quick=False):
@@ -211,12 +225,14 @@ def sweep(clock, small, quick=False):
     row and the winners ({op: {lattice: {"batch<=B": entry}}})."""
     n = 256 if small else 8192
     generation = kernels.pallas.gpu_generation(jax.devices()[0]) or "sm90"
-    rows, best = [], {}
+    rows, best, winners = [], {}, {}
     for lattice, cfg in CONFIGS.items():
         codes = hq.encode_rows(_weight(n, n), cfg)
         ws = _copies(codes, _nbytes(codes))
         ref_w = hq.decode(codes, implementation="xla")
-        for op, batch in (SWEEP[:2] if quick else SWEEP):
+        for op, batch in (QUICK_SWEEP if quick else SWEEP):
+            if op == "gemv_mosaic" and kernels.mosaic_gpu.unsupported(cfg):
+                continue
             x = _x(batch, n)
             ref = jnp.dot(x.astype(jnp.float32), ref_w.T, precision="highest")
             phase_a, phase_b = sweep_candidates(op, lattice, batch, quick, generation)
@@ -227,11 +243,17 @@ def sweep(clock, small, quick=False):
                     if clock.left() < 20:
                         break
                     entry = {**base, **cand}
-                    t = kernels.pallas.launch_params(op, cfg, n, n // cfg.d, batch, entry)
+                    if op == "gemv_mosaic":
+                        t = kernels.mosaic_gpu.launch_params(cfg, n, n // cfg.d, batch, entry)
+                    else:
+                        t = kernels.pallas.launch_params(op, cfg, n, n // cfg.d, batch, entry)
                     if entry.get("pairs") and not kernels.pallas.reads_pairs(cfg, n,
                                                                              n // cfg.d, t):
                         continue  # the tiles do not let gemv read pairs: the entry without
-                    if op == "gemv":
+                    if op == "gemv_mosaic":
+                        fn = functools.partial(kernels.mosaic_gpu.gemv, out_dtype=jnp.bfloat16,
+                                               **t)
+                    elif op == "gemv":
                         fn = functools.partial(kernels.gemv, out_dtype=jnp.bfloat16, **t)
                     else:
                         fn = functools.partial(kernels.decode_matmul, compute_dtype=jnp.bfloat16,
@@ -250,6 +272,12 @@ def sweep(clock, small, quick=False):
             if winner:
                 best.setdefault(op, {}).setdefault(lattice, {})[f"batch<={batch}"] = \
                     winner["entry"]
+                winners[op, lattice, batch] = winner
+    for (op, lattice, batch), row in winners.items():  # the faster gemv backend
+        triton = winners.get(("gemv", lattice, batch))
+        if op == "gemv_mosaic" and (triton is None or row["seconds"] < triton["seconds"]):
+            cls = best.setdefault("gemv", {}).setdefault(lattice, {})
+            cls[f"batch<={batch}"] = {**cls.get(f"batch<={batch}", {}), "backend": "mosaic_gpu"}
     return {"n": n, "rows": rows, "best": best}
 
 
@@ -516,7 +544,8 @@ def main(argv=None):
                         "(pairs or not), the product table at 8192² batch 1, 4 and 16, the "
                         "tests, the codec's bandwidth by block size, the torch path; into "
                         "results/gpu_check_quick.*")
-    p.add_argument("--tests", nargs="+", default=["tests/test_kernels.py"],
+    p.add_argument("--tests", nargs="+",
+                   default=["tests/test_kernels.py", "tests/test_kernels_mosaic_gpu.py"],
                    help="test files (or node ids) to run natively")
     p.add_argument("--profile-target", action="store_true",
                    help="only run the products ncu profiles (the profile part runs this)")

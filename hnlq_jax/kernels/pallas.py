@@ -144,7 +144,9 @@ def platform(*arrays) -> str:
     return jax.default_backend()
 
 
-def _interpret(interpret, *arrays) -> bool:
+def interpret_mode(interpret, *arrays) -> bool:
+    """A kernel's ``interpret`` argument resolved: ``None`` is interpret mode where the inputs
+    live on a CPU (:func:`platform`)."""
     return platform(*arrays) == "cpu" if interpret is None else bool(interpret)
 
 
@@ -267,7 +269,9 @@ def _packed_fields(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
     return fields
 
 
-def _packed_bias(config: HNLQConfig, first: int) -> int:
+def packed_bias(config: HNLQConfig, first: int) -> int:
+    """The bias of each field of the levels' packed sum from level ``first`` on
+    (:func:`packed_codebook`)."""
     return packed_codebook(config)[1] * sum(config.q**m for m in range(first, config.M))
 
 
@@ -316,7 +320,7 @@ def _lattice_point(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
     if tab_ref is None:
         return codec.level_sum(ks, config, first, use_table=False)
     if packed_codebook(config) is not None:
-        bias = _packed_bias(config, first)
+        bias = packed_bias(config, first)
         return [f.astype(jnp.int32) - bias for f in _packed_fields(ks, tab_ref, config, first)]
     rows, d = config.q**config.d, config.d
     weights = _numerics.level_weights(config)
@@ -446,7 +450,7 @@ def encode(x, config: HNLQConfig, *, interpret=None, block: int = 256,
                          f"got {x.dtype}{list(x.shape)}; hnlq_jax.encode takes any shape")
     if x.shape[0] == 0:
         return (jnp.zeros((0, config.M), index_dtype(config)), jnp.zeros((0,), jnp.int32))
-    return _encode_pallas(x, config, _interpret(interpret, x), block, gpu_backend)
+    return _encode_pallas(x, config, interpret_mode(interpret, x), block, gpu_backend)
 
 
 # ----------------------------------------------------------------------------------- decode
@@ -528,14 +532,15 @@ def decode(codes: Codes, levels: int | None, dtype, *, interpret=None, block: in
         return jnp.zeros(lead + (config.d,), dtype)
     out = _decode_pallas(codes.index.reshape(N, config.M), codes.tfield.reshape(-1), config,
                          config.M if levels is None else levels, dtype, lead[-1] if lead else 1,
-                         table, _interpret(interpret, codes), block, gpu_backend)
+                         table, interpret_mode(interpret, codes), block, gpu_backend)
     return out.reshape(lead + (config.d,))
 
 
 # ---------------------------------------------------------------------------- decode_matmul
 
 
-def _weight_codes(codes, fn: str) -> Codes:
+def weight_codes(codes, fn: str) -> Codes:
+    """``codes`` checked as a weight's codes (blocks ``[n, nb]``) whose config has kernels."""
     check_weight_codes(codes, fn)
     _check_config(codes.config, fn)
     return codes
@@ -632,7 +637,7 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
       ValueError, TypeError: codes that are not ``[n, nb]`` weight codes, a mismatched ``x``,
         a config no kernel supports, bad tiles, launch parameters or ``gpu_backend``.
     """
-    codes = _weight_codes(codes, "kernels.decode_matmul")
+    codes = weight_codes(codes, "kernels.decode_matmul")
     x = check_activations(x, codes, "kernels.decode_matmul")
     config = codes.config
     table = _use_table(config, use_table, "kernels.decode_matmul")
@@ -647,7 +652,7 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
     if B == 0 or n == 0 or nb == 0:
         return jnp.zeros(lead + (n,), out_dtype)
     out = _decode_matmul_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(compute_dtype),
-                              jnp.dtype(out_dtype), table, _interpret(interpret, x, codes),
+                              jnp.dtype(out_dtype), table, interpret_mode(interpret, x, codes),
                               bn, bk, t["splits"], t["num_warps"], t["num_stages"])
     return out.reshape(lead + (n,))
 
@@ -832,7 +837,7 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
       ValueError, TypeError: as :func:`decode_matmul`; more rows than :data:`GEMV_ROWS`; bad
         tiles, ``splits``, ``num_warps`` or ``num_stages``.
     """
-    codes = _weight_codes(codes, "kernels.gemv")
+    codes = weight_codes(codes, "kernels.gemv")
     x = check_activations(x, codes, "kernels.gemv")
     config = codes.config
     n, nb = codes.blocks_shape
@@ -850,7 +855,7 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
     if B == 0 or n == 0 or nb == 0:
         return jnp.zeros(lead + (n,), out_dtype)
     out = _gemv_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(out_dtype), mode,
-                     _interpret(interpret, x, codes), bn, bk, t["splits"], t["num_warps"],
+                     interpret_mode(interpret, x, codes), bn, bk, t["splits"], t["num_warps"],
                      t["num_stages"], bool(t.get("pairs")))
     return out.reshape(lead + (n,))
 
@@ -888,9 +893,7 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     ``waves`` programs run per multiprocessor, at most one per step of ``block_k`` blocks.
     Without a GPU: the defaults of an H100 (sm90, 132 multiprocessors).
     """
-    gpus = jax.devices("gpu") if jax.default_backend() == "gpu" else []
-    generation = gpu_generation(gpus[0]) if gpus else "sm90"
-    sms = getattr(gpus[0], "core_count", 132) if gpus else 132
+    generation, sms = gpu_target()
     t = tuning_entry(op, config, batch, generation) if entry is None else {
         **gpu_tiles.DEFAULT[op], **entry}
     waves = t.pop("waves")
@@ -898,6 +901,15 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     programs = max(1, -(-n // t["block_n"]) * row_tiles)
     t["splits"] = max(1, min(-(-waves * sms // programs), -(-nb // t["block_k"])))
     return t
+
+
+def gpu_target() -> tuple:
+    """``(generation, multiprocessors)`` of the default GPU, the tuning table's key
+    (:func:`gpu_generation`) and its size; without a GPU an H100's, ``("sm90", 132)``."""
+    gpus = jax.devices("gpu") if jax.default_backend() == "gpu" else []
+    if not gpus:
+        return "sm90", 132
+    return gpu_generation(gpus[0]), getattr(gpus[0], "core_count", 132)
 
 
 def tuning_entry(op: str, config: HNLQConfig, batch: int, generation: str) -> dict:
@@ -941,7 +953,7 @@ def _small_tile(block: int, what: str) -> int:
     return block
 
 
-def _gemv_activations(x, config: HNLQConfig, nbp: int):
+def gemv_activations(x, config: HNLQConfig, nbp: int):
     """``(xt [d, bb, nbp], off [bb, nbp])`` in float32: ``xt = beta C^T x`` per block (``C``:
     P to Cartesian coordinates), ``off = beta x . z + bias sum_j xt_j`` (the dither, and the
     packed fields' bias), zero-padded to ``bb`` rows (a power of two) and ``nbp`` blocks."""
@@ -962,13 +974,13 @@ def _gemv_activations(x, config: HNLQConfig, nbp: int):
     return xt, off
 
 
-def _overload_table(config: HNLQConfig):
+def overload_table(config: HNLQConfig):
     """float32 ``2^(alpha (u - 1))`` by ``u`` (every value the T field holds), NaN where
     ``u = 0`` (a failed block) or ``u > max_T + 1``."""
     size = 1 << t_bits(config)
     table = np.full(size, np.nan, np.float32)
     table[1:config.max_T + 2] = pow2_table(config.alpha, config.max_T)  # _numerics.pow2's
-    return jnp.asarray(table)
+    return table
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))
@@ -977,14 +989,14 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
     config = codes.config
     n, nb = codes.blocks_shape
     steps, splits, nbp = _split_k(nb, splits, bk)
-    xt, off = _gemv_activations(x, config, nbp)
+    xt, off = gemv_activations(x, config, nbp)
     bb = xt.shape[1]  # x's rows padded to a power of two
     extra, extra_specs = [], []
     if codes.scale is not None:
         extra.append(codes.scale.astype(jnp.float32))
         extra_specs.append(pl.BlockSpec((bn,), lambda i, s: (i,)))
     if mode == "packed":
-        off = off + np.float32(_packed_bias(config, 0)) * jnp.sum(xt, axis=0)
+        off = off + np.float32(packed_bias(config, 0)) * jnp.sum(xt, axis=0)
     if mode == "lut":  # beta <r(k), x_l> for every row of x, block l and codebook entry k
         xp = jnp.pad(x.astype(jnp.float32),
                      ((0, bb - x.shape[0]), (0, nbp * config.d - x.shape[1])))
@@ -993,7 +1005,7 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
         extra.append(_codebook_input(config))
     if mode != "digits":
         extra_specs.append(_whole(extra[-1]))
-    ptab = _overload_table(config)
+    ptab = overload_table(config)
     exact = n % bn == 0 and nbp == nb
     pairs = pairs and _pairs_fit(config, nb, exact, mode == "lut")
     if pairs:  # x's even and odd blocks apart, [2, ...]; the T field's rows as tiles
@@ -1110,4 +1122,4 @@ def modq_sum(codes: Codes, axis: int = 0, *, interpret=None, block: int = 256,
         return Codes(jnp.zeros(rest + (config.M,), index_dtype(config)),
                      pack_t(jnp.zeros(rest, jnp.int32), config), config)
     _compiler_params(gpu_backend, "modq_sum")  # a bad backend raises here, not in the trace
-    return _modq_call(codes, axis, _interpret(interpret, codes), block, gpu_backend)
+    return _modq_call(codes, axis, interpret_mode(interpret, codes), block, gpu_backend)

@@ -1,0 +1,319 @@
+"""Mosaic GPU kernels (``plgpu.kernel``: the GPU backend Pallas keeps from jax 0.11 on).
+
+``gemv``: ``y = x @ W_hat^T`` for up to :data:`~hnlq_jax.kernels.pallas.GEMV_ROWS` rows of x,
+the twin of the Triton :func:`hnlq_jax.kernels.pallas.gemv` (packed codebook mode) and equal
+to it, and to the XLA path, up to float32 rounding.
+
+**What one program does.** A tile of ``block_n`` weight rows and a share of their blocks
+(split-K: ``splits`` programs a row tile). The codes stream from HBM through a TMA pipeline
+(``stages`` tiles in flight) in the layout they are stored in, viewed, not copied:
+
+* the index as uint32 words, ``g = 4 / (M bytes)`` blocks a word (D4 q=4 M=2: two blocks,
+  levels in bytes ``2s``, ``2s + 1`` for block ``s`` of the word);
+* the T field as one ``g t_bits``-bit field per index word (D4 M=2 with 4-bit T: the byte
+  whose low nibble is the word's first block).
+
+A block's level words are gathered from the packed codebook
+(:func:`~hnlq_jax.kernels.pallas.packed_codebook`) held in shared memory, added as integers,
+their byte fields turned into floats; their inner product with the block's activations
+(``beta``, the basis, the dither and the fields' bias folded in once per call, as the Triton
+kernel does), times ``2^(alpha T)`` (gathered from a 16- or 256-entry table), is summed per
+weight row; the row scale multiplies the row's sum after the split-K sums.
+
+**Gathers.** Pallas' Mosaic GPU lowering has no gather, so the two shared-memory tables are
+read through ``plgpu.inline_mgpu``: one ``ld.shared`` per element at the thread's own address.
+Each table is stored 32 times over, entry ``k`` of lane ``l`` at word ``32 k + l``, so the
+32 lanes of a warp always read 32 distinct banks (a 1 KiB table read at random addresses
+would serialize about 3-4 ways). GPU interpret mode cannot run ``inline_mgpu``; there the
+same gather is an indexing of the table (``interpret=True``), and everything else is the
+kernel as compiled.
+
+Supported (:func:`unsupported` says why not): jax >= 0.11 (``plgpu.InterpretGPUParams``,
+``plgpu.kernel``), a packed codebook of one word an entry and at most 256 entries (D4 up to
+q = 4, Z2 and A2), ``M`` index bytes a block of 1, 2 or 4, a T field a byte-aligned view of
+the index words, and weights the tiles cover exactly. Elsewhere the Triton kernel runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from hnlq_jax.codes import Codes, check_activations, index_dtype, t_bits
+from hnlq_jax.config import HNLQConfig
+from hnlq_jax.kernels import gpu_tiles
+from hnlq_jax.kernels import pallas as _pallas
+
+__all__ = ["available", "chosen", "gemv", "launch_params", "supported_shape", "unsupported"]
+
+# A warp's 32 lanes each read their own copy of a shared-memory table (no bank conflicts).
+_LANES = 32
+# TMA boxes hold at most 256 elements a dimension: one copy brings a 256-entry table.
+_TABLE_ROWS_MAX = 256
+_LAYOUT = plgpu.Layout.WGMMA if hasattr(plgpu, "Layout") else None
+# float(0x4B000000 | b) = 2^23 + b exactly for a byte b (as the Triton kernel).
+_MAGIC = 0x4B000000
+_TWO23 = float(2**23)
+
+
+def available() -> bool:
+    """Whether this jax has what the kernels need (``plgpu.kernel``, ``inline_mgpu``, GPU
+    interpret mode: jax >= 0.11)."""
+    return jax.__version_info__ >= (0, 11) and hasattr(plgpu, "InterpretGPUParams")
+
+
+def _word_view(config: HNLQConfig) -> tuple | None:
+    """``(g, t_dtype)``: blocks a uint32 index word and the dtype of the T field's view with
+    one element an index word; ``None`` where the codes have no such view."""
+    isz = np.dtype(index_dtype(config)).itemsize
+    if 4 % (config.M * isz):
+        return None
+    g = 4 // (config.M * isz)
+    bits = g * t_bits(config)
+    return (g, {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bits]) if bits in (8, 16, 32) \
+        else None
+
+
+def unsupported(config: HNLQConfig) -> str | None:
+    """Why :func:`gemv` has no kernel for ``config`` (``None`` where it has one)."""
+    if not available():
+        return f"jax {jax.__version__} lacks Mosaic GPU's plgpu.kernel / GPU interpret mode"
+    if _pallas.unsupported(config):
+        return _pallas.unsupported(config)
+    packed = _pallas.packed_codebook(config)
+    if packed is None or config.d > 4 or config.q**config.d > _TABLE_ROWS_MAX:
+        return ("the packed codebook must be one word an entry with at most "
+                f"{_TABLE_ROWS_MAX} entries (q^d = {config.q**config.d})")
+    if _word_view(config) is None:
+        return (f"M = {config.M} index bytes a block and {t_bits(config)}-bit T have no "
+                "uint32 word view")
+    return None
+
+
+def supported_shape(config: HNLQConfig, n: int, nb: int, t: dict) -> bool:
+    """Whether launch parameters ``t`` tile a weight with blocks ``[n, nb]`` exactly (the
+    kernel has no edge masks; such weights take the Triton kernel)."""
+    if unsupported(config):
+        return False
+    g = _word_view(config)[0]
+    return (n > 0 and nb > 0 and n % t["block_n"] == 0 and nb % g == 0
+            and (nb // g) % t["block_w"] == 0)
+
+
+def chosen(codes: Codes, batch: int) -> bool:
+    """Whether :func:`hnlq_jax.matmul`'s kernels take :func:`gemv` for ``batch`` rows of x:
+    the tuning table's ``"gemv"`` entry for the GPU's generation, the lattice and the batch
+    class says ``"backend": "mosaic_gpu"`` (the sweep found it faster than Triton's), and the
+    kernel supports the codes and tiles the weight exactly."""
+    generation, _ = _pallas.gpu_target()
+    config = codes.config
+    if _pallas.tuning_entry("gemv", config, batch, generation).get("backend") != "mosaic_gpu":
+        return False
+    n, nb = codes.blocks_shape
+    return supported_shape(config, n, nb, launch_params(config, n, nb, batch))
+
+
+def _replicated(table: np.ndarray):
+    """uint32 ``[rows, 32]``: entry ``k`` repeated for each lane of a warp."""
+    return jnp.asarray(np.repeat(np.asarray(table).view(np.uint32)[:, None], _LANES, axis=1))
+
+
+def _gather(table_ref, idx, interpret: bool):
+    """``table[idx, lane]`` (uint32, shape and layout of ``idx``) from a shared-memory table
+    ``[rows, 32]``: each thread reads its own lane's copy."""
+    if interpret:
+        return table_ref[...][idx.astype(jnp.int32), 0]
+    from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
+    from jax._src.lib.mlir.dialects import arith, memref  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _LAYOUT),
+                       return_type=plgpu.ShapeDtypeStruct(idx.shape, jnp.uint32,
+                                                          layout=_LAYOUT))
+    def gather(ctx, tref, ix):
+        index, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
+        lane = arith.index_cast(index, arith.remui(mgpu_utils.thread_idx(),
+                                                   arith.constant(i32, _LANES)))
+        return ix.foreach(lambda v, _: memref.load(tref, [arith.index_cast(index, v), lane]),
+                          create_array=True, is_signed=False)
+    return gather(table_ref, idx)
+
+
+def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, pow_smem,
+            barrier, *, config: HNLQConfig, g: int, bn: int, bw: int, steps: int,
+            stages: int, interpret: bool):
+    i, s = jax.lax.axis_index("n"), jax.lax.axis_index("k")
+    plgpu.copy_gmem_to_smem(tab_gmem, tab_smem, barrier.at[0])
+    plgpu.copy_gmem_to_smem(pow_gmem, pow_smem, barrier.at[1])
+    plgpu.barrier_wait(barrier.at[0])
+    plgpu.barrier_wait(barrier.at[1])
+    isz = np.dtype(index_dtype(config)).itemsize
+    tb = t_bits(config)
+    weights = [config.q**m for m in range(config.M)]
+    d, bb = xt_gmem.shape[1], xt_gmem.shape[2]
+
+    def step(_, w_smem, t_smem, xt_smem, off_smem, acc):
+        w = plgpu.layout_cast(w_smem[...], _LAYOUT)  # [bn, bw] index words
+        tw = plgpu.layout_cast(t_smem[...], _LAYOUT).astype(jnp.uint32)
+        acc = list(acc)
+        for p in range(g):  # block p of each word
+            word = None
+            for m, wm in enumerate(weights):
+                shift = 8 * isz * (p * config.M + m)
+                k = (w >> jnp.uint32(shift)) & jnp.uint32((1 << (8 * isz)) - 1)
+                v = _gather(tab_smem, k, interpret) * jnp.uint32(wm)
+                word = v if word is None else word + v
+            coords = [jax.lax.bitcast_convert_type(
+                ((word >> jnp.uint32(8 * c)) & jnp.uint32(255)) | jnp.uint32(_MAGIC),
+                jnp.float32) - _TWO23 for c in range(d)]
+            u = (tw >> jnp.uint32(tb * p)) & jnp.uint32((1 << tb) - 1)
+            scale = jax.lax.bitcast_convert_type(_gather(pow_smem, u, interpret), jnp.float32)
+            for b in range(bb):
+                v = None
+                for c in range(d):
+                    prod = coords[c] * xt_smem[p, c, b, :][None, :]
+                    v = prod if v is None else v + prod
+                acc[b] = acc[b] + scale * (v - off_smem[p, b, :][None, :])
+        return tuple(acc)
+
+    zero = plgpu.layout_cast(jnp.zeros((bn, bw), jnp.float32), _LAYOUT)
+    first = s * steps
+    acc = plgpu.emit_pipeline(
+        step, grid=(steps,),
+        in_specs=[plgpu.BlockSpec((bn, bw), lambda k: (i, first + k)),
+                  plgpu.BlockSpec((bn, bw), lambda k: (i, first + k)),
+                  plgpu.BlockSpec((g, d, bb, bw), lambda k: (0, 0, 0, first + k)),
+                  plgpu.BlockSpec((g, bb, bw), lambda k: (0, 0, first + k))],
+        max_concurrent_steps=stages, init_carry=(zero,) * bb,
+    )(w_gmem, t_gmem, xt_gmem, off_gmem)
+    for b in range(bb):
+        o_gmem.at[s, b][pl.ds(i * bn, bn)] = jnp.sum(acc[b], axis=1)
+
+
+def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = None,
+         block_w: int | None = None, splits: int | None = None, stages: int | None = None):
+    """``y = x @ W_hat^T`` for a few rows of ``x`` on Mosaic GPU (see the module docstring).
+
+    Args:
+      x: ``[..., k]`` activations (at most ``GEMV_ROWS`` rows); computed in float32.
+      codes: the weight ``W[n, k]`` as codes with blocks ``[n, nb]``.
+      out_dtype: the result's dtype.
+      interpret: ``None``: GPU interpret mode where the inputs live on a CPU (the gathers as
+        indexing); ``False`` compiles for the GPU.
+      block_n: weight rows a program (a multiple of 64: the warpgroup's register layout);
+        block_w: index words a pipeline step (a multiple of 16: TMA copies whole 16-byte
+          rows, and the T field's view may be a byte a word);
+        splits: programs a row tile's blocks are split across (split-K);
+        stages: pipeline steps in flight. ``None``: :func:`launch_params`.
+
+    Returns:
+      ``[..., n]`` in ``out_dtype``, as :func:`hnlq_jax.kernels.gemv`.
+
+    Raises:
+      ValueError: an unsupported config or a weight the tiles do not cover exactly
+        (:func:`unsupported`, :func:`supported_shape`); more than ``GEMV_ROWS`` rows; bad
+        launch parameters.
+    """
+    codes = _pallas.weight_codes(codes, "kernels.mosaic_gpu.gemv")
+    x = check_activations(x, codes, "kernels.mosaic_gpu.gemv")
+    config = codes.config
+    why = unsupported(config)
+    if why:
+        raise ValueError(f"kernels.mosaic_gpu.gemv: no kernel for {config}: {why}")
+    n, nb = codes.blocks_shape
+    lead = x.shape[:-1]
+    B = int(np.prod(lead, dtype=np.int64))
+    if B > _pallas.GEMV_ROWS:
+        raise ValueError(f"kernels.mosaic_gpu.gemv: at most {_pallas.GEMV_ROWS} rows of x, "
+                         f"got {B}")
+    t = launch_params(config, n, nb, B)
+    t.update({k: v for k, v in dict(block_n=block_n, block_w=block_w, splits=splits,
+                                    stages=stages).items() if v is not None})
+    for name in ("block_n", "block_w", "splits", "stages"):
+        if not isinstance(t[name], int) or t[name] < 1:
+            raise ValueError(f"kernels.mosaic_gpu.gemv: {name} must be a positive int, got "
+                             f"{t[name]!r}")
+    if t["block_n"] % 64 or t["block_w"] % 16:
+        raise ValueError("kernels.mosaic_gpu.gemv: block_n must be a multiple of 64 and "
+                         f"block_w of 16, got {t['block_n']}, {t['block_w']}")
+    if B == 0 or n == 0 or nb == 0:
+        return jnp.zeros(lead + (n,), out_dtype)
+    if not supported_shape(config, n, nb, t):
+        raise ValueError(f"kernels.mosaic_gpu.gemv: blocks [{n}, {nb}] are not tiled exactly "
+                         f"by block_n = {t['block_n']}, block_w = {t['block_w']} words; use "
+                         "kernels.gemv")
+    words = nb // _word_view(config)[0]
+    steps = _steps(words // t["block_w"], t["splits"])
+    out = _gemv_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(out_dtype),
+                     _pallas.interpret_mode(interpret, x, codes), t["block_n"], t["block_w"],
+                     steps, t["stages"])
+    return out.reshape(lead + (n,))
+
+
+def _steps(tiles: int, splits: int) -> int:
+    """Pipeline steps a program: the largest divisor of ``tiles`` (a row's word tiles) that
+    leaves at least ``splits`` programs a row tile (exact tiles: no edges)."""
+    best = tiles
+    for steps in range(1, tiles + 1):
+        if tiles % steps == 0 and tiles // steps >= splits:
+            best = steps
+    return best
+
+
+def launch_params(config: HNLQConfig, n: int, nb: int, batch: int,
+                  entry: dict | None = None) -> dict:
+    """The launch parameters of :func:`gemv` for blocks ``[n, nb]`` and ``batch`` rows of x:
+    ``entry``, else the tuning table's ``"gemv_mosaic"`` entry for the GPU's generation
+    (:func:`hnlq_jax.kernels.pallas.tuning_entry`), over its defaults; ``splits`` grows until
+    about ``waves`` programs run a multiprocessor. Without a GPU: an H100's (sm90, 132)."""
+    generation, sms = _pallas.gpu_target()
+    t = ({**gpu_tiles.DEFAULT["gemv_mosaic"], **entry} if entry is not None else
+         _pallas.tuning_entry("gemv_mosaic", config, batch, generation))
+    waves = t.pop("waves")
+    programs = max(1, -(-n // t["block_n"]))
+    view = _word_view(config)
+    tiles = -(-nb // ((view[0] if view else 1) * t["block_w"]))  # a row's steps
+    t["splits"] = max(1, min(-(-waves * sms // programs), tiles))
+    return t
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
+def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages):
+    config = codes.config
+    n, nb = codes.blocks_shape
+    g, t_dtype = _word_view(config)
+    words = nb // g
+    xt, off = _pallas.gemv_activations(x, config, nb)
+    off = off + np.float32(_pallas.packed_bias(config, 0)) * jnp.sum(xt, axis=0)
+    bb = xt.shape[1]
+    # block g w + p of x as plane p at word w
+    xt = xt.reshape(config.d, bb, words, g).transpose(3, 0, 1, 2)
+    off = off.reshape(bb, words, g).transpose(2, 0, 1)
+    w = jax.lax.bitcast_convert_type(codes.index.reshape(n, words, -1), jnp.uint32)
+    tf = codes.tfield.reshape(n, -1)
+    if t_dtype != jnp.uint8:
+        tf = jax.lax.bitcast_convert_type(tf.reshape(n, words, -1), t_dtype)
+    tab = _replicated(_pallas.packed_codebook(config)[0])
+    pow_tab = _replicated(_pallas.overload_table(config))
+    splits = words // bw // steps
+    kernel = functools.partial(_kernel, config=config, g=g, bn=bn, bw=bw, steps=steps,
+                               stages=stages, interpret=interpret)
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((splits, bb, n), jnp.float32),
+        grid=(n // bn, splits), grid_names=("n", "k"),
+        scratch_types=[plgpu.SMEM(tab.shape, jnp.uint32), plgpu.SMEM(pow_tab.shape, jnp.uint32),
+                       plgpu.Barrier(num_barriers=2)],
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
+    )(w, tf, xt, off, tab, pow_tab)
+    y = jnp.sum(out, axis=0)[:x.shape[0]]
+    if codes.scale is not None:
+        y = y * codes.scale.astype(jnp.float32)[None, :]
+    return y.astype(out_dtype)

@@ -126,6 +126,10 @@ def info(args) -> None:
     print("paths (implementation=): xla (always); pallas (GPU; interpret mode on a CPU); lut; "
           "native: " + (f"built ({native.isa()})" if native.available()
                         else native.why_unavailable()))
+    mosaic = hq.kernels.mosaic_gpu
+    print("GPU kernels of pallas: Triton; Mosaic GPU gemv: " + (
+        "available (taken where the tuning table names it)" if mosaic.available()
+        else mosaic.unsupported(hq.HNLQConfig("D4", 4, 2))))
     d4 = hq.HNLQConfig("D4", 4, 2)
     print("implementation=None on this backend (D4 q=4 M=2): matmul "
           f"{hq.ops.default_implementation('matmul', d4)}, decode "

@@ -109,13 +109,15 @@ def chosen(codes: Codes, batch: int) -> bool:
     """Whether :func:`hnlq_jax.matmul`'s kernels take :func:`gemv` for ``batch`` rows of x:
     the tuning table's ``"gemv"`` entry for the GPU's generation, the lattice and the batch
     class says ``"backend": "mosaic_gpu"`` (the sweep found it faster than Triton's), and the
-    kernel supports the codes and tiles the weight exactly."""
+    kernel supports the codes, its launch parameters are valid and tile the weight exactly
+    (else Triton's kernel runs)."""
     generation, _ = _pallas.gpu_target()
     config = codes.config
     if _pallas.tuning_entry("gemv", config, batch, generation).get("backend") != "mosaic_gpu":
         return False
     n, nb = codes.blocks_shape
-    return supported_shape(config, n, nb, launch_params(config, n, nb, batch))
+    t = launch_params(config, n, nb, batch)
+    return _launch_error(t, config, batch) is None and supported_shape(config, n, nb, t)
 
 
 def _replicated(table: np.ndarray):
@@ -154,6 +156,7 @@ def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_s
     plgpu.barrier_wait(barrier.at[1])
     isz = np.dtype(index_dtype(config)).itemsize
     tb = t_bits(config)
+    rows = config.q**config.d
     weights = [config.q**m for m in range(config.M)]
     d, bb = xt_gmem.shape[1], xt_gmem.shape[2]
 
@@ -162,17 +165,22 @@ def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_s
         tw = plgpu.layout_cast(t_smem[...], _LAYOUT).astype(jnp.uint32)
         acc = list(acc)
         for p in range(g):  # block p of each word
-            word = None
+            word, valid = None, None
             for m, wm in enumerate(weights):
                 shift = 8 * isz * (p * config.M + m)
                 k = (w >> jnp.uint32(shift)) & jnp.uint32((1 << (8 * isz)) - 1)
                 v = _gather(tab_smem, k, interpret) * jnp.uint32(wm)
                 word = v if word is None else word + v
+                if rows < 1 << (8 * isz):  # a corrupt index names no entry: NaN, as Triton's
+                    ok = k < jnp.uint32(rows)
+                    valid = ok if valid is None else valid & ok
             coords = [jax.lax.bitcast_convert_type(
                 ((word >> jnp.uint32(8 * c)) & jnp.uint32(255)) | jnp.uint32(_MAGIC),
                 jnp.float32) - _TWO23 for c in range(d)]
             u = (tw >> jnp.uint32(tb * p)) & jnp.uint32((1 << tb) - 1)
             scale = jax.lax.bitcast_convert_type(_gather(pow_smem, u, interpret), jnp.float32)
+            if valid is not None:
+                scale = jnp.where(valid, scale, jnp.float32(jnp.nan))
             for b in range(bb):
                 v = None
                 for c in range(d):
@@ -234,13 +242,9 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
     t = launch_params(config, n, nb, B)
     t.update({k: v for k, v in dict(block_n=block_n, block_w=block_w, splits=splits,
                                     stages=stages).items() if v is not None})
-    for name in ("block_n", "block_w", "splits", "stages"):
-        if not isinstance(t[name], int) or t[name] < 1:
-            raise ValueError(f"kernels.mosaic_gpu.gemv: {name} must be a positive int, got "
-                             f"{t[name]!r}")
-    if t["block_n"] % 64 or t["block_w"] % 16:
-        raise ValueError("kernels.mosaic_gpu.gemv: block_n must be a multiple of 64 and "
-                         f"block_w of 16, got {t['block_n']}, {t['block_w']}")
+    why = _launch_error(t, config, B)
+    if why:
+        raise ValueError(f"kernels.mosaic_gpu.gemv: {why}")
     if B == 0 or n == 0 or nb == 0:
         return jnp.zeros(lead + (n,), out_dtype)
     if not supported_shape(config, n, nb, t):
@@ -255,10 +259,41 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
     return out.reshape(lead + (n,))
 
 
+# Hopper's shared memory a block (227 KiB); the kernel's use is estimated before compiling.
+_SMEM_BYTES = 227 * 1024
+
+
+def _smem_bytes(t: dict, config: HNLQConfig, batch: int) -> int:
+    """Shared memory of a program: the two lane-replicated tables and ``stages`` pipeline
+    buffers (index words, T view, x's planes and offsets)."""
+    g, t_dtype = _word_view(config)
+    bb = 1 << max(0, batch - 1).bit_length()  # x's rows, padded to a power of two
+    tables = _LANES * 4 * (_TABLE_ROWS_MAX + (1 << t_bits(config)))
+    bn, bw = t["block_n"], t["block_w"]
+    step = bn * bw * (4 + np.dtype(t_dtype).itemsize) + g * (config.d + 1) * bb * bw * 4
+    return tables + t["stages"] * step
+
+
+def _launch_error(t: dict, config: HNLQConfig, batch: int) -> str | None:
+    """What is wrong with launch parameters ``t`` (``None`` where they are valid)."""
+    for name in ("block_n", "block_w", "splits", "stages"):
+        if not isinstance(t[name], int) or isinstance(t[name], bool) or t[name] < 1:
+            return f"{name} must be a positive int, got {t[name]!r}"
+    if t["block_n"] % 64 or t["block_w"] % 16:
+        return (f"block_n must be a multiple of 64 and block_w of 16, got {t['block_n']}, "
+                f"{t['block_w']}")
+    if _smem_bytes(t, config, batch) > _SMEM_BYTES:
+        return (f"block_n = {t['block_n']}, block_w = {t['block_w']}, stages = {t['stages']} "
+                f"need {_smem_bytes(t, config, batch)} bytes of shared memory (at most "
+                f"{_SMEM_BYTES})")
+    return None
+
+
 def _steps(tiles: int, splits: int) -> int:
     """Pipeline steps a program: the largest divisor of ``tiles`` (a row's word tiles) that
-    leaves at least ``splits`` programs a row tile (exact tiles: no edges)."""
-    best = tiles
+    leaves at least ``splits`` programs a row tile (exact tiles: no edges); 1 (a program a
+    tile) where ``splits`` exceeds the tiles."""
+    best = 1
     for steps in range(1, tiles + 1):
         if tiles % steps == 0 and tiles // steps >= splits:
             best = steps
@@ -298,7 +333,10 @@ def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages):
     tf = codes.tfield.reshape(n, -1)
     if t_dtype != jnp.uint8:
         tf = jax.lax.bitcast_convert_type(tf.reshape(n, words, -1), t_dtype)
-    tab = _replicated(_pallas.packed_codebook(config)[0])
+    # padded to every value an index byte holds (zeros: corrupt indices are masked), so that
+    # no gather reads past the table
+    table = _pallas.packed_codebook(config)[0]
+    tab = _replicated(np.pad(table, (0, _TABLE_ROWS_MAX - table.shape[0])))
     pow_tab = _replicated(_pallas.overload_table(config))
     splits = words // bw // steps
     kernel = functools.partial(_kernel, config=config, g=g, bn=bn, bw=bw, steps=steps,

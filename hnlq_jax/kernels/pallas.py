@@ -897,6 +897,7 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     t = tuning_entry(op, config, batch, generation) if entry is None else {
         **gpu_tiles.DEFAULT[op], **entry}
     waves = t.pop("waves")
+    t.pop("backend", None)  # which gemv kernel runs (mosaic_gpu.chosen), not a Triton parameter
     row_tiles = 1 if op == "gemv" else -(-max(batch, 1) // _BATCH_TILE)
     programs = max(1, -(-n // t["block_n"]) * row_tiles)
     t["splits"] = max(1, min(-(-waves * sms // programs), -(-nb // t["block_k"])))

@@ -189,7 +189,8 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
                               if bw != entry["block_w"]], []
         a = [dict(block_n=bn, block_w=bw, stages=4, waves=4)
              for bn in (64, 128) for bw in ((16, 32, 64) if batch == 1 else (16, 32))]
-        return a, [dict(stages=2), dict(stages=8), dict(waves=2), dict(waves=8)]
+        return a, [dict(stages=2), dict(stages=8), dict(waves=2), dict(waves=8),
+                   dict(resident=1), dict(resident=4)]
     if quick:  # the entry's launch parameters (its backend is what the sweep decides)
         entry = {k: v for k, v in kernels.pallas.tuning_entry(
             op, CONFIGS[lattice], batch, generation).items() if k != "backend"}

@@ -43,15 +43,17 @@ def _decoded_product(x, codes):
                               precision="highest"))
 
 
-@pytest.mark.parametrize("cfg,batch,splits", [(D4, 1, 1), (D4, 3, 2), (D4_DITHER, 8, 2),
-                                               (WIDE_T, 2, 4), (Q3, 1, 2)],
-                         ids=["D4-b1", "D4-b3-split", "dither-b8", "T8bit-b2-split4", "q3-b1"])
-def test_gemv_matches_decoded_weights_and_triton(cfg, batch, splits):
+@pytest.mark.parametrize("cfg,batch,splits,programs", [
+    (D4, 1, 1, None), (D4, 3, 2, 3), (D4_DITHER, 8, 2, None), (WIDE_T, 2, 4, 1),
+    (Q3, 1, 2, None)], ids=["D4-b1", "D4-b3-split-3programs", "dither-b8",
+                            "T8bit-b2-split4-1program", "q3-b1"])
+def test_gemv_matches_decoded_weights_and_triton(cfg, batch, splits, programs):
     """float32 sums of the exact decoded weights (row scales, the dither, the packed fields'
-    bias, 4- and 8-bit T views, split-K, padded batch rows), as the Triton kernel's."""
+    bias, 4- and 8-bit T views, split-K, padded batch rows, persistent programs taking several
+    work items: 2 row tiles x splits), as the Triton kernel's."""
     codes = _weights(cfg, 128, 512)
     x = _x(batch, 512)
-    y = np.asarray(mg.gemv(x, codes, jnp.float32, splits=splits, **SMALL))
+    y = np.asarray(mg.gemv(x, codes, jnp.float32, splits=splits, programs=programs, **SMALL))
     ref = _decoded_product(x, codes)
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
     tri = np.asarray(K.gemv(x, codes, jnp.float32))
@@ -96,6 +98,8 @@ def test_gemv_refusals():
         mg.gemv(_x(9, 256), codes, jnp.float32)
     with pytest.raises(ValueError, match="stages must be a positive int"):
         mg.gemv(x, codes, jnp.float32, stages=0)
+    with pytest.raises(ValueError, match="programs must be a positive int"):
+        mg.gemv(x, codes, jnp.float32, programs=0)
     with pytest.raises(ValueError, match="shared memory"):
         mg.gemv(x, codes, jnp.float32, block_n=128, block_w=64, stages=8)
 
@@ -103,8 +107,10 @@ def test_gemv_refusals():
 def test_launch_params_split_k():
     """splits grow until about ``waves`` programs a multiprocessor (132 without a GPU), never
     past a row's steps; an entry replaces the table's."""
-    t = mg.launch_params(D4, 8192, 2048, 1, entry=dict(block_n=64, block_w=32, waves=4))
+    t = mg.launch_params(D4, 8192, 2048, 1, entry=dict(block_n=64, block_w=32, waves=4,
+                                                        resident=3))
     assert t["splits"] == -(-4 * 132 // 128) and "waves" not in t
+    assert t["programs"] == 3 * 132 and "resident" not in t
     t = mg.launch_params(D4, 64, 64, 1, entry=dict(block_w=16))
     assert t["splits"] == 2  # 32 words: two steps of 16
 

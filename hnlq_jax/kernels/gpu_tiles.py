@@ -9,8 +9,10 @@ until about ``waves`` programs per multiprocessor run.
 DEFAULT = {"gemv": {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 1, "waves": 4},
            "decode_matmul": {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 1,
                              "waves": 1},
-           # kernels.mosaic_gpu.gemv: block_w index words a pipeline step, stages in flight
-           "gemv_mosaic": {"block_n": 64, "block_w": 32, "stages": 4, "waves": 4}}
+           # kernels.mosaic_gpu.gemv: block_w index words a pipeline step, stages in flight,
+           # resident persistent programs a multiprocessor
+           "gemv_mosaic": {"block_n": 64, "block_w": 32, "stages": 4, "waves": 4,
+                           "resident": 2}}
 
 # {generation: {op: {lattice: {"batch<=B": params}}}}, op: "gemv" or "decode_matmul"
 TILES: dict = {'sm90': {'decode_matmul': {'D4': {'batch<=16': {'block_k': 64,

@@ -4,8 +4,9 @@
 the twin of the Triton :func:`hnlq_jax.kernels.pallas.gemv` (packed codebook mode) and equal
 to it, and to the XLA path, up to float32 rounding.
 
-**What one program does.** A tile of ``block_n`` weight rows and a share of their blocks
-(split-K: ``splits`` programs a row tile). The codes stream from HBM through a TMA pipeline
+**What one program does.** Programs are persistent: each loads the two tables once, then
+takes work items in turn, a work item being a tile of ``block_n`` weight rows and a share of
+their blocks (split-K: ``splits`` items a row tile). The codes stream from HBM through a TMA pipeline
 (``stages`` tiles in flight) in the layout they are stored in, viewed, not copied:
 
 * the index as uint32 words, ``g = 4 / (M bytes)`` blocks a word (D4 q=4 M=2: two blocks,
@@ -149,7 +150,6 @@ def _gather(table_ref, idx, interpret: bool):
 def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, pow_smem,
             barrier, *, config: HNLQConfig, g: int, bn: int, bw: int, steps: int,
             stages: int, interpret: bool):
-    i, s = jax.lax.axis_index("n"), jax.lax.axis_index("k")
     plgpu.copy_gmem_to_smem(tab_gmem, tab_smem, barrier.at[0])
     plgpu.copy_gmem_to_smem(pow_gmem, pow_smem, barrier.at[1])
     plgpu.barrier_wait(barrier.at[0])
@@ -189,22 +189,28 @@ def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_s
                 acc[b] = acc[b] + scale * (v - off_smem[p, b, :][None, :])
         return tuple(acc)
 
-    zero = plgpu.layout_cast(jnp.zeros((bn, bw), jnp.float32), _LAYOUT)
-    first = s * steps
-    acc = plgpu.emit_pipeline(
-        step, grid=(steps,),
-        in_specs=[plgpu.BlockSpec((bn, bw), lambda k: (i, first + k)),
-                  plgpu.BlockSpec((bn, bw), lambda k: (i, first + k)),
-                  plgpu.BlockSpec((g, d, bb, bw), lambda k: (0, 0, 0, first + k)),
-                  plgpu.BlockSpec((g, bb, bw), lambda k: (0, 0, first + k))],
-        max_concurrent_steps=stages, init_carry=(zero,) * bb,
-    )(w_gmem, t_gmem, xt_gmem, off_gmem)
-    for b in range(bb):
-        o_gmem.at[s, b][pl.ds(i * bn, bn)] = jnp.sum(acc[b], axis=1)
+    # Persistent programs: each loads the tables once, then takes work items (a row tile and
+    # its split-K share) in turn
+    @plgpu.nd_loop((o_gmem.shape[2] // bn, o_gmem.shape[0]), collective_axes="p")
+    def _work(loop):
+        i, s = loop.index
+        first = s * steps
+        zero = plgpu.layout_cast(jnp.zeros((bn, bw), jnp.float32), _LAYOUT)
+        acc = plgpu.emit_pipeline(
+            step, grid=(steps,),
+            in_specs=[plgpu.BlockSpec((bn, bw), lambda k: (i, first + k)),
+                      plgpu.BlockSpec((bn, bw), lambda k: (i, first + k)),
+                      plgpu.BlockSpec((g, d, bb, bw), lambda k: (0, 0, 0, first + k)),
+                      plgpu.BlockSpec((g, bb, bw), lambda k: (0, 0, first + k))],
+            max_concurrent_steps=stages, init_carry=(zero,) * bb,
+        )(w_gmem, t_gmem, xt_gmem, off_gmem)
+        for b in range(bb):
+            o_gmem.at[s, b][pl.ds(i * bn, bn)] = jnp.sum(acc[b], axis=1)
 
 
 def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = None,
-         block_w: int | None = None, splits: int | None = None, stages: int | None = None):
+         block_w: int | None = None, splits: int | None = None, stages: int | None = None,
+         programs: int | None = None):
     """``y = x @ W_hat^T`` for a few rows of ``x`` on Mosaic GPU (see the module docstring).
 
     Args:
@@ -217,7 +223,9 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
         block_w: index words a pipeline step (a multiple of 16: TMA copies whole 16-byte
           rows, and the T field's view may be a byte a word);
         splits: programs a row tile's blocks are split across (split-K);
-        stages: pipeline steps in flight. ``None``: :func:`launch_params`.
+        stages: pipeline steps in flight;
+        programs: persistent programs (each loads the tables once, then takes work items in
+          turn; at most one a work item). ``None``: :func:`launch_params`.
 
     Returns:
       ``[..., n]`` in ``out_dtype``, as :func:`hnlq_jax.kernels.gemv`.
@@ -241,7 +249,8 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
                          f"got {B}")
     t = launch_params(config, n, nb, B)
     t.update({k: v for k, v in dict(block_n=block_n, block_w=block_w, splits=splits,
-                                    stages=stages).items() if v is not None})
+                                    stages=stages, programs=programs).items()
+              if v is not None})
     why = _launch_error(t, config, B)
     if why:
         raise ValueError(f"kernels.mosaic_gpu.gemv: {why}")
@@ -253,9 +262,10 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
                          "kernels.gemv")
     words = nb // _word_view(config)[0]
     steps = _steps(words // t["block_w"], t["splits"])
+    items = n // t["block_n"] * (words // t["block_w"] // steps)
     out = _gemv_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(out_dtype),
                      _pallas.interpret_mode(interpret, x, codes), t["block_n"], t["block_w"],
-                     steps, t["stages"])
+                     steps, t["stages"], min(t["programs"], items))
     return out.reshape(lead + (n,))
 
 
@@ -276,7 +286,7 @@ def _smem_bytes(t: dict, config: HNLQConfig, batch: int) -> int:
 
 def _launch_error(t: dict, config: HNLQConfig, batch: int) -> str | None:
     """What is wrong with launch parameters ``t`` (``None`` where they are valid)."""
-    for name in ("block_n", "block_w", "splits", "stages"):
+    for name in ("block_n", "block_w", "splits", "stages", "programs"):
         if not isinstance(t[name], int) or isinstance(t[name], bool) or t[name] < 1:
             return f"{name} must be a positive int, got {t[name]!r}"
     if t["block_n"] % 64 or t["block_w"] % 16:
@@ -305,20 +315,23 @@ def launch_params(config: HNLQConfig, n: int, nb: int, batch: int,
     """The launch parameters of :func:`gemv` for blocks ``[n, nb]`` and ``batch`` rows of x:
     ``entry``, else the tuning table's ``"gemv_mosaic"`` entry for the GPU's generation
     (:func:`hnlq_jax.kernels.pallas.tuning_entry`), over its defaults; ``splits`` grows until
-    about ``waves`` programs run a multiprocessor. Without a GPU: an H100's (sm90, 132)."""
+    about ``waves`` work items (a row tile's split-K share) a multiprocessor, taken in turn by
+    ``resident`` persistent programs a multiprocessor (``programs`` in all). Without a GPU:
+    an H100's (sm90, 132)."""
     generation, sms = _pallas.gpu_target()
     t = ({**gpu_tiles.DEFAULT["gemv_mosaic"], **entry} if entry is not None else
          _pallas.tuning_entry("gemv_mosaic", config, batch, generation))
     waves = t.pop("waves")
-    programs = max(1, -(-n // t["block_n"]))
+    row_tiles = max(1, -(-n // t["block_n"]))
     view = _word_view(config)
     tiles = -(-nb // ((view[0] if view else 1) * t["block_w"]))  # a row's steps
-    t["splits"] = max(1, min(-(-waves * sms // programs), tiles))
+    t["splits"] = max(1, min(-(-waves * sms // row_tiles), tiles))
+    t["programs"] = t.pop("resident") * sms
     return t
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
-def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, programs):
     config = codes.config
     n, nb = codes.blocks_shape
     g, t_dtype = _word_view(config)
@@ -344,7 +357,7 @@ def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages):
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, bb, n), jnp.float32),
-        grid=(n // bn, splits), grid_names=("n", "k"),
+        grid=(programs,), grid_names=("p",),
         scratch_types=[plgpu.SMEM(tab.shape, jnp.uint32), plgpu.SMEM(pow_tab.shape, jnp.uint32),
                        plgpu.Barrier(num_barriers=2)],
         compiler_params=plgpu.CompilerParams(

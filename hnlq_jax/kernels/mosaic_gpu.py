@@ -6,8 +6,8 @@ to it, and to the XLA path, up to float32 rounding.
 
 **What one program does.** Programs are persistent: each loads the two tables once, then
 takes work items in turn, a work item being a tile of ``block_n`` weight rows and a share of
-their blocks (split-K: ``splits`` items a row tile). The codes stream from HBM through a TMA pipeline
-(``stages`` tiles in flight) in the layout they are stored in, viewed, not copied:
+their blocks (split-K: ``splits`` items a row tile). The codes stream from HBM through a TMA
+pipeline (``stages`` tiles in flight) in the layout they are stored in, viewed, not copied:
 
 * the index as uint32 words, ``g = 4 / (M bytes)`` blocks a word (D4 q=4 M=2: two blocks,
   levels in bytes ``2s``, ``2s + 1`` for block ``s`` of the word);

@@ -275,12 +275,20 @@ def sweep(clock, small, quick=False):
                 best.setdefault(op, {}).setdefault(lattice, {})[f"batch<={batch}"] = \
                     winner["entry"]
                 winners[op, lattice, batch] = winner
-    for (op, lattice, batch), row in winners.items():  # the faster gemv backend
+    pick_backends(best, winners)
+    return {"n": n, "rows": rows, "best": best}
+
+
+def pick_backends(best: dict, winners: dict):
+    """Names Mosaic GPU the backend (``"backend": "mosaic_gpu"`` in ``best``'s ``gemv`` entry)
+    of each lattice and batch class where its winner beat Triton's ``gemv`` (or Triton had
+    none); ``winners``: ``{(op, lattice, batch): row}``, the rows' ``seconds``."""
+    for (op, lattice, batch), row in winners.items():
         triton = winners.get(("gemv", lattice, batch))
         if op == "gemv_mosaic" and (triton is None or row["seconds"] < triton["seconds"]):
-            cls = best.setdefault("gemv", {}).setdefault(lattice, {})
-            cls[f"batch<={batch}"] = {**cls.get(f"batch<={batch}", {}), "backend": "mosaic_gpu"}
-    return {"n": n, "rows": rows, "best": best}
+            by_class = best.setdefault("gemv", {}).setdefault(lattice, {})
+            cls = f"batch<={batch}"
+            by_class[cls] = {**by_class.get(cls, {}), "backend": "mosaic_gpu"}
 
 
 def matmul_table(clock, peak, small, batches, shapes=SHAPES):
@@ -472,11 +480,13 @@ def markdown(out) -> str:
         for op, by_lat in best.items():
             for lat, by in by_lat.items():
                 for cls, entry in by.items():
-                    t = min(r["seconds"] for r in sw["rows"]
-                            if r.get("op", "gemv") == op and r["lattice"] == lat
-                            and f"batch<={r['batch']}" == cls and r["entry"] == entry
-                            and "seconds" in r)
-                    lines.append(f"| `{op}` | {lat} | {cls} | `{entry}` | {t * 1e6:.1f} µs |")
+                    tiles = {k: v for k, v in entry.items() if k != "backend"}
+                    times = [r["seconds"] for r in sw["rows"]
+                             if r.get("op", "gemv") == op and r["lattice"] == lat
+                             and f"batch<={r['batch']}" == cls and r["entry"] == tiles
+                             and "seconds" in r]
+                    t = f"{min(times) * 1e6:.1f} µs" if times else "n/a"  # backend only
+                    lines.append(f"| `{op}` | {lat} | {cls} | `{entry}` | {t} |")
         failed = [r for r in sw["rows"] if "error" in r]
         lines += ["", f"{len(sw['rows'])} candidates timed, {len(failed)} failed to run.", ""]
     if out.get("codec"):

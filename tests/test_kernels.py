@@ -637,15 +637,40 @@ def test_lowers_for_cuda_mosaic_gpu(monkeypatch):
     assert "custom_call @mosaic_gpu" in text
 
 
-def test_gpu_check_command_parses():
-    """experiments/gpu_check.py runs this file through pytest: its command line must parse
-    with the project's pytest options (collection only here)."""
+def _gpu_check():
     sys.path.insert(0, str(ROOT / "experiments"))
     try:
         import gpu_check
     finally:
         sys.path.pop(0)
-    cmd = gpu_check.pytest_command("tests/test_kernels.py::test_gpu_check_command_parses")
+    return gpu_check
+
+
+def test_gpu_check_picks_the_faster_gemv_backend():
+    """The sweep names Mosaic GPU the backend only where its winner beat Triton's, and the
+    report still finds each winner's time (the entry with a backend is Triton's tiles)."""
+    gpu_check = _gpu_check()
+    tri = dict(block_n=16, block_k=256, num_warps=4, num_stages=1, waves=4)
+    mos = dict(block_n=64, block_w=32, stages=4, waves=4, resident=2)
+    rows = [dict(op="gemv", lattice="D4", batch=1, entry=tri, seconds=50e-6),
+            dict(op="gemv_mosaic", lattice="D4", batch=1, entry=mos, seconds=20e-6),
+            dict(op="gemv", lattice="D4", batch=8, entry=tri, seconds=60e-6),
+            dict(op="gemv_mosaic", lattice="D4", batch=8, entry=mos, seconds=90e-6)]
+    best = {"gemv": {"D4": {"batch<=1": dict(tri), "batch<=8": dict(tri)}},
+            "gemv_mosaic": {"D4": {"batch<=1": dict(mos), "batch<=8": dict(mos)}}}
+    gpu_check.pick_backends(best, {(r["op"], r["lattice"], r["batch"]): r for r in rows})
+    assert best["gemv"]["D4"] == {"batch<=1": dict(tri, backend="mosaic_gpu"),
+                                  "batch<=8": tri}
+    env = dict(device="H100", backend="gpu", jax="0", python="3", generation="sm90")
+    md = gpu_check.markdown({"environment": env, "sweep": {"n": 8192, "rows": rows,
+                                                           "best": best}})
+    assert "'backend': 'mosaic_gpu'}` | 50.0 µs" in md and "| 20.0 µs |" in md
+
+
+def test_gpu_check_command_parses():
+    """experiments/gpu_check.py runs this file through pytest: its command line must parse
+    with the project's pytest options (collection only here)."""
+    cmd = _gpu_check().pytest_command("tests/test_kernels.py::test_gpu_check_command_parses")
     r = subprocess.run(cmd + ["--collect-only", "-q"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

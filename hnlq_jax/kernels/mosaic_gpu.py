@@ -47,7 +47,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from hnlq_jax.codes import Codes, check_activations, index_dtype, t_bits
 from hnlq_jax.config import HNLQConfig
-from hnlq_jax.kernels import gpu_tiles
 from hnlq_jax.kernels import pallas as _pallas
 
 __all__ = ["available", "chosen", "gemv", "launch_params", "supported_shape", "unsupported"]
@@ -318,9 +317,7 @@ def launch_params(config: HNLQConfig, n: int, nb: int, batch: int,
     about ``waves`` work items (a row tile's split-K share) a multiprocessor, taken in turn by
     ``resident`` persistent programs a multiprocessor (``programs`` in all). Without a GPU:
     an H100's (sm90, 132)."""
-    generation, sms = _pallas.gpu_target()
-    t = ({**gpu_tiles.DEFAULT["gemv_mosaic"], **entry} if entry is not None else
-         _pallas.tuning_entry("gemv_mosaic", config, batch, generation))
+    t, sms = _pallas.launch_entry("gemv_mosaic", config, batch, entry)
     waves = t.pop("waves")
     row_tiles = max(1, -(-n // t["block_n"]))
     view = _word_view(config)
@@ -336,12 +333,9 @@ def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, pro
     n, nb = codes.blocks_shape
     g, t_dtype = _word_view(config)
     words = nb // g
-    xt, off = _pallas.gemv_activations(x, config, nb)
-    off = off + np.float32(_pallas.packed_bias(config, 0)) * jnp.sum(xt, axis=0)
-    bb = xt.shape[1]
     # block g w + p of x as plane p at word w
-    xt = xt.reshape(config.d, bb, words, g).transpose(3, 0, 1, 2)
-    off = off.reshape(bb, words, g).transpose(2, 0, 1)
+    xt, off = _pallas.gemv_activations(x, config, nb, packed=True, parts=g)
+    bb = xt.shape[2]
     w = jax.lax.bitcast_convert_type(codes.index.reshape(n, words, -1), jnp.uint32)
     tf = codes.tfield.reshape(n, -1)
     if t_dtype != jnp.uint8:

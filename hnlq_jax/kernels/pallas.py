@@ -269,7 +269,7 @@ def _packed_fields(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
     return fields
 
 
-def packed_bias(config: HNLQConfig, first: int) -> int:
+def _packed_bias(config: HNLQConfig, first: int) -> int:
     """The bias of each field of the levels' packed sum from level ``first`` on
     (:func:`packed_codebook`)."""
     return packed_codebook(config)[1] * sum(config.q**m for m in range(first, config.M))
@@ -320,7 +320,7 @@ def _lattice_point(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
     if tab_ref is None:
         return codec.level_sum(ks, config, first, use_table=False)
     if packed_codebook(config) is not None:
-        bias = packed_bias(config, first)
+        bias = _packed_bias(config, first)
         return [f.astype(jnp.int32) - bias for f in _packed_fields(ks, tab_ref, config, first)]
     rows, d = config.q**config.d, config.d
     weights = _numerics.level_weights(config)
@@ -893,9 +893,7 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     ``waves`` programs run per multiprocessor, at most one per step of ``block_k`` blocks.
     Without a GPU: the defaults of an H100 (sm90, 132 multiprocessors).
     """
-    generation, sms = gpu_target()
-    t = tuning_entry(op, config, batch, generation) if entry is None else {
-        **gpu_tiles.DEFAULT[op], **entry}
+    t, sms = launch_entry(op, config, batch, entry)
     waves = t.pop("waves")
     t.pop("backend", None)  # which gemv kernel runs (mosaic_gpu.chosen), not a Triton parameter
     row_tiles = 1 if op == "gemv" else -(-max(batch, 1) // _BATCH_TILE)
@@ -911,6 +909,15 @@ def gpu_target() -> tuple:
     if not gpus:
         return "sm90", 132
     return gpu_generation(gpus[0]), getattr(gpus[0], "core_count", 132)
+
+
+def launch_entry(op: str, config: HNLQConfig, batch: int, entry: dict | None = None) -> tuple:
+    """``(params, multiprocessors)`` for ``op`` on the default GPU (:func:`gpu_target`):
+    ``entry`` over the op's defaults, else the tuning table's entry (:func:`tuning_entry`)."""
+    generation, sms = gpu_target()
+    if entry is not None:
+        return {**gpu_tiles.DEFAULT[op], **entry}, sms
+    return tuning_entry(op, config, batch, generation), sms
 
 
 def tuning_entry(op: str, config: HNLQConfig, batch: int, generation: str) -> dict:
@@ -954,10 +961,16 @@ def _small_tile(block: int, what: str) -> int:
     return block
 
 
-def gemv_activations(x, config: HNLQConfig, nbp: int):
+def gemv_activations(x, config: HNLQConfig, nbp: int, packed: bool = False,
+                     parts: int | None = None):
     """``(xt [d, bb, nbp], off [bb, nbp])`` in float32: ``xt = beta C^T x`` per block (``C``:
-    P to Cartesian coordinates), ``off = beta x . z + bias sum_j xt_j`` (the dither, and the
-    packed fields' bias), zero-padded to ``bb`` rows (a power of two) and ``nbp`` blocks."""
+    P to Cartesian coordinates), ``off = beta x . z`` (the dither) plus, with ``packed``, the
+    packed fields' bias ``bias sum_j xt_j`` (:func:`packed_codebook`), zero-padded to ``bb`` rows
+    (a power of two) and ``nbp`` blocks.
+
+    ``parts``: the blocks interleaved ``parts`` ways, block ``parts w + p`` as plane ``p`` at
+    ``w``: ``xt [parts, d, bb, nbp / parts]``, ``off [parts, bb, nbp / parts]`` (kernels that
+    read several blocks from one word of the codes)."""
     B, k = x.shape
     d = config.d
     bb = _pow2_at_least(B)
@@ -972,6 +985,11 @@ def gemv_activations(x, config: HNLQConfig, nbp: int):
         off = off + beta * jnp.einsum("bld,d->bl", xb, jnp.asarray(config.dither_array,
                                                                    jnp.float32),
                                       precision=_HIGHEST)
+    if packed:
+        off = off + np.float32(_packed_bias(config, 0)) * jnp.sum(xt, axis=0)
+    if parts is not None:
+        xt = xt.reshape(d, bb, nbp // parts, parts).transpose(3, 0, 1, 2)
+        off = off.reshape(bb, nbp // parts, parts).transpose(2, 0, 1)
     return xt, off
 
 
@@ -990,14 +1008,15 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
     config = codes.config
     n, nb = codes.blocks_shape
     steps, splits, nbp = _split_k(nb, splits, bk)
-    xt, off = gemv_activations(x, config, nbp)
-    bb = xt.shape[1]  # x's rows padded to a power of two
+    exact = n % bn == 0 and nbp == nb
+    pairs = pairs and _pairs_fit(config, nb, exact, mode == "lut")
+    # with pairs, x's even and odd blocks apart, [2, ...]
+    xt, off = gemv_activations(x, config, nbp, mode == "packed", 2 if pairs else None)
+    bb = xt.shape[-2]  # x's rows padded to a power of two
     extra, extra_specs = [], []
     if codes.scale is not None:
         extra.append(codes.scale.astype(jnp.float32))
         extra_specs.append(pl.BlockSpec((bn,), lambda i, s: (i,)))
-    if mode == "packed":
-        off = off + np.float32(packed_bias(config, 0)) * jnp.sum(xt, axis=0)
     if mode == "lut":  # beta <r(k), x_l> for every row of x, block l and codebook entry k
         xp = jnp.pad(x.astype(jnp.float32),
                      ((0, bb - x.shape[0]), (0, nbp * config.d - x.shape[1])))
@@ -1007,11 +1026,7 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
     if mode != "digits":
         extra_specs.append(_whole(extra[-1]))
     ptab = overload_table(config)
-    exact = n % bn == 0 and nbp == nb
-    pairs = pairs and _pairs_fit(config, nb, exact, mode == "lut")
-    if pairs:  # x's even and odd blocks apart, [2, ...]; the T field's rows as tiles
-        xt = xt.reshape(config.d, bb, nbp // 2, 2).transpose(3, 0, 1, 2)
-        off = off.reshape(bb, nbp // 2, 2).transpose(2, 0, 1)
+    if pairs:  # the T field's rows as tiles
         tfield = codes.tfield.reshape(n, -1)
         t_spec = pl.BlockSpec((bn, tfield.shape[1]), lambda i, s: (i, 0))
     else:  # gathered by address

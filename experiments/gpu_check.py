@@ -9,8 +9,9 @@ measured):
    against it means anything.
 2. **sweep**: the launch parameters (rows and blocks per program, warps, stages, split-K
    waves) of ``kernels.gemv`` (Triton) and ``kernels.mosaic_gpu.gemv`` (Mosaic GPU, the
-   codebooks it holds: D4) at batch 1 and 8 and of ``kernels.decode_matmul`` at batch 16,
-   for D4 q=4 M=2 and E8 q=4 M=2 at 8192^2; the faster of the two gemv kernels becomes the
+   codebooks it holds: D4) at batch 1 and 8 and of ``kernels.decode_matmul`` and
+   ``kernels.mosaic_gpu.decode_matmul`` (tensor cores) at batch 16 and 64 (``--quick``: 16),
+   for D4 q=4 M=2 and E8 q=4 M=2 at 8192^2; the faster backend of each op becomes the
    batch class's ``"backend"``; the winners go into
    ``hnlq_jax/kernels/gpu_tiles.py`` (``--write-tiles`` after the run) and into this run's
    table.
@@ -191,9 +192,21 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
              for bn in (64, 128) for bw in ((16, 32, 64) if batch == 1 else (16, 32))]
         return a, [dict(stages=2), dict(stages=8), dict(waves=2), dict(waves=8),
                    dict(resident=1), dict(resident=4)]
+    if op == "decode_matmul_mosaic":  # kernels.mosaic_gpu.decode_matmul (wgmma)
+        entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
+        if quick:  # the planes through shared memory, and taller tiles
+            return [entry, dict(entry, a_registers=not entry["a_registers"], block_w=32),
+                    dict(entry, block_n=128, block_w=32, a_registers=False)], []
+        # (with A in registers, block_w must hold x's padded rows: invalid ones fail at once)
+        a = [dict(entry, block_n=bn, block_w=bw, a_registers=r)
+             for bn in (64, 128) for bw in (16, 32, 64) for r in (True, False)]
+        return a, [dict(stages=3), dict(stages=4), dict(waves=1), dict(waves=4),
+                   dict(resident=2)]
     if quick:  # the entry's launch parameters (its backend is what the sweep decides)
         entry = {k: v for k, v in kernels.pallas.tuning_entry(
             op, CONFIGS[lattice], batch, generation).items() if k != "backend"}
+        if op == "decode_matmul":
+            return [entry], []
         a = [dict(entry, pairs=False), dict(entry, pairs=True)]
         if batch == 1:
             a += [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=4, pairs=True)
@@ -215,11 +228,13 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
 
 
 # (op, batch): what the sweep times; the batch names the tuning table's class ("batch<=B").
-# "gemv_mosaic" (kernels.mosaic_gpu.gemv, for the codebooks it holds) competes with "gemv":
-# where it wins, the table's gemv entry names it ("backend") and hq.matmul takes it.
-SWEEP = (("gemv", 1), ("gemv", 8), ("gemv_mosaic", 1), ("gemv_mosaic", 8),
-         ("decode_matmul", 16))
-QUICK_SWEEP = SWEEP[:4]
+# "gemv_mosaic" and "decode_matmul_mosaic" (kernels.mosaic_gpu's, for the codebooks they hold)
+# compete with Triton's "gemv" and "decode_matmul": where one wins, the table's entry of the
+# Triton op names it ("backend") and hq.matmul takes it.
+QUICK_SWEEP = (("gemv", 1), ("gemv", 8), ("gemv_mosaic", 1), ("gemv_mosaic", 8),
+               ("decode_matmul", 16), ("decode_matmul_mosaic", 16))
+SWEEP = QUICK_SWEEP + (("decode_matmul", 64), ("decode_matmul_mosaic", 64))
+_MOSAIC = {"gemv_mosaic": "gemv", "decode_matmul_mosaic": "decode_matmul"}
 
 
 def sweep(clock, small, quick=False):
@@ -233,7 +248,7 @@ def sweep(clock, small, quick=False):
         ws = _copies(codes, _nbytes(codes))
         ref_w = hq.decode(codes, implementation="xla")
         for op, batch in (QUICK_SWEEP if quick else SWEEP):
-            if op == "gemv_mosaic" and kernels.mosaic_gpu.unsupported(cfg):
+            if op in _MOSAIC and kernels.mosaic_gpu.unsupported(cfg):
                 continue
             x = _x(batch, n)
             ref = jnp.dot(x.astype(jnp.float32), ref_w.T, precision="highest")
@@ -245,16 +260,17 @@ def sweep(clock, small, quick=False):
                     if clock.left() < 20:
                         break
                     entry = {**base, **cand}
-                    if op == "gemv_mosaic":
-                        t = kernels.mosaic_gpu.launch_params(cfg, n, n // cfg.d, batch, entry)
+                    if op in _MOSAIC:
+                        t = kernels.mosaic_gpu.launch_params(_MOSAIC[op], cfg, n, n // cfg.d,
+                                                             batch, entry)
                     else:
                         t = kernels.pallas.launch_params(op, cfg, n, n // cfg.d, batch, entry)
                     if entry.get("pairs") and not kernels.pallas.reads_pairs(cfg, n,
                                                                              n // cfg.d, t):
                         continue  # the tiles do not let gemv read pairs: the entry without
-                    if op == "gemv_mosaic":
-                        fn = functools.partial(kernels.mosaic_gpu.gemv, out_dtype=jnp.bfloat16,
-                                               **t)
+                    if op in _MOSAIC:
+                        fn = functools.partial(getattr(kernels.mosaic_gpu, _MOSAIC[op]),
+                                               out_dtype=jnp.bfloat16, **t)
                     elif op == "gemv":
                         fn = functools.partial(kernels.gemv, out_dtype=jnp.bfloat16, **t)
                     else:
@@ -280,13 +296,16 @@ def sweep(clock, small, quick=False):
 
 
 def pick_backends(best: dict, winners: dict):
-    """Names Mosaic GPU the backend (``"backend": "mosaic_gpu"`` in ``best``'s ``gemv`` entry)
-    of each lattice and batch class where its winner beat Triton's ``gemv`` (or Triton had
-    none); ``winners``: ``{(op, lattice, batch): row}``, the rows' ``seconds``."""
+    """Names Mosaic GPU the backend (``"backend": "mosaic_gpu"`` in ``best``'s entry of the
+    Triton op, ``gemv`` or ``decode_matmul``) of each lattice and batch class where its
+    kernel's winner beat Triton's (or Triton had none); ``winners``: ``{(op, lattice, batch):
+    row}``, the rows' ``seconds``."""
     for (op, lattice, batch), row in winners.items():
-        triton = winners.get(("gemv", lattice, batch))
-        if op == "gemv_mosaic" and (triton is None or row["seconds"] < triton["seconds"]):
-            by_class = best.setdefault("gemv", {}).setdefault(lattice, {})
+        if op not in _MOSAIC:
+            continue
+        triton = winners.get((_MOSAIC[op], lattice, batch))
+        if triton is None or row["seconds"] < triton["seconds"]:
+            by_class = best.setdefault(_MOSAIC[op], {}).setdefault(lattice, {})
             cls = f"batch<={batch}"
             by_class[cls] = {**by_class.get(cls, {}), "backend": "mosaic_gpu"}
 

@@ -127,7 +127,7 @@ def info(args) -> None:
           "native: " + (f"built ({native.isa()})" if native.available()
                         else native.why_unavailable()))
     mosaic = hq.kernels.mosaic_gpu
-    print("GPU kernels of pallas: Triton; Mosaic GPU gemv: " + (
+    print("GPU kernels of pallas: Triton; Mosaic GPU gemv and decode_matmul: " + (
         "available (taken where the tuning table names it)" if mosaic.available()
         else mosaic.unsupported(hq.HNLQConfig("D4", 4, 2))))
     d4 = hq.HNLQConfig("D4", 4, 2)

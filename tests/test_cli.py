@@ -21,7 +21,7 @@ def test_info(capsys):
               else "native: the extension")
     assert native in out
     mosaic = hq.kernels.mosaic_gpu
-    assert ("Mosaic GPU gemv: available" in out) == mosaic.available()
+    assert ("Mosaic GPU gemv and decode_matmul: available" in out) == mosaic.available()
     cpu = "native" if hq.kernels.cpu.available() and jax.default_backend() == "cpu" else None
     if cpu:  # what None runs on this machine, every operation named
         assert f"D4 q=4 M=2): matmul {cpu}, decode {cpu}; rotation (n=384) {cpu}" in out

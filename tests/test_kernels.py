@@ -646,21 +646,31 @@ def _gpu_check():
     return gpu_check
 
 
-def test_gpu_check_picks_the_faster_gemv_backend():
-    """The sweep names Mosaic GPU the backend only where its winner beat Triton's, and the
-    report still finds each winner's time (the entry with a backend is Triton's tiles)."""
+def test_gpu_check_picks_the_faster_backend():
+    """The sweep names Mosaic GPU the backend of gemv and decode_matmul only where its winner
+    beat Triton's (or Triton had none), and the report still finds each winner's time (the
+    entry with a backend is Triton's tiles)."""
     gpu_check = _gpu_check()
     tri = dict(block_n=16, block_k=256, num_warps=4, num_stages=1, waves=4)
     mos = dict(block_n=64, block_w=32, stages=4, waves=4, resident=2)
     rows = [dict(op="gemv", lattice="D4", batch=1, entry=tri, seconds=50e-6),
             dict(op="gemv_mosaic", lattice="D4", batch=1, entry=mos, seconds=20e-6),
             dict(op="gemv", lattice="D4", batch=8, entry=tri, seconds=60e-6),
-            dict(op="gemv_mosaic", lattice="D4", batch=8, entry=mos, seconds=90e-6)]
+            dict(op="gemv_mosaic", lattice="D4", batch=8, entry=mos, seconds=90e-6),
+            dict(op="decode_matmul", lattice="D4", batch=16, entry=tri, seconds=70e-6),
+            dict(op="decode_matmul_mosaic", lattice="D4", batch=16, entry=mos, seconds=30e-6),
+            dict(op="decode_matmul", lattice="D4", batch=64, entry=tri, seconds=80e-6),
+            dict(op="decode_matmul_mosaic", lattice="D4", batch=64, entry=mos, seconds=99e-6),
+            dict(op="decode_matmul_mosaic", lattice="E8", batch=16, entry=mos, seconds=1.0)]
     best = {"gemv": {"D4": {"batch<=1": dict(tri), "batch<=8": dict(tri)}},
-            "gemv_mosaic": {"D4": {"batch<=1": dict(mos), "batch<=8": dict(mos)}}}
+            "gemv_mosaic": {"D4": {"batch<=1": dict(mos), "batch<=8": dict(mos)}},
+            "decode_matmul": {"D4": {"batch<=16": dict(tri), "batch<=64": dict(tri)}}}
     gpu_check.pick_backends(best, {(r["op"], r["lattice"], r["batch"]): r for r in rows})
     assert best["gemv"]["D4"] == {"batch<=1": dict(tri, backend="mosaic_gpu"),
                                   "batch<=8": tri}
+    assert best["decode_matmul"] == {
+        "D4": {"batch<=16": dict(tri, backend="mosaic_gpu"), "batch<=64": tri},
+        "E8": {"batch<=16": {"backend": "mosaic_gpu"}}}  # Triton had no winner there
     env = dict(device="H100", backend="gpu", jax="0", python="3", generation="sm90")
     md = gpu_check.markdown({"environment": env, "sweep": {"n": 8192, "rows": rows,
                                                            "best": best}})

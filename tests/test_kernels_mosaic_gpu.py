@@ -1,5 +1,5 @@
 """The Mosaic GPU kernels (GPU interpret mode on a CPU, natively on a GPU) against the decoded
-weights and the Triton kernel; their CUDA lowering; refusals; the tuning table's dispatch.
+weights and the Triton kernels; their CUDA lowering; refusals; the tuning table's dispatch.
 
 They need jax >= 0.11 (``plgpu.kernel`` with ``inline_mgpu`` and GPU interpret mode): CI's
 second stage (the newest jax) runs this file; on jax 0.10 it is skipped as a whole.
@@ -24,7 +24,7 @@ D4 = hq.HNLQConfig("D4", 4, 2, beta=0.35)
 D4_DITHER = hq.HNLQConfig("D4", 4, 2, beta=0.3, dither=(0.1, -0.2, 0.05, 0.3))
 WIDE_T = hq.HNLQConfig("D4", 4, 2, beta=0.35, max_T=20)  # 8-bit T: a uint16 view a word
 Q3 = hq.HNLQConfig("D4", 3, 2, beta=0.35)  # 81 codebook entries: a byte holds corrupt indices
-SMALL = dict(block_w=16, stages=2)  # the smallest tiles: a [64 n, 128 k] weight
+SMALL = dict(block_n=64, block_w=16, stages=2)  # the smallest tiles: a [64 n, 128 k] weight
 NATIVE = jax.default_backend() == "gpu"
 
 
@@ -60,10 +60,40 @@ def test_gemv_matches_decoded_weights_and_triton(cfg, batch, splits, programs):
     np.testing.assert_allclose(y, tri, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
-def test_gemv_failed_block_corrupt_index_and_leading_axes():
+# decode_matmul's products are of bfloat16 operands (2^(alpha T) times integer P coordinates,
+# x's planes): about 2^-9 relative error a term, as a bfloat16 dot of the decoded weights
+BF16_ATOL = 2e-3
+
+
+@pytest.mark.parametrize("cfg,batch,splits,programs,a_registers,block_w", [
+    (D4, 16, 1, None, None, 16), (D4, 5, 2, 3, False, 16), (D4_DITHER, 40, 2, None, False, 16),
+    (WIDE_T, 9, 4, 1, None, 16), (Q3, 64, 1, None, True, 64)],
+    ids=["D4-b16", "D4-b5-split-3programs", "dither-b40", "T8bit-b9-split4-1program",
+         "q3-b64-wide-step"])
+def test_decode_matmul_matches_decoded_weights_and_triton(cfg, batch, splits, programs,
+                                                          a_registers, block_w):
+    """The tensor-core kernel: the product of the decoded weights in bfloat16 precision (row
+    scales, the dither's planes, the packed fields' bias, 4- and 8-bit T views, split-K, x's
+    rows padded to 16, 64, persistent programs taking several work items, a step of 64
+    words), as Triton's decode_matmul in bfloat16; a_registers is moot in interpret mode
+    (shared memory)."""
+    codes = _weights(cfg, 128, 512)
+    x = _x(batch, 512)
+    y = np.asarray(mg.decode_matmul(x, codes, jnp.float32, splits=splits, programs=programs,
+                                    a_registers=a_registers, **dict(SMALL, block_w=block_w)))
+    ref = _decoded_product(x, codes)
+    tol = BF16_ATOL * np.abs(ref).max()
+    np.testing.assert_allclose(y, ref, rtol=0, atol=tol)
+    tri = np.asarray(K.decode_matmul(x, codes, jnp.bfloat16, jnp.float32))
+    np.testing.assert_allclose(y, tri, rtol=0, atol=2 * tol)  # each rounds its own way
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "decode_matmul"])
+def test_failed_block_corrupt_index_and_leading_axes(kernel):
     """A failed block (T = -1) and an index past q^d (D4 q=3: 81 entries in a byte) give NaN
     rows and leave the others; x's leading axes are kept; the output dtype is the one asked
     for."""
+    fn = getattr(mg, kernel)
     for cfg in (D4, Q3):
         codes = _weights(cfg, 64, 256)
         T = codes.T.astype(jnp.int32).at[5, 9].set(-1)
@@ -75,7 +105,7 @@ def test_gemv_failed_block_corrupt_index_and_leading_axes():
             nan_rows.append(40)
         x = _x(4, 256).reshape(2, 2, 256)
         # under jit the codes' ranges are not checked (as in a model): the kernel sees them
-        y = jax.jit(lambda x, c: mg.gemv(x, c, jnp.bfloat16, **SMALL))(x, bad)
+        y = jax.jit(lambda x, c: fn(x, c, jnp.bfloat16, **SMALL))(x, bad)
         assert y.shape == (2, 2, 64) and y.dtype == jnp.bfloat16
         y = np.asarray(y, np.float32)
         assert np.isnan(y[..., nan_rows]).all() and np.isfinite(np.delete(y, nan_rows, -1)).all()
@@ -104,15 +134,41 @@ def test_gemv_refusals():
         mg.gemv(x, codes, jnp.float32, block_n=128, block_w=64, stages=8)
 
 
+def test_decode_matmul_refusals():
+    codes = _weights(D4, 64, 256)
+    x = _x(16, 256)
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        mg.decode_matmul(x.astype(jnp.float32), codes, jnp.float32)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        mg.decode_matmul(_x(65, 256), codes, jnp.float32)
+    with pytest.raises(ValueError, match="a_registers must be a bool"):
+        mg.decode_matmul(x, codes, jnp.float32, a_registers=1)
+    with pytest.raises(ValueError, match="block_w of 16"):
+        mg.decode_matmul(x, codes, jnp.float32, block_w=24)
+    with pytest.raises(ValueError, match=r"block_w must be a multiple of x's rows .* \(32\)"):
+        mg.decode_matmul(_x(17, 256), codes, jnp.float32, block_w=16, a_registers=True)
+    # 64 rows of x: 8 planes x 32 words x 64 rows x 2 bytes = 32 KiB a stage
+    with pytest.raises(ValueError, match="shared memory"):
+        mg.decode_matmul(_x(64, 256), codes, jnp.float32, block_n=128, block_w=32, stages=5,
+                         a_registers=False)
+    with pytest.raises(ValueError, match="no kernel for .*E8"):
+        mg.decode_matmul(_x(16, 64), _weights(hq.HNLQConfig("E8", 4, 2), 64, 64), jnp.float32)
+
+
 def test_launch_params_split_k():
     """splits grow until about ``waves`` programs a multiprocessor (132 without a GPU), never
     past a row's steps; an entry replaces the table's."""
-    t = mg.launch_params(D4, 8192, 2048, 1, entry=dict(block_n=64, block_w=32, waves=4,
+    t = mg.launch_params("gemv", D4, 8192, 2048, 1, entry=dict(block_n=64, block_w=32, waves=4,
                                                         resident=3))
     assert t["splits"] == -(-4 * 132 // 128) and "waves" not in t
     assert t["programs"] == 3 * 132 and "resident" not in t
-    t = mg.launch_params(D4, 64, 64, 1, entry=dict(block_w=16))
+    t = mg.launch_params("gemv", D4, 64, 64, 1, entry=dict(block_w=16))
     assert t["splits"] == 2  # 32 words: two steps of 16
+    t = mg.launch_params("decode_matmul", D4, 8192, 2048, 16)
+    assert t["a_registers"] is True and t["block_n"] == 64
+    assert t["splits"] == -(-2 * 132 // 128)  # the defaults: waves 2
+    with pytest.raises(ValueError, match="op must be one of"):
+        mg.launch_params("matmul", D4, 64, 64, 1)
 
 
 def test_gemv_more_splits_than_steps():
@@ -130,21 +186,23 @@ def test_gemv_more_splits_than_steps():
 
 
 @contextlib.contextmanager
-def _table_says_mosaic(batch_class="batch<=8"):
-    """The tuning table's gemv entry for D4 on this GPU generation names Mosaic GPU, and its
+def _table_says_mosaic(op, batch_class):
+    """The tuning table's ``op`` entry for D4 on this GPU generation names Mosaic GPU, and its
     Mosaic entry the small tiles."""
     generation, _ = K.pallas.gpu_target()
-    tiles = {generation: {"gemv": {"D4": {batch_class: {"backend": "mosaic_gpu"}}},
-                          "gemv_mosaic": {"D4": {batch_class: dict(SMALL, waves=1)}}}}
+    tiles = {generation: {op: {"D4": {batch_class: {"backend": "mosaic_gpu"}}},
+                          op + "_mosaic": {"D4": {batch_class: dict(SMALL, waves=1)}}}}
     with pytest.MonkeyPatch.context() as m:
         m.setattr(gpu_tiles, "TILES", tiles)
         yield
 
 
-def test_matmul_takes_mosaic_where_the_table_says():
+@pytest.mark.parametrize("op,batch,dtype", [("gemv", 2, jnp.float32),
+                                            ("decode_matmul", 16, jnp.bfloat16)])
+def test_matmul_takes_mosaic_where_the_table_says(op, batch, dtype):
     codes = _weights(D4, 64, 256)
-    x = _x(2, 256, dtype=jnp.float32)
-    calls, real = [], mg.gemv
+    x = _x(batch, 256, dtype=dtype)
+    calls, real = [], getattr(mg, op)
 
     def spy(x, *args, **kwargs):
         calls.append(x.shape)
@@ -153,25 +211,39 @@ def test_matmul_takes_mosaic_where_the_table_says():
     # The table is read while tracing: each call traces anew (an eager call's compiled
     # program, cached per shape bucket, keeps the kernel of its first trace)
     fresh = lambda: jax.jit(lambda x, c: hq.matmul(x, c, implementation="pallas"))
+    cls = f"batch<={batch}"
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(mg, "gemv", spy)
+        m.setattr(mg, op, spy)
         fresh()(x, codes)  # the table as committed: Triton
         assert calls == []
-        with _table_says_mosaic():
-            assert mg.chosen(codes, 2) and not mg.chosen(_weights(D4, 64, 252), 2)
+        with _table_says_mosaic(op, cls):
+            assert mg.chosen(op, codes, batch)
+            assert not mg.chosen(op, _weights(D4, 64, 252), batch)  # not tiled exactly
             y = fresh()(x, codes)
-    assert calls == [(2, 256)]
-    np.testing.assert_allclose(np.asarray(y), _decoded_product(x, codes), rtol=0,
-                               atol=2e-6 * np.abs(_decoded_product(x, codes)).max())
+        if op == "decode_matmul":  # float32 x takes Triton's (the wgmma's are bfloat16)
+            with _table_says_mosaic(op, cls):
+                fresh()(x.astype(jnp.float32), codes)
+    assert calls == [(batch, 256)]
+    ref = _decoded_product(x, codes)
+    tol = (BF16_ATOL if op == "decode_matmul" else 2e-6) * np.abs(ref).max()
+    rtol = 2**-8 if dtype == jnp.bfloat16 else 0  # the output's rounding
+    np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=rtol, atol=tol)
 
 
 @pytest.mark.skipif(NATIVE, reason="natively compiled by the tests above")
-@pytest.mark.parametrize("cfg,batch", [(D4, 1), (D4, 8), (WIDE_T, 2)],
-                         ids=["D4-b1", "D4-b8", "T8bit-b2"])
-def test_lowers_for_cuda(cfg, batch):
-    """The kernel lowers for CUDA on a CPU machine: Pallas' Mosaic GPU lowering, layout
-    inference and the inline shared-memory gathers (not run: no GPU)."""
+@pytest.mark.parametrize("kernel,cfg,batch,extra", [
+    ("gemv", D4, 1, {}), ("gemv", D4, 8, {}), ("gemv", WIDE_T, 2, {}),
+    ("decode_matmul", D4, 16, {"a_registers": True}),
+    ("decode_matmul", D4, 64, {"a_registers": True, "block_w": 64, "block_n": 64}),
+    ("decode_matmul", D4_DITHER, 64, {"a_registers": False, "block_n": 128})],
+    ids=["gemv-D4-b1", "gemv-D4-b8", "gemv-T8bit-b2", "mma-D4-b16-registers",
+         "mma-D4-b64-registers-64-words", "mma-dither-b64-smem-128"])
+def test_lowers_for_cuda(kernel, cfg, batch, extra):
+    """The kernels lower for CUDA on a CPU machine: Pallas' Mosaic GPU lowering, layout
+    inference, the inline shared-memory gathers and the wgmma, its A operand from registers
+    too (which interpret mode cannot run; not run: no GPU)."""
     codes = _weights(cfg, 128, 512)
-    f = lambda x, c: mg.gemv(x, c, jnp.float32, interpret=False, splits=2, **SMALL)
+    fn = getattr(mg, kernel)
+    f = lambda x, c: fn(x, c, jnp.float32, interpret=False, splits=2, **{**SMALL, **extra})
     text = jax.jit(f).trace(_x(batch, 512), codes).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @mosaic_gpu" in text

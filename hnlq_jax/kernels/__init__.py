@@ -3,7 +3,8 @@
 * :mod:`hnlq_jax.kernels.pallas`: the Pallas kernels (GPU; interpret mode on a CPU), whose
   names are re-exported here (``kernels.encode``, ``kernels.decode_matmul``, ...);
 * :mod:`hnlq_jax.kernels.mosaic_gpu`: Mosaic GPU kernels (``plgpu.kernel``, jax >= 0.11;
-  GPU interpret mode on a CPU): ``mosaic_gpu.gemv``, taken where the tuning table says so;
+  GPU interpret mode on a CPU): ``mosaic_gpu.gemv`` and ``mosaic_gpu.decode_matmul`` (tensor
+  cores), taken where the tuning table says so;
 * :mod:`hnlq_jax.kernels.cpu`: native CPU kernels (C++ through ``jax.ffi``), built with the
   package where a C++ compiler is found (``kernels.cpu.available()``).
 """

@@ -4,6 +4,13 @@
 the twin of the Triton :func:`hnlq_jax.kernels.pallas.gemv` (packed codebook mode) and equal
 to it, and to the XLA path, up to float32 rounding.
 
+``decode_matmul``: the same product on the tensor cores for up to :data:`MMA_ROWS` rows of
+bfloat16 x, the twin of the Triton :func:`hnlq_jax.kernels.pallas.decode_matmul` in
+bfloat16. It shares ``gemv``'s work split and block decode; each block's P coordinates times
+``2^(alpha T)`` become planes of a ``wgmma``'s A operand (swap-AB: the weight's rows are M,
+x's rows N), k permuted in both operands so that a plane is one coordinate of one block of
+each index word (a register-layout tile, no shuffles); x's planes are laid out once a call.
+
 **What one program does.** Programs are persistent: each loads the two tables once, then
 takes work items in turn, a work item being a tile of ``block_n`` weight rows and a share of
 their blocks (split-K: ``splits`` items a row tile). The codes stream from HBM through a TMA
@@ -32,7 +39,7 @@ kernel as compiled.
 Supported (:func:`unsupported` says why not): jax >= 0.11 (``plgpu.InterpretGPUParams``,
 ``plgpu.kernel``), a packed codebook of one word an entry and at most 256 entries (D4 up to
 q = 4, Z2 and A2), ``M`` index bytes a block of 1, 2 or 4, a T field a byte-aligned view of
-the index words, and weights the tiles cover exactly. Elsewhere the Triton kernel runs.
+the index words, and weights the tiles cover exactly. Elsewhere the Triton kernels run.
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ from hnlq_jax.codes import Codes, check_activations, index_dtype, t_bits
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.kernels import pallas as _pallas
 
-__all__ = ["available", "chosen", "gemv", "launch_params", "supported_shape", "unsupported"]
+__all__ = ["MMA_ROWS", "available", "chosen", "decode_matmul", "gemv", "launch_params",
+           "supported_shape", "unsupported"]
 
 # A warp's 32 lanes each read their own copy of a shared-memory table (no bank conflicts).
 _LANES = 32
@@ -105,19 +113,24 @@ def supported_shape(config: HNLQConfig, n: int, nb: int, t: dict) -> bool:
             and (nb // g) % t["block_w"] == 0)
 
 
-def chosen(codes: Codes, batch: int) -> bool:
-    """Whether :func:`hnlq_jax.matmul`'s kernels take :func:`gemv` for ``batch`` rows of x:
-    the tuning table's ``"gemv"`` entry for the GPU's generation, the lattice and the batch
-    class says ``"backend": "mosaic_gpu"`` (the sweep found it faster than Triton's), and the
-    kernel supports the codes, its launch parameters are valid and tile the weight exactly
-    (else Triton's kernel runs)."""
+# The ops of this module, by the tuning table's op whose entry names their backend, and the
+# table's key of their own launch parameters
+_OPS = {"gemv": "gemv_mosaic", "decode_matmul": "decode_matmul_mosaic"}
+
+
+def chosen(op: str, codes: Codes, batch: int) -> bool:
+    """Whether :func:`hnlq_jax.matmul`'s kernels take this module's ``op`` (``"gemv"`` or
+    ``"decode_matmul"``) for ``batch`` rows of x: the tuning table's entry of the Triton op
+    for the GPU's generation, the lattice and the batch class says ``"backend":
+    "mosaic_gpu"`` (the sweep found it faster), and the kernel supports the codes, its launch
+    parameters are valid and tile the weight exactly (else Triton's kernel runs)."""
     generation, _ = _pallas.gpu_target()
     config = codes.config
-    if _pallas.tuning_entry("gemv", config, batch, generation).get("backend") != "mosaic_gpu":
+    if _pallas.tuning_entry(op, config, batch, generation).get("backend") != "mosaic_gpu":
         return False
     n, nb = codes.blocks_shape
-    t = launch_params(config, n, nb, batch)
-    return _launch_error(t, config, batch) is None and supported_shape(config, n, nb, t)
+    t = launch_params(op, config, n, nb, batch)
+    return _launch_error(op, t, config, batch) is None and supported_shape(config, n, nb, t)
 
 
 def _replicated(table: np.ndarray):
@@ -146,40 +159,58 @@ def _gather(table_ref, idx, interpret: bool):
     return gather(table_ref, idx)
 
 
-def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, pow_smem,
-            barrier, *, config: HNLQConfig, g: int, bn: int, bw: int, steps: int,
-            stages: int, interpret: bool):
+def _block(w, tw, p: int, tab_smem, pow_smem, *, config: HNLQConfig, bias: int,
+           interpret: bool):
+    """Block ``p`` of each index word of a tile (``w``, ``tw``: uint32 ``[rows, words]``):
+    ``(coords, scale)``, its ``d`` P coordinates as float32 (the levels' packed fields minus
+    ``bias``) and ``2^(alpha T)``, NaN where the block failed or its index names no entry."""
+    isz = np.dtype(index_dtype(config)).itemsize
+    tb = t_bits(config)
+    rows = config.q**config.d
+    word, valid = None, None
+    for m in range(config.M):
+        k = (w >> jnp.uint32(8 * isz * (p * config.M + m))) & jnp.uint32((1 << (8 * isz)) - 1)
+        v = _gather(tab_smem, k, interpret) * jnp.uint32(config.q**m)
+        word = v if word is None else word + v
+        if rows < 1 << (8 * isz):  # a corrupt index names no entry: NaN, as Triton's
+            ok = k < jnp.uint32(rows)
+            valid = ok if valid is None else valid & ok
+    coords = [jax.lax.bitcast_convert_type(
+        ((word >> jnp.uint32(8 * c)) & jnp.uint32(255)) | jnp.uint32(_MAGIC),
+        jnp.float32) - np.float32(_TWO23 + bias) for c in range(config.d)]
+    u = (tw >> jnp.uint32(tb * p)) & jnp.uint32((1 << tb) - 1)
+    scale = jax.lax.bitcast_convert_type(_gather(pow_smem, u, interpret), jnp.float32)
+    if valid is not None:
+        scale = jnp.where(valid, scale, jnp.float32(jnp.nan))
+    return coords, scale
+
+
+def _load_tables(tab_gmem, pow_gmem, tab_smem, pow_smem, barrier):
     plgpu.copy_gmem_to_smem(tab_gmem, tab_smem, barrier.at[0])
     plgpu.copy_gmem_to_smem(pow_gmem, pow_smem, barrier.at[1])
     plgpu.barrier_wait(barrier.at[0])
     plgpu.barrier_wait(barrier.at[1])
-    isz = np.dtype(index_dtype(config)).itemsize
-    tb = t_bits(config)
-    rows = config.q**config.d
-    weights = [config.q**m for m in range(config.M)]
+
+
+def _codes_specs(bn: int, bw: int, i, first) -> list:
+    """Pipeline specs of a work item's index words and T view (row tile ``i``, its share of
+    word tiles from ``first``)."""
+    return [plgpu.BlockSpec((bn, bw), lambda k: (i, first + k))] * 2
+
+
+def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, pow_smem,
+            barrier, *, config: HNLQConfig, g: int, bn: int, bw: int, steps: int,
+            stages: int, interpret: bool):
+    _load_tables(tab_gmem, pow_gmem, tab_smem, pow_smem, barrier)
     d, bb = xt_gmem.shape[1], xt_gmem.shape[2]
 
     def step(_, w_smem, t_smem, xt_smem, off_smem, acc):
         w = plgpu.layout_cast(w_smem[...], _LAYOUT)  # [bn, bw] index words
         tw = plgpu.layout_cast(t_smem[...], _LAYOUT).astype(jnp.uint32)
         acc = list(acc)
-        for p in range(g):  # block p of each word
-            word, valid = None, None
-            for m, wm in enumerate(weights):
-                shift = 8 * isz * (p * config.M + m)
-                k = (w >> jnp.uint32(shift)) & jnp.uint32((1 << (8 * isz)) - 1)
-                v = _gather(tab_smem, k, interpret) * jnp.uint32(wm)
-                word = v if word is None else word + v
-                if rows < 1 << (8 * isz):  # a corrupt index names no entry: NaN, as Triton's
-                    ok = k < jnp.uint32(rows)
-                    valid = ok if valid is None else valid & ok
-            coords = [jax.lax.bitcast_convert_type(
-                ((word >> jnp.uint32(8 * c)) & jnp.uint32(255)) | jnp.uint32(_MAGIC),
-                jnp.float32) - _TWO23 for c in range(d)]
-            u = (tw >> jnp.uint32(tb * p)) & jnp.uint32((1 << tb) - 1)
-            scale = jax.lax.bitcast_convert_type(_gather(pow_smem, u, interpret), jnp.float32)
-            if valid is not None:
-                scale = jnp.where(valid, scale, jnp.float32(jnp.nan))
+        for p in range(g):  # block p of each word; the fields' bias is folded into off
+            coords, scale = _block(w, tw, p, tab_smem, pow_smem, config=config, bias=0,
+                                   interpret=interpret)
             for b in range(bb):
                 v = None
                 for c in range(d):
@@ -197,14 +228,94 @@ def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_s
         zero = plgpu.layout_cast(jnp.zeros((bn, bw), jnp.float32), _LAYOUT)
         acc = plgpu.emit_pipeline(
             step, grid=(steps,),
-            in_specs=[plgpu.BlockSpec((bn, bw), lambda k: (i, first + k)),
-                      plgpu.BlockSpec((bn, bw), lambda k: (i, first + k)),
-                      plgpu.BlockSpec((g, d, bb, bw), lambda k: (0, 0, 0, first + k)),
-                      plgpu.BlockSpec((g, bb, bw), lambda k: (0, 0, first + k))],
+            in_specs=_codes_specs(bn, bw, i, first) + [
+                plgpu.BlockSpec((g, d, bb, bw), lambda k: (0, 0, 0, first + k)),
+                plgpu.BlockSpec((g, bb, bw), lambda k: (0, 0, first + k))],
             max_concurrent_steps=stages, init_carry=(zero,) * bb,
         )(w_gmem, t_gmem, xt_gmem, off_gmem)
         for b in range(bb):
             o_gmem.at[s, b][pl.ds(i * bn, bn)] = jnp.sum(acc[b], axis=1)
+
+
+def _mma_kernel(w_gmem, t_gmem, x_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, pow_smem,
+                barrier, *a_smem, config: HNLQConfig, g: int, bn: int, bw: int, steps: int,
+                stages: int, dither: bool, interpret: bool):
+    _load_tables(tab_gmem, pow_gmem, tab_smem, pow_smem, barrier)
+    d, bb = config.d, x_gmem.shape[1]
+    planes = g * (d + dither)
+    bias = _pallas.packed_bias(config, 0)
+
+    def step(acc_ref, w_smem, t_smem, x_smem):
+        w = plgpu.layout_cast(w_smem[...], _LAYOUT)  # [bn, bw] index words
+        tw = plgpu.layout_cast(t_smem[...], _LAYOUT).astype(jnp.uint32)
+
+        def mma(j, a):  # plane j of the weight tile [bn, bw] times x's [bw, bb]
+            a = a.astype(jnp.bfloat16)
+            if a_smem:  # through shared memory (in interpret mode always: wgmma reads refs)
+                a_smem[0].at[j][...] = a
+                plgpu.commit_smem()
+                a = a_smem[0].at[j]
+            plgpu.wgmma(acc_ref, a, x_smem.at[pl.ds(j * bw, bw), :])
+
+        for p in range(g):  # block p of each word: its d coordinates, then the dither's
+            coords, scale = _block(w, tw, p, tab_smem, pow_smem, config=config, bias=bias,
+                                   interpret=interpret)
+            for c in range(d):
+                mma(p * d + c, coords[c] * scale)
+            if dither:
+                mma(g * d + p, scale)
+        plgpu.wgmma_wait(0)  # the tiles' buffers (and a_smem) are free for the next step
+
+    @plgpu.nd_loop((o_gmem.shape[1] // bn, o_gmem.shape[0]), collective_axes="p")
+    def _work(loop):
+        i, s = loop.index
+        first = s * steps
+
+        def acc_scope(acc_ref):
+            plgpu.emit_pipeline(
+                lambda _, *tiles: step(acc_ref, *tiles),
+                grid=(steps,),
+                in_specs=_codes_specs(bn, bw, i, first)
+                + [plgpu.BlockSpec((planes * bw, bb), lambda k: (first + k, 0))],
+                max_concurrent_steps=stages,
+            )(w_gmem, t_gmem, x_gmem)
+            return acc_ref[...]
+
+        o_gmem.at[s][pl.ds(i * bn, bn), :] = pl.run_scoped(
+            acc_scope, plgpu.ACC((bn, bb), jnp.float32))
+
+
+def _prepare(op: str, x, codes: Codes, fn: str, given: dict) -> tuple:
+    """The checked codes, activations ``[B, k]``, leading axes and launch parameters of a
+    call, with the work split (``steps`` a work item, ``programs`` at most one a work item);
+    ``t`` is ``None`` where the product is empty."""
+    codes = _pallas.weight_codes(codes, fn)
+    x = check_activations(x, codes, fn)
+    config = codes.config
+    why = unsupported(config)
+    if why:
+        raise ValueError(f"{fn}: no kernel for {config}: {why}")
+    n, nb = codes.blocks_shape
+    lead = x.shape[:-1]
+    B = int(np.prod(lead, dtype=np.int64))
+    rows = _pallas.GEMV_ROWS if op == "gemv" else MMA_ROWS
+    if B > rows:
+        raise ValueError(f"{fn}: at most {rows} rows of x, got {B}")
+    t = launch_params(op, config, n, nb, B)
+    t.update({k: v for k, v in given.items() if v is not None})
+    why = _launch_error(op, t, config, B)
+    if why:
+        raise ValueError(f"{fn}: {why}")
+    if B == 0 or n == 0 or nb == 0:
+        return codes, x.reshape(B, x.shape[-1]), lead, None
+    if not supported_shape(config, n, nb, t):
+        raise ValueError(f"{fn}: blocks [{n}, {nb}] are not tiled exactly by block_n = "
+                         f"{t['block_n']}, block_w = {t['block_w']} words; use the Triton "
+                         "kernel")
+    tiles = nb // _word_view(config)[0] // t["block_w"]
+    t["steps"] = _steps(tiles, t["splits"])
+    t["programs"] = min(t["programs"], n // t["block_n"] * (tiles // t["steps"]))
+    return codes, x.reshape(B, x.shape[-1]), lead, t
 
 
 def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = None,
@@ -234,66 +345,106 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
         (:func:`unsupported`, :func:`supported_shape`); more than ``GEMV_ROWS`` rows; bad
         launch parameters.
     """
-    codes = _pallas.weight_codes(codes, "kernels.mosaic_gpu.gemv")
-    x = check_activations(x, codes, "kernels.mosaic_gpu.gemv")
-    config = codes.config
-    why = unsupported(config)
-    if why:
-        raise ValueError(f"kernels.mosaic_gpu.gemv: no kernel for {config}: {why}")
-    n, nb = codes.blocks_shape
-    lead = x.shape[:-1]
-    B = int(np.prod(lead, dtype=np.int64))
-    if B > _pallas.GEMV_ROWS:
-        raise ValueError(f"kernels.mosaic_gpu.gemv: at most {_pallas.GEMV_ROWS} rows of x, "
-                         f"got {B}")
-    t = launch_params(config, n, nb, B)
-    t.update({k: v for k, v in dict(block_n=block_n, block_w=block_w, splits=splits,
-                                    stages=stages, programs=programs).items()
-              if v is not None})
-    why = _launch_error(t, config, B)
-    if why:
-        raise ValueError(f"kernels.mosaic_gpu.gemv: {why}")
-    if B == 0 or n == 0 or nb == 0:
-        return jnp.zeros(lead + (n,), out_dtype)
-    if not supported_shape(config, n, nb, t):
-        raise ValueError(f"kernels.mosaic_gpu.gemv: blocks [{n}, {nb}] are not tiled exactly "
-                         f"by block_n = {t['block_n']}, block_w = {t['block_w']} words; use "
-                         "kernels.gemv")
-    words = nb // _word_view(config)[0]
-    steps = _steps(words // t["block_w"], t["splits"])
-    items = n // t["block_n"] * (words // t["block_w"] // steps)
-    out = _gemv_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(out_dtype),
-                     _pallas.interpret_mode(interpret, x, codes), t["block_n"], t["block_w"],
-                     steps, t["stages"], min(t["programs"], items))
-    return out.reshape(lead + (n,))
+    codes, x, lead, t = _prepare("gemv", x, codes, "kernels.mosaic_gpu.gemv", dict(
+        block_n=block_n, block_w=block_w, splits=splits, stages=stages, programs=programs))
+    if t is None:
+        return jnp.zeros(lead + (codes.blocks_shape[0],), out_dtype)
+    out = _gemv_call(x, codes, jnp.dtype(out_dtype), _pallas.interpret_mode(interpret, x, codes),
+                     t["block_n"], t["block_w"], t["steps"], t["stages"], t["programs"])
+    return out.reshape(lead + out.shape[-1:])
 
 
-# Hopper's shared memory a block (227 KiB); the kernel's use is estimated before compiling.
+# decode_matmul takes up to this many rows of x: the wgmma's N (x's rows, padded to a power
+# of two >= 16, whose rows of 2-byte elements shared memory swizzles), and past 64 rows the
+# x tiles outgrow the weight's in shared memory.
+MMA_ROWS = 64
+
+
+def decode_matmul(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = None,
+                  block_w: int | None = None, splits: int | None = None,
+                  stages: int | None = None, programs: int | None = None,
+                  a_registers: bool | None = None):
+    """``y = x @ W_hat^T`` on Hopper's tensor cores for up to :data:`MMA_ROWS` rows of
+    bfloat16 ``x`` (see the module docstring): each block's P coordinates times
+    ``2^(alpha T)``, rounded to bfloat16, are the A operand of a ``wgmma`` whose B operand is
+    x's matching plane, ``beta C^T x`` rounded to bfloat16; float32 accumulation.
+
+    Args:
+      x: ``[..., k]`` bfloat16 activations, at most :data:`MMA_ROWS` rows.
+      codes: the weight ``W[n, k]`` as codes with blocks ``[n, nb]``.
+      out_dtype: the result's dtype.
+      interpret: as :func:`gemv`.
+      block_n, block_w, splits, stages, programs: as :func:`gemv` (``block_w`` words make
+        the planes' K: a multiple of 16, the wgmma's).
+      a_registers: the decoded planes go to the wgmma from registers (``True``) or through
+        shared memory; interpret mode always takes shared memory (its wgmma reads refs only).
+
+    Returns:
+      ``[..., n]`` in ``out_dtype``: the products of the decoded weights in bfloat16
+      precision (each weight's P coordinates are exact integers; ``2^(alpha T)`` and x's
+      planes round to bfloat16), as :func:`hnlq_jax.kernels.decode_matmul` in bfloat16.
+
+    Raises:
+      ValueError: as :func:`gemv`; ``x`` not bfloat16; more than :data:`MMA_ROWS` rows.
+    """
+    fn = "kernels.mosaic_gpu.decode_matmul"
+    if getattr(x, "dtype", None) != jnp.bfloat16:
+        raise ValueError(f"{fn}: x must be bfloat16 (the wgmma's operands), got "
+                         f"{getattr(x, 'dtype', type(x).__name__)}")
+    codes, x, lead, t = _prepare("decode_matmul", x, codes, fn, dict(
+        block_n=block_n, block_w=block_w, splits=splits, stages=stages, programs=programs,
+        a_registers=a_registers))
+    if t is None:
+        return jnp.zeros(lead + (codes.blocks_shape[0],), out_dtype)
+    interpret = _pallas.interpret_mode(interpret, x, codes)
+    out = _mma_call(x, codes, jnp.dtype(out_dtype), interpret, t["block_n"], t["block_w"],
+                    t["steps"], t["stages"], t["programs"], t["a_registers"] and not interpret)
+    return out.reshape(lead + out.shape[-1:])
+
+
+# Hopper's shared memory a block (227 KiB); the kernels' use is estimated before compiling.
 _SMEM_BYTES = 227 * 1024
 
 
-def _smem_bytes(t: dict, config: HNLQConfig, batch: int) -> int:
+def _mma_rows(batch: int) -> int:
+    """x's rows in :func:`decode_matmul`'s wgmma: ``batch`` padded to a power of two >= 16."""
+    return max(16, 1 << max(0, batch - 1).bit_length())
+
+
+def _smem_bytes(op: str, t: dict, config: HNLQConfig, batch: int) -> int:
     """Shared memory of a program: the two lane-replicated tables and ``stages`` pipeline
-    buffers (index words, T view, x's planes and offsets)."""
+    buffers (index words, T view, x's planes; :func:`decode_matmul`'s planes through shared
+    memory)."""
     g, t_dtype = _word_view(config)
-    bb = 1 << max(0, batch - 1).bit_length()  # x's rows, padded to a power of two
     tables = _LANES * 4 * (_TABLE_ROWS_MAX + (1 << t_bits(config)))
     bn, bw = t["block_n"], t["block_w"]
-    step = bn * bw * (4 + np.dtype(t_dtype).itemsize) + g * (config.d + 1) * bb * bw * 4
-    return tables + t["stages"] * step
+    codes = bn * bw * (4 + np.dtype(t_dtype).itemsize)
+    if op == "gemv":
+        bb = 1 << max(0, batch - 1).bit_length()  # x's rows, padded to a power of two
+        return tables + t["stages"] * (codes + g * (config.d + 1) * bb * bw * 4)
+    planes = g * (config.d + (config.dither is not None))
+    a = 0 if t["a_registers"] else planes * bn * bw * 2
+    return tables + a + t["stages"] * (codes + planes * bw * _mma_rows(batch) * 2)
 
 
-def _launch_error(t: dict, config: HNLQConfig, batch: int) -> str | None:
-    """What is wrong with launch parameters ``t`` (``None`` where they are valid)."""
+def _launch_error(op: str, t: dict, config: HNLQConfig, batch: int) -> str | None:
+    """What is wrong with launch parameters ``t`` of ``op`` (``None`` where they are valid)."""
     for name in ("block_n", "block_w", "splits", "stages", "programs"):
         if not isinstance(t[name], int) or isinstance(t[name], bool) or t[name] < 1:
             return f"{name} must be a positive int, got {t[name]!r}"
+    if op == "decode_matmul" and not isinstance(t["a_registers"], bool):
+        return f"a_registers must be a bool, got {t['a_registers']!r}"
     if t["block_n"] % 64 or t["block_w"] % 16:
         return (f"block_n must be a multiple of 64 and block_w of 16, got {t['block_n']}, "
                 f"{t['block_w']}")
-    if _smem_bytes(t, config, batch) > _SMEM_BYTES:
+    if op == "decode_matmul" and t["a_registers"] and t["block_w"] % _mma_rows(batch):
+        # x's tile [block_w, rows] is swizzled along its rows; a wgmma with A in registers
+        # takes K in whole swizzle tiles (Mosaic GPU's lowering refuses the rest)
+        return (f"with a_registers, block_w must be a multiple of x's rows padded to a power "
+                f"of two >= 16 ({_mma_rows(batch)}), got {t['block_w']}")
+    if _smem_bytes(op, t, config, batch) > _SMEM_BYTES:
         return (f"block_n = {t['block_n']}, block_w = {t['block_w']}, stages = {t['stages']} "
-                f"need {_smem_bytes(t, config, batch)} bytes of shared memory (at most "
+                f"need {_smem_bytes(op, t, config, batch)} bytes of shared memory (at most "
                 f"{_SMEM_BYTES})")
     return None
 
@@ -309,15 +460,19 @@ def _steps(tiles: int, splits: int) -> int:
     return best
 
 
-def launch_params(config: HNLQConfig, n: int, nb: int, batch: int,
+def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
                   entry: dict | None = None) -> dict:
-    """The launch parameters of :func:`gemv` for blocks ``[n, nb]`` and ``batch`` rows of x:
-    ``entry``, else the tuning table's ``"gemv_mosaic"`` entry for the GPU's generation
+    """The launch parameters of ``op`` (:func:`gemv` or :func:`decode_matmul`) for blocks
+    ``[n, nb]`` and ``batch`` rows of x: ``entry``, else the tuning table's entry for the
+    op (``"gemv_mosaic"``, ``"decode_matmul_mosaic"``) and the GPU's generation
     (:func:`hnlq_jax.kernels.pallas.tuning_entry`), over its defaults; ``splits`` grows until
     about ``waves`` work items (a row tile's split-K share) a multiprocessor, taken in turn by
     ``resident`` persistent programs a multiprocessor (``programs`` in all). Without a GPU:
     an H100's (sm90, 132)."""
-    t, sms = _pallas.launch_entry("gemv_mosaic", config, batch, entry)
+    if op not in _OPS:
+        raise ValueError(f"kernels.mosaic_gpu.launch_params: op must be one of {tuple(_OPS)}, "
+                         f"got {op!r}")
+    t, sms = _pallas.launch_entry(_OPS[op], config, batch, entry)
     waves = t.pop("waves")
     row_tiles = max(1, -(-n // t["block_n"]))
     view = _word_view(config)
@@ -327,38 +482,84 @@ def launch_params(config: HNLQConfig, n: int, nb: int, batch: int,
     return t
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
-def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, programs):
+def _operands(codes: Codes) -> tuple:
+    """The codes as the kernels read them, viewed, not copied (index words ``[n, words]``
+    uint32, the T field's view ``[n, words]``), and the two lane-replicated tables."""
     config = codes.config
     n, nb = codes.blocks_shape
     g, t_dtype = _word_view(config)
-    words = nb // g
-    # block g w + p of x as plane p at word w
-    xt, off = _pallas.gemv_activations(x, config, nb, packed=True, parts=g)
-    bb = xt.shape[2]
-    w = jax.lax.bitcast_convert_type(codes.index.reshape(n, words, -1), jnp.uint32)
+    w = jax.lax.bitcast_convert_type(codes.index.reshape(n, nb // g, -1), jnp.uint32)
     tf = codes.tfield.reshape(n, -1)
     if t_dtype != jnp.uint8:
-        tf = jax.lax.bitcast_convert_type(tf.reshape(n, words, -1), t_dtype)
+        tf = jax.lax.bitcast_convert_type(tf.reshape(n, nb // g, -1), t_dtype)
     # padded to every value an index byte holds (zeros: corrupt indices are masked), so that
     # no gather reads past the table
     table = _pallas.packed_codebook(config)[0]
     tab = _replicated(np.pad(table, (0, _TABLE_ROWS_MAX - table.shape[0])))
-    pow_tab = _replicated(_pallas.overload_table(config))
-    splits = words // bw // steps
-    kernel = functools.partial(_kernel, config=config, g=g, bn=bn, bw=bw, steps=steps,
-                               stages=stages, interpret=interpret)
-    out = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((splits, bb, n), jnp.float32),
+    return w, tf, tab, _replicated(_pallas.overload_table(config))
+
+
+def _launch(kernel, out_shape, programs: int, tables: tuple, scratch: list, interpret: bool):
+    """``plgpu.kernel`` of ``programs`` persistent programs (axis ``"p"``) with the two
+    ``tables`` and their barriers in shared memory before ``scratch``."""
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(programs,), grid_names=("p",),
-        scratch_types=[plgpu.SMEM(tab.shape, jnp.uint32), plgpu.SMEM(pow_tab.shape, jnp.uint32),
-                       plgpu.Barrier(num_barriers=2)],
+        scratch_types=[plgpu.SMEM(t.shape, jnp.uint32) for t in tables]
+        + [plgpu.Barrier(num_barriers=2)] + scratch,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
-    )(w, tf, xt, off, tab, pow_tab)
+    )
+
+
+def _finish(out, x, codes: Codes, out_dtype):
+    """The split-K sums ``out [splits, bb, n]`` of x's rows, times the row scale."""
     y = jnp.sum(out, axis=0)[:x.shape[0]]
     if codes.scale is not None:
         y = y * codes.scale.astype(jnp.float32)[None, :]
     return y.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, programs):
+    config = codes.config
+    n, nb = codes.blocks_shape
+    g = _word_view(config)[0]
+    # block g w + p of x as plane p at word w
+    xt, off = _pallas.gemv_activations(x, config, nb, packed=True, parts=g)
+    bb = xt.shape[2]
+    splits = nb // g // bw // steps
+    kernel = functools.partial(_kernel, config=config, g=g, bn=bn, bw=bw, steps=steps,
+                               stages=stages, interpret=interpret)
+    w, tf, tab, pow_tab = _operands(codes)
+    out = _launch(kernel, (splits, bb, n), programs, (tab, pow_tab), [], interpret)(
+        w, tf, xt, off, tab, pow_tab)
+    return _finish(out, x, codes, out_dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+def _mma_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, programs,
+              a_registers):
+    config = codes.config
+    n, nb = codes.blocks_shape
+    g = _word_view(config)[0]
+    B, bb = x.shape[0], _mma_rows(x.shape[0])
+    dither = config.dither is not None
+    xt, off = _pallas.gemv_activations(jnp.pad(x, ((0, bb - B), (0, 0))), config, nb,
+                                       parts=g)  # [g, d, bb, words], [g, bb, words]
+    # x's planes [word tiles, planes, bw, bb] as wgmma B operands [K, N], one plane after
+    # another in a step's K: block p coordinate c at p d + c, the dither's (-off) after them
+    planes = xt.reshape(g * config.d, bb, -1)
+    if dither:
+        planes = jnp.concatenate([planes, -off], axis=0)
+    P = planes.shape[0]
+    xk = planes.reshape(P, bb, -1, bw).transpose(2, 0, 3, 1).reshape(-1, bb)
+    splits = nb // g // bw // steps
+    kernel = functools.partial(_mma_kernel, config=config, g=g, bn=bn, bw=bw, steps=steps,
+                               stages=stages, dither=dither, interpret=interpret)
+    scratch = [] if a_registers else [plgpu.SMEM((P, bn, bw), jnp.bfloat16)]
+    w, tf, tab, pow_tab = _operands(codes)
+    out = _launch(kernel, (splits, n, bb), programs, (tab, pow_tab), scratch, interpret)(
+        w, tf, xk.astype(jnp.bfloat16), tab, pow_tab)
+    return _finish(out.transpose(0, 2, 1), x, codes, out_dtype)

@@ -269,7 +269,7 @@ def _packed_fields(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
     return fields
 
 
-def _packed_bias(config: HNLQConfig, first: int) -> int:
+def packed_bias(config: HNLQConfig, first: int) -> int:
     """The bias of each field of the levels' packed sum from level ``first`` on
     (:func:`packed_codebook`)."""
     return packed_codebook(config)[1] * sum(config.q**m for m in range(first, config.M))
@@ -320,7 +320,7 @@ def _lattice_point(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
     if tab_ref is None:
         return codec.level_sum(ks, config, first, use_table=False)
     if packed_codebook(config) is not None:
-        bias = _packed_bias(config, first)
+        bias = packed_bias(config, first)
         return [f.astype(jnp.int32) - bias for f in _packed_fields(ks, tab_ref, config, first)]
     rows, d = config.q**config.d, config.d
     weights = _numerics.level_weights(config)
@@ -986,7 +986,7 @@ def gemv_activations(x, config: HNLQConfig, nbp: int, packed: bool = False,
                                                                    jnp.float32),
                                       precision=_HIGHEST)
     if packed:
-        off = off + np.float32(_packed_bias(config, 0)) * jnp.sum(xt, axis=0)
+        off = off + np.float32(packed_bias(config, 0)) * jnp.sum(xt, axis=0)
     if parts is not None:
         xt = xt.reshape(d, bb, nbp // parts, parts).transpose(3, 0, 1, 2)
         off = off.reshape(bb, nbp // parts, parts).transpose(2, 0, 1)

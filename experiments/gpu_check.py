@@ -555,11 +555,22 @@ def plot(out, path):
     fig.savefig(path, dpi=120)
 
 
+def merged_tiles(table: dict, best: dict) -> dict:
+    """A generation's tuning table (``{op: {lattice: {class: entry}}}``) with the sweep's
+    winners ``best`` in place of its entries; the batch classes, lattices and ops the sweep
+    did not time keep theirs (a ``--quick`` run times fewer classes than a full one)."""
+    out = {op: {lat: dict(by) for lat, by in lats.items()} for op, lats in table.items()}
+    for op, lats in best.items():
+        for lat, by in lats.items():
+            out.setdefault(op, {}).setdefault(lat, {}).update(by)
+    return out
+
+
 def write_tiles(best: dict, generation: str, path: pathlib.Path):
     """Puts the sweep's winners (``{op: {lattice: {class: entry}}}``) into the tuning table's
-    entry for ``generation`` (ops the sweep did not time keep theirs)."""
+    entry for ``generation`` (:func:`merged_tiles`)."""
     tiles = dict(gpu_tiles.TILES)
-    tiles[generation] = {**tiles.get(generation, {}), **best}
+    tiles[generation] = merged_tiles(tiles.get(generation, {}), best)
     src = path.read_text()
     head = src.split("TILES: dict = ")[0]
     path.write_text(head + "TILES: dict = " + pprint.pformat(tiles, width=96) + "\n")
@@ -572,7 +583,8 @@ def main(argv=None):
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help="a second look in a short lease: gemv's sweep around the tuning table "
-                        "(pairs or not), the product table at 8192² batch 1, 4 and 16, the "
+                        "(pairs or not; Triton's and Mosaic GPU's), decode_matmul's at batch "
+                        "16 (both), the product table at 8192² batch 1, 4 and 16, the "
                         "tests, the codec's bandwidth by block size, the torch path; into "
                         "results/gpu_check_quick.*")
     p.add_argument("--tests", nargs="+",
@@ -638,8 +650,8 @@ def main(argv=None):
     section("ceilings", ceilings, peak, small)
     section("sweep", sweep, clock, small, args.quick, need=60)
     if out.get("sweep"):  # this run's products use the winners, as the table will
-        gpu_tiles.TILES[env["generation"]] = {**gpu_tiles.TILES.get(env["generation"], {}),
-                                              **out["sweep"]["best"]}
+        gpu_tiles.TILES[env["generation"]] = merged_tiles(
+            gpu_tiles.TILES.get(env["generation"], {}), out["sweep"]["best"])
     if not small and not args.quick:  # what bounds gemv: where the next kernel change starts
         section("ncu", ncu_profile, clock, need=60)
     section("matmul", matmul_table, clock, peak, small,

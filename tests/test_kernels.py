@@ -677,6 +677,26 @@ def test_gpu_check_picks_the_faster_backend():
     assert "'backend': 'mosaic_gpu'}` | 50.0 µs" in md and "| 20.0 µs |" in md
 
 
+def test_gpu_check_merges_winners_per_batch_class():
+    """A sweep's winners replace the table's entries class by class: a quick run (batch 16
+    only) keeps a full run's batch-64 class, other lattices and other ops."""
+    gpu_check = _gpu_check()
+    table = {"decode_matmul": {"D4": {"batch<=16": {"block_n": 32},
+                                      "batch<=64": {"block_n": 64, "backend": "mosaic_gpu"}},
+                               "E8": {"batch<=16": {"block_n": 16}}},
+             "gemv": {"D4": {"batch<=1": {"block_n": 8}}}}
+    best = {"decode_matmul": {"D4": {"batch<=16": {"block_n": 128}}},
+            "decode_matmul_mosaic": {"D4": {"batch<=16": {"block_w": 64}}}}
+    merged = gpu_check.merged_tiles(table, best)
+    assert merged == {
+        "decode_matmul": {"D4": {"batch<=16": {"block_n": 128},
+                                 "batch<=64": {"block_n": 64, "backend": "mosaic_gpu"}},
+                          "E8": {"batch<=16": {"block_n": 16}}},
+        "gemv": {"D4": {"batch<=1": {"block_n": 8}}},
+        "decode_matmul_mosaic": {"D4": {"batch<=16": {"block_w": 64}}}}
+    assert table["decode_matmul"]["D4"]["batch<=16"] == {"block_n": 32}  # not modified
+
+
 def test_gpu_check_command_parses():
     """experiments/gpu_check.py runs this file through pytest: its command line must parse
     with the project's pytest options (collection only here)."""

@@ -67,9 +67,10 @@ BF16_ATOL = 2e-3
 
 @pytest.mark.parametrize("cfg,batch,splits,programs,a_registers,block_w", [
     (D4, 16, 1, None, None, 16), (D4, 5, 2, 3, False, 16), (D4_DITHER, 40, 2, None, False, 16),
+    (D4_DITHER, 12, 2, 2, None, 16),
     (WIDE_T, 9, 4, 1, None, 16), (Q3, 64, 1, None, True, 64)],
-    ids=["D4-b16", "D4-b5-split-3programs", "dither-b40", "T8bit-b9-split4-1program",
-         "q3-b64-wide-step"])
+    ids=["D4-b16", "D4-b5-split-3programs", "dither-b40", "dither-b12-split-2programs",
+         "T8bit-b9-split4-1program", "q3-b64-wide-step"])
 def test_decode_matmul_matches_decoded_weights_and_triton(cfg, batch, splits, programs,
                                                           a_registers, block_w):
     """The tensor-core kernel: the product of the decoded weights in bfloat16 precision (row
@@ -151,6 +152,10 @@ def test_decode_matmul_refusals():
     with pytest.raises(ValueError, match="shared memory"):
         mg.decode_matmul(_x(64, 256), codes, jnp.float32, block_n=128, block_w=32, stages=5,
                          a_registers=False)
+    # the planes through shared memory count: 8 x 128 x 64 x 2 bytes more
+    with pytest.raises(ValueError, match="shared memory"):
+        mg.decode_matmul(x, codes, jnp.float32, block_n=128, block_w=64, stages=2,
+                         a_registers=False)
     with pytest.raises(ValueError, match="no kernel for .*E8"):
         mg.decode_matmul(_x(16, 64), _weights(hq.HNLQConfig("E8", 4, 2), 64, 64), jnp.float32)
 
@@ -219,6 +224,9 @@ def test_matmul_takes_mosaic_where_the_table_says(op, batch, dtype):
         with _table_says_mosaic(op, cls):
             assert mg.chosen(op, codes, batch)
             assert not mg.chosen(op, _weights(D4, 64, 252), batch)  # not tiled exactly
+            # the entry is D4's, whatever q and M: three index bytes a block have no word view
+            m3 = _weights(hq.HNLQConfig("D4", 4, 3, beta=0.35), 64, 256)
+            assert not mg.chosen(op, m3, batch)
             y = fresh()(x, codes)
         if op == "decode_matmul":  # float32 x takes Triton's (the wgmma's are bfloat16)
             with _table_says_mosaic(op, cls):
@@ -234,9 +242,10 @@ def test_matmul_takes_mosaic_where_the_table_says(op, batch, dtype):
 @pytest.mark.parametrize("kernel,cfg,batch,extra", [
     ("gemv", D4, 1, {}), ("gemv", D4, 8, {}), ("gemv", WIDE_T, 2, {}),
     ("decode_matmul", D4, 16, {"a_registers": True}),
+    ("decode_matmul", D4, 5, {"a_registers": True}),
     ("decode_matmul", D4, 64, {"a_registers": True, "block_w": 64, "block_n": 64}),
     ("decode_matmul", D4_DITHER, 64, {"a_registers": False, "block_n": 128})],
-    ids=["gemv-D4-b1", "gemv-D4-b8", "gemv-T8bit-b2", "mma-D4-b16-registers",
+    ids=["gemv-D4-b1", "gemv-D4-b8", "gemv-T8bit-b2", "mma-D4-b16-registers", "mma-D4-b5",
          "mma-D4-b64-registers-64-words", "mma-dither-b64-smem-128"])
 def test_lowers_for_cuda(kernel, cfg, batch, extra):
     """The kernels lower for CUDA on a CPU machine: Pallas' Mosaic GPU lowering, layout

@@ -23,10 +23,11 @@ pipeline (``stages`` tiles in flight) in the layout they are stored in, viewed, 
 
 A block's level words are gathered from the packed codebook
 (:func:`~hnlq_jax.kernels.pallas.packed_codebook`) held in shared memory, added as integers,
-their byte fields turned into floats; their inner product with the block's activations
-(``beta``, the basis, the dither and the fields' bias folded in once per call, as the Triton
-kernel does), times ``2^(alpha T)`` (gathered from a 16- or 256-entry table), is summed per
-weight row; the row scale multiplies the row's sum after the split-K sums.
+their byte fields turned into floats; in ``gemv`` their inner product with the block's
+activations (``beta``, the basis, the dither and the fields' bias folded in once per call, as
+the Triton kernel does), times ``2^(alpha T)`` (gathered from a 16- or 256-entry table), is
+summed per weight row (``decode_matmul`` subtracts the bias in the kernel: its planes are the
+coordinates themselves); the row scale multiplies the row's sum after the split-K sums.
 
 **Gathers.** Pallas' Mosaic GPU lowering has no gather, so the two shared-memory tables are
 read through ``plgpu.inline_mgpu``: one ``ld.shared`` per element at the thread's own address.
@@ -127,6 +128,8 @@ def chosen(op: str, codes: Codes, batch: int) -> bool:
     generation, _ = _pallas.gpu_target()
     config = codes.config
     if _pallas.tuning_entry(op, config, batch, generation).get("backend") != "mosaic_gpu":
+        return False
+    if unsupported(config):  # the table's entry is the lattice's, whatever q and M
         return False
     n, nb = codes.blocks_shape
     t = launch_params(op, config, n, nb, batch)
@@ -376,13 +379,16 @@ def decode_matmul(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | 
       interpret: as :func:`gemv`.
       block_n, block_w, splits, stages, programs: as :func:`gemv` (``block_w`` words make
         the planes' K: a multiple of 16, the wgmma's).
-      a_registers: the decoded planes go to the wgmma from registers (``True``) or through
-        shared memory; interpret mode always takes shared memory (its wgmma reads refs only).
+      a_registers: the decoded planes go to the wgmma from registers (``True``; then
+        ``block_w`` must be a multiple of x's rows padded to a power of two >= 16, whole
+        swizzle tiles of x's operand) or through shared memory; interpret mode always takes
+        shared memory (its wgmma reads refs only).
 
     Returns:
       ``[..., n]`` in ``out_dtype``: the products of the decoded weights in bfloat16
-      precision (each weight's P coordinates are exact integers; ``2^(alpha T)`` and x's
-      planes round to bfloat16), as :func:`hnlq_jax.kernels.decode_matmul` in bfloat16.
+      precision (each weight's P coordinates are exact integers; their products with
+      ``2^(alpha T)``, and x's planes, round to bfloat16), as
+      :func:`hnlq_jax.kernels.decode_matmul` in bfloat16.
 
     Raises:
       ValueError: as :func:`gemv`; ``x`` not bfloat16; more than :data:`MMA_ROWS` rows.

@@ -11,8 +11,9 @@ measured):
    waves) of ``kernels.gemv`` (Triton) and ``kernels.mosaic_gpu.gemv`` (Mosaic GPU, the
    codebooks it holds: D4) at batch 1 and 8 and of ``kernels.decode_matmul`` and
    ``kernels.mosaic_gpu.decode_matmul`` (tensor cores) at batch 16 and 64 (``--quick``: 16),
-   for D4 q=4 M=2 and E8 q=4 M=2 at 8192^2; the faster backend of each op becomes the
-   batch class's ``"backend"``; the winners go into
+   the latter also at 1 and 8 against both gemvs (``--quick``: 8), for D4 q=4 M=2 and E8 q=4
+   M=2 at 8192^2; the fastest kernel becomes the batch class's ``"backend"``
+   (:func:`pick_backends`); the winners go into
    ``hnlq_jax/kernels/gpu_tiles.py`` (``--write-tiles`` after the run) and into this run's
    table.
 3. **matmul**: ``hq.matmul(x, codes, implementation="pallas")`` (``gemv`` up to 8 rows,
@@ -230,10 +231,13 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
 # (op, batch): what the sweep times; the batch names the tuning table's class ("batch<=B").
 # "gemv_mosaic" and "decode_matmul_mosaic" (kernels.mosaic_gpu's, for the codebooks they hold)
 # compete with Triton's "gemv" and "decode_matmul": where one wins, the table's entry of the
-# Triton op names it ("backend") and hq.matmul takes it.
+# Triton op names it ("backend", pick_backends) and hq.matmul takes it.
+# The tensor-core kernel also competes with both gemvs at 8 rows (and 1 in the full run).
 QUICK_SWEEP = (("gemv", 1), ("gemv", 8), ("gemv_mosaic", 1), ("gemv_mosaic", 8),
-               ("decode_matmul", 16), ("decode_matmul_mosaic", 16))
-SWEEP = QUICK_SWEEP + (("decode_matmul", 64), ("decode_matmul_mosaic", 64))
+               ("decode_matmul_mosaic", 8), ("decode_matmul", 16),
+               ("decode_matmul_mosaic", 16))
+SWEEP = QUICK_SWEEP + (("decode_matmul_mosaic", 1), ("decode_matmul", 64),
+                       ("decode_matmul_mosaic", 64))
 _MOSAIC = {"gemv_mosaic": "gemv", "decode_matmul_mosaic": "decode_matmul"}
 
 
@@ -296,18 +300,33 @@ def sweep(clock, small, quick=False):
 
 
 def pick_backends(best: dict, winners: dict):
-    """Names Mosaic GPU the backend (``"backend": "mosaic_gpu"`` in ``best``'s entry of the
-    Triton op, ``gemv`` or ``decode_matmul``) of each lattice and batch class where its
-    kernel's winner beat Triton's (or Triton had none); ``winners``: ``{(op, lattice, batch):
-    row}``, the rows' ``seconds``."""
-    for (op, lattice, batch), row in winners.items():
-        if op not in _MOSAIC:
+    """Names in ``best`` the backend of each lattice and batch class where a Mosaic GPU
+    kernel's winner beat what ``hq.matmul`` would run instead (or that had none): up to
+    ``GEMV_ROWS`` rows the ``gemv`` entry says ``"mosaic_gpu"`` (Mosaic GPU's gemv beat Triton's)
+    or ``"mosaic_gpu_mma"`` (the tensor-core kernel beat both gemvs); beyond, the
+    ``decode_matmul`` entry says ``"mosaic_gpu"`` (it beat Triton's decode_matmul).
+    ``winners``: ``{(op, lattice, batch): row}``, the rows' ``seconds``."""
+    def seconds(op, lattice, batch):
+        row = winners.get((op, lattice, batch))
+        return row["seconds"] if row else float("inf")
+
+    for lattice, batch in sorted({(lat, b) for _, lat, b in winners}):
+        gemv = batch <= kernels.GEMV_ROWS
+        entry = "gemv" if gemv else "decode_matmul"
+        times = {"triton": seconds(entry, lattice, batch),
+                 "mosaic_gpu_mma": seconds("decode_matmul_mosaic", lattice, batch)}
+        if gemv:
+            times["mosaic_gpu"] = seconds("gemv_mosaic", lattice, batch)
+        else:  # beyond gemv's rows the tensor-core kernel is the entry's own Mosaic GPU one
+            times["mosaic_gpu"] = times.pop("mosaic_gpu_mma")
+        mosaic = {k: v for k, v in times.items() if k != "triton" and v < float("inf")}
+        if not mosaic:
             continue
-        triton = winners.get((_MOSAIC[op], lattice, batch))
-        if triton is None or row["seconds"] < triton["seconds"]:
-            by_class = best.setdefault(_MOSAIC[op], {}).setdefault(lattice, {})
+        fastest = min(mosaic, key=mosaic.get)
+        if mosaic[fastest] < times["triton"]:
+            by_class = best.setdefault(entry, {}).setdefault(lattice, {})
             cls = f"batch<={batch}"
-            by_class[cls] = {**by_class.get(cls, {}), "backend": "mosaic_gpu"}
+            by_class[cls] = {**by_class.get(cls, {}), "backend": fastest}
 
 
 def matmul_table(clock, peak, small, batches, shapes=SHAPES):

@@ -429,13 +429,13 @@ def _matmul(x, codes, impl, interpret):
             y = kernels.cpu.decode_matmul(flat, codes, bf16_weights=bf16)
         return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(out_dtype)
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if rows <= kernels.GEMV_ROWS and wide_dtype(x.dtype) == jnp.float32:
-        if kernels.mosaic_gpu.chosen("gemv", codes, rows):  # the tuning table's faster one
-            return kernels.mosaic_gpu.gemv(x, codes, out_dtype, interpret=interpret)
+    narrow = wide_dtype(x.dtype) == jnp.float32  # float64 x takes Triton's decode_matmul
+    mosaic = narrow and kernels.mosaic_gpu.chosen(codes, rows, x.dtype)  # the table's fastest
+    if mosaic:
+        kernel = getattr(kernels.mosaic_gpu, mosaic)
+        return kernel(x, codes, out_dtype, interpret=interpret)
+    if rows <= kernels.GEMV_ROWS and narrow:
         return kernels.gemv(x, codes, out_dtype, interpret=interpret)
-    if (rows <= kernels.mosaic_gpu.MMA_ROWS and x.dtype == jnp.bfloat16
-            and kernels.mosaic_gpu.chosen("decode_matmul", codes, rows)):
-        return kernels.mosaic_gpu.decode_matmul(x, codes, out_dtype, interpret=interpret)
     return kernels.decode_matmul(x, codes, compute, out_dtype, interpret=interpret)
 
 

@@ -647,26 +647,28 @@ def _gpu_check():
 
 
 def test_gpu_check_picks_the_faster_backend():
-    """The sweep names Mosaic GPU the backend of gemv and decode_matmul only where its winner
-    beat Triton's (or Triton had none), and the report still finds each winner's time (the
-    entry with a backend is Triton's tiles)."""
+    """The sweep names a Mosaic GPU kernel the backend only where its winner beat what
+    hq.matmul would run instead (or that had none): up to 8 rows, Mosaic's gemv against
+    Triton's and the tensor-core kernel against both; beyond, the tensor-core kernel against
+    Triton's decode_matmul. The report still finds each winner's time (the entry with a
+    backend is Triton's tiles)."""
     gpu_check = _gpu_check()
     tri = dict(block_n=16, block_k=256, num_warps=4, num_stages=1, waves=4)
     mos = dict(block_n=64, block_w=32, stages=4, waves=4, resident=2)
-    rows = [dict(op="gemv", lattice="D4", batch=1, entry=tri, seconds=50e-6),
-            dict(op="gemv_mosaic", lattice="D4", batch=1, entry=mos, seconds=20e-6),
-            dict(op="gemv", lattice="D4", batch=8, entry=tri, seconds=60e-6),
-            dict(op="gemv_mosaic", lattice="D4", batch=8, entry=mos, seconds=90e-6),
-            dict(op="decode_matmul", lattice="D4", batch=16, entry=tri, seconds=70e-6),
-            dict(op="decode_matmul_mosaic", lattice="D4", batch=16, entry=mos, seconds=30e-6),
-            dict(op="decode_matmul", lattice="D4", batch=64, entry=tri, seconds=80e-6),
-            dict(op="decode_matmul_mosaic", lattice="D4", batch=64, entry=mos, seconds=99e-6),
-            dict(op="decode_matmul_mosaic", lattice="E8", batch=16, entry=mos, seconds=1.0)]
-    best = {"gemv": {"D4": {"batch<=1": dict(tri), "batch<=8": dict(tri)}},
+    t = {("gemv", 1): 50, ("gemv_mosaic", 1): 20, ("decode_matmul_mosaic", 1): 30,
+         ("gemv", 4): 50, ("gemv_mosaic", 4): 40, ("decode_matmul_mosaic", 4): 30,
+         ("gemv", 8): 60, ("gemv_mosaic", 8): 90, ("decode_matmul_mosaic", 8): 70,
+         ("decode_matmul", 16): 70, ("decode_matmul_mosaic", 16): 30,
+         ("decode_matmul", 64): 80, ("decode_matmul_mosaic", 64): 99}
+    rows = [dict(op=op, lattice="D4", batch=b, entry=mos if "mosaic" in op else tri,
+                 seconds=us * 1e-6) for (op, b), us in t.items()]
+    rows.append(dict(op="decode_matmul_mosaic", lattice="E8", batch=16, entry=mos, seconds=1.0))
+    best = {"gemv": {"D4": {f"batch<={b}": dict(tri) for b in (1, 4, 8)}},
             "gemv_mosaic": {"D4": {"batch<=1": dict(mos), "batch<=8": dict(mos)}},
             "decode_matmul": {"D4": {"batch<=16": dict(tri), "batch<=64": dict(tri)}}}
     gpu_check.pick_backends(best, {(r["op"], r["lattice"], r["batch"]): r for r in rows})
     assert best["gemv"]["D4"] == {"batch<=1": dict(tri, backend="mosaic_gpu"),
+                                  "batch<=4": dict(tri, backend="mosaic_gpu_mma"),
                                   "batch<=8": tri}
     assert best["decode_matmul"] == {
         "D4": {"batch<=16": dict(tri, backend="mosaic_gpu"), "batch<=64": tri},

@@ -191,23 +191,27 @@ def test_gemv_more_splits_than_steps():
 
 
 @contextlib.contextmanager
-def _table_says_mosaic(op, batch_class):
-    """The tuning table's ``op`` entry for D4 on this GPU generation names Mosaic GPU, and its
-    Mosaic entry the small tiles."""
+def _table_says(op, batch_class, backend, kernel):
+    """The tuning table's ``op`` entry for D4 on this GPU generation names ``backend``, and
+    the small tiles are ``kernel``'s (this module's) launch parameters."""
     generation, _ = K.pallas.gpu_target()
-    tiles = {generation: {op: {"D4": {batch_class: {"backend": "mosaic_gpu"}}},
-                          op + "_mosaic": {"D4": {batch_class: dict(SMALL, waves=1)}}}}
+    tiles = {generation: {op: {"D4": {batch_class: {"backend": backend}}},
+                          kernel + "_mosaic": {"D4": {batch_class: dict(SMALL, waves=1)}}}}
     with pytest.MonkeyPatch.context() as m:
         m.setattr(gpu_tiles, "TILES", tiles)
         yield
 
 
-@pytest.mark.parametrize("op,batch,dtype", [("gemv", 2, jnp.float32),
-                                            ("decode_matmul", 16, jnp.bfloat16)])
-def test_matmul_takes_mosaic_where_the_table_says(op, batch, dtype):
+@pytest.mark.parametrize("op,backend,kernel,batch", [
+    ("gemv", "mosaic_gpu", "gemv", 2), ("gemv", "mosaic_gpu_mma", "decode_matmul", 8),
+    ("decode_matmul", "mosaic_gpu", "decode_matmul", 16)],
+    ids=["gemv", "gemv-rows-on-tensor-cores", "decode_matmul"])
+def test_matmul_takes_mosaic_where_the_table_says(op, backend, kernel, batch):
+    """hq.matmul takes the Mosaic GPU kernel the table's entry names (bfloat16 x), and
+    Triton's where the committed table is, or the codes or x do not suit it."""
     codes = _weights(D4, 64, 256)
-    x = _x(batch, 256, dtype=dtype)
-    calls, real = [], getattr(mg, op)
+    x = _x(batch, 256)
+    calls, real = [], getattr(mg, kernel)
 
     def spy(x, *args, **kwargs):
         calls.append(x.shape)
@@ -218,24 +222,24 @@ def test_matmul_takes_mosaic_where_the_table_says(op, batch, dtype):
     fresh = lambda: jax.jit(lambda x, c: hq.matmul(x, c, implementation="pallas"))
     cls = f"batch<={batch}"
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(mg, op, spy)
+        m.setattr(mg, kernel, spy)
         fresh()(x, codes)  # the table as committed: Triton
         assert calls == []
-        with _table_says_mosaic(op, cls):
-            assert mg.chosen(op, codes, batch)
-            assert not mg.chosen(op, _weights(D4, 64, 252), batch)  # not tiled exactly
+        with _table_says(op, cls, backend, kernel):
+            assert mg.chosen(codes, batch, x.dtype) == kernel
+            assert mg.chosen(_weights(D4, 64, 252), batch, x.dtype) is None  # not tiled exactly
             # the entry is D4's, whatever q and M: three index bytes a block have no word view
             m3 = _weights(hq.HNLQConfig("D4", 4, 3, beta=0.35), 64, 256)
-            assert not mg.chosen(op, m3, batch)
+            assert mg.chosen(m3, batch, x.dtype) is None
             y = fresh()(x, codes)
-        if op == "decode_matmul":  # float32 x takes Triton's (the wgmma's are bfloat16)
-            with _table_says_mosaic(op, cls):
-                fresh()(x.astype(jnp.float32), codes)
+            # float32 x: gemv takes it; the tensor-core kernel's operands are bfloat16 only
+            assert mg.chosen(codes, batch, jnp.float32) == (None if kernel == "decode_matmul"
+                                                            else kernel)
     assert calls == [(batch, 256)]
     ref = _decoded_product(x, codes)
-    tol = (BF16_ATOL if op == "decode_matmul" else 2e-6) * np.abs(ref).max()
-    rtol = 2**-8 if dtype == jnp.bfloat16 else 0  # the output's rounding
-    np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=rtol, atol=tol)
+    tol = (BF16_ATOL if kernel == "decode_matmul" else 2e-6) * np.abs(ref).max()
+    # the output is bfloat16, as x
+    np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2**-8, atol=tol)
 
 
 @pytest.mark.skipif(NATIVE, reason="natively compiled by the tests above")

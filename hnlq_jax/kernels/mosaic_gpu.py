@@ -114,26 +114,35 @@ def supported_shape(config: HNLQConfig, n: int, nb: int, t: dict) -> bool:
             and (nb // g) % t["block_w"] == 0)
 
 
-# The ops of this module, by the tuning table's op whose entry names their backend, and the
-# table's key of their own launch parameters
+# The tuning table's key of each kernel's own launch parameters
 _OPS = {"gemv": "gemv_mosaic", "decode_matmul": "decode_matmul_mosaic"}
+# What the "backend" of the table's Triton entry ("gemv": up to GEMV_ROWS rows of x;
+# "decode_matmul": more) names: this module's kernel to run instead
+_BACKENDS = {"gemv": {"mosaic_gpu": "gemv", "mosaic_gpu_mma": "decode_matmul"},
+             "decode_matmul": {"mosaic_gpu": "decode_matmul"}}
 
 
-def chosen(op: str, codes: Codes, batch: int) -> bool:
-    """Whether :func:`hnlq_jax.matmul`'s kernels take this module's ``op`` (``"gemv"`` or
-    ``"decode_matmul"``) for ``batch`` rows of x: the tuning table's entry of the Triton op
-    for the GPU's generation, the lattice and the batch class says ``"backend":
-    "mosaic_gpu"`` (the sweep found it faster), and the kernel supports the codes, its launch
-    parameters are valid and tile the weight exactly (else Triton's kernel runs)."""
+def chosen(codes: Codes, batch: int, dtype) -> str | None:
+    """This module's kernel (``"gemv"`` or ``"decode_matmul"``) that
+    :func:`hnlq_jax.matmul`'s kernels take for ``batch`` rows of x of ``dtype`` (``None``:
+    Triton's). The tuning table's entry of the Triton op for the GPU's generation, the lattice
+    and the batch class names it (the sweep found it the fastest): ``"backend":
+    "mosaic_gpu"`` (the entry's own op), or, up to ``GEMV_ROWS`` rows, ``"mosaic_gpu_mma"``
+    (the tensor-core kernel, for bfloat16 x only); and the kernel supports the codes, its
+    launch parameters are valid and tile the weight exactly."""
     generation, _ = _pallas.gpu_target()
     config = codes.config
-    if _pallas.tuning_entry(op, config, batch, generation).get("backend") != "mosaic_gpu":
-        return False
-    if unsupported(config):  # the table's entry is the lattice's, whatever q and M
-        return False
+    op = "gemv" if batch <= _pallas.GEMV_ROWS else "decode_matmul"
+    backend = _pallas.tuning_entry(op, config, batch, generation).get("backend")
+    kernel = _BACKENDS[op].get(backend)
+    if kernel is None or unsupported(config):  # the entry is the lattice's, whatever q and M
+        return None
+    if kernel == "decode_matmul" and (jnp.dtype(dtype) != jnp.bfloat16 or batch > MMA_ROWS):
+        return None
     n, nb = codes.blocks_shape
-    t = launch_params(op, config, n, nb, batch)
-    return _launch_error(op, t, config, batch) is None and supported_shape(config, n, nb, t)
+    t = launch_params(kernel, config, n, nb, batch)
+    ok = _launch_error(kernel, t, config, batch) is None and supported_shape(config, n, nb, t)
+    return kernel if ok else None
 
 
 def _replicated(table: np.ndarray):

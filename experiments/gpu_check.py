@@ -195,9 +195,10 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
                    dict(resident=1), dict(resident=4)]
     if op == "decode_matmul_mosaic":  # kernels.mosaic_gpu.decode_matmul (wgmma)
         entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
-        if quick:  # the planes through shared memory, and taller tiles
-            return [entry, dict(entry, a_registers=not entry["a_registers"], block_w=32),
-                    dict(entry, block_n=128, block_w=32, a_registers=False)], []
+        if quick:  # the planes through shared memory, taller tiles, longer steps
+            return [entry, dict(entry, a_registers=not entry["a_registers"]),
+                    dict(entry, block_n=2 * entry["block_n"]),
+                    dict(entry, block_w=2 * entry["block_w"])], []
         # (with A in registers, block_w must hold x's padded rows: invalid ones fail at once)
         a = [dict(entry, block_n=bn, block_w=bw, a_registers=r)
              for bn in (64, 128) for bw in (16, 32, 64) for r in (True, False)]

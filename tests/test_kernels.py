@@ -699,6 +699,33 @@ def test_gpu_check_merges_winners_per_batch_class():
     assert table["decode_matmul"]["D4"]["batch<=16"] == {"block_n": 32}  # not modified
 
 
+def test_gpu_check_sweep_table_and_report_run(monkeypatch):
+    """What a GPU lease runs, end to end at the smoke size (interpret mode; the Mosaic GPU
+    kernels where this jax has them): the quick sweep with each op's first candidate, the
+    backend choice, the product table with the winners, the report. Every candidate runs
+    and matches the float32 product (a lease is too short to find gpu_check's own bugs)."""
+    gpu_check = _gpu_check()
+    real = gpu_check.sweep_candidates
+    monkeypatch.setattr(gpu_check, "sweep_candidates",
+                        lambda *a, **k: (real(*a, **k)[0][:1], []))
+    monkeypatch.setattr(gpu_check, "_timed", functools.partial(gpu_check._timed, iterations=1))
+    clock = gpu_check.Clock(3600)
+    sw = gpu_check.sweep(clock, small=True, quick=True)
+    assert [r for r in sw["rows"] if "error" in r or r["rel_diff"] > 1e-2] == []
+    timed = {r["op"] for r in sw["rows"]}
+    mosaic = {"gemv_mosaic", "decode_matmul_mosaic"} if K.mosaic_gpu.available() else set()
+    assert timed == {"gemv", "decode_matmul"} | mosaic
+    tiles = {"cpu": gpu_check.merged_tiles({}, sw["best"])}
+    monkeypatch.setattr(gpu_tiles, "TILES", tiles)
+    monkeypatch.setattr(K.pallas, "gpu_target", lambda: ("cpu", 132))
+    rows = gpu_check.matmul_table(clock, None, True, (1, 16))
+    assert [r["batch"] for r in rows] == [1, 16]
+    assert all(r[lat]["fused"]["rel_diff"] < 1e-2 for r in rows for lat in gpu_check.CONFIGS)
+    env = dict(device="cpu", backend="cpu", jax=jax.__version__, python="3")
+    md = gpu_check.markdown({"environment": env, "sweep": sw, "matmul": rows})
+    assert "| 256 x 256 | 16 |" in md and "0 failed to run" in md
+
+
 def test_gpu_check_command_parses():
     """experiments/gpu_check.py runs this file through pytest: its command line must parse
     with the project's pytest options (collection only here)."""

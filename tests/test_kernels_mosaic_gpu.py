@@ -170,7 +170,7 @@ def test_launch_params_split_k():
     t = mg.launch_params("gemv", D4, 64, 64, 1, entry=dict(block_w=16))
     assert t["splits"] == 2  # 32 words: two steps of 16
     t = mg.launch_params("decode_matmul", D4, 8192, 2048, 16)
-    assert t["a_registers"] is True and t["block_n"] == 64
+    assert t["a_registers"] is True and t["block_n"] == 64 and t["block_w"] == 32
     assert t["splits"] == -(-2 * 132 // 128)  # the defaults: waves 2
     with pytest.raises(ValueError, match="op must be one of"):
         mg.launch_params("matmul", D4, 64, 64, 1)

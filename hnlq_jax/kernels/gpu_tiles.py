@@ -14,8 +14,9 @@ DEFAULT = {"gemv": {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages":
            "gemv_mosaic": {"block_n": 64, "block_w": 32, "stages": 4, "waves": 4,
                            "resident": 2},
            # kernels.mosaic_gpu.decode_matmul, as gemv_mosaic; a_registers: the decoded
-           # planes go to the wgmma from registers, not through shared memory
-           "decode_matmul_mosaic": {"block_n": 64, "block_w": 64, "stages": 2, "waves": 2,
+           # planes go to the wgmma from registers, not through shared memory (then block_w
+           # holds x's padded rows: up to 32 here)
+           "decode_matmul_mosaic": {"block_n": 64, "block_w": 32, "stages": 4, "waves": 2,
                                     "resident": 1, "a_registers": True}}
 
 # {generation: {op: {lattice: {"batch<=B": params}}}}, op: "gemv" or "decode_matmul"

@@ -33,9 +33,11 @@ coordinates themselves); the row scale multiplies the row's sum after the split-
 read through ``plgpu.inline_mgpu``: one ``ld.shared`` per element at the thread's own address.
 Each table is stored 32 times over, entry ``k`` of lane ``l`` at word ``32 k + l``, so the
 32 lanes of a warp always read 32 distinct banks (a 1 KiB table read at random addresses
-would serialize about 3-4 ways). GPU interpret mode cannot run ``inline_mgpu``; there the
-same gather is an indexing of the table (``interpret=True``), and everything else is the
-kernel as compiled.
+would serialize about 3-4 ways). The byte fields (under the float magic exponent) and the
+gathers' index bytes come from one PTX ``prmt`` each, also inline (:func:`_byte_select`;
+``experiments/sass_profile.py`` counts the instructions). GPU interpret mode cannot run
+``inline_mgpu``; there the gathers are an indexing of the table and ``prmt`` is shifts and
+masks (``interpret=True``), and everything else is the kernel as compiled.
 
 Supported (:func:`unsupported` says why not): jax >= 0.11 (``plgpu.InterpretGPUParams``,
 ``plgpu.kernel``), a packed codebook of one word an entry and at most 256 entries (D4 up to
@@ -156,19 +158,58 @@ def _gather(table_ref, idx, interpret: bool):
     if interpret:
         return table_ref[...][idx.astype(jnp.int32), 0]
     from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
-    from jax._src.lib.mlir.dialects import arith, memref  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
     from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _LAYOUT),
                        return_type=plgpu.ShapeDtypeStruct(idx.shape, jnp.uint32,
                                                           layout=_LAYOUT))
     def gather(ctx, tref, ix):
-        index, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
-        lane = arith.index_cast(index, arith.remui(mgpu_utils.thread_idx(),
-                                                   arith.constant(i32, _LANES)))
-        return ix.foreach(lambda v, _: memref.load(tref, [arith.index_cast(index, v), lane]),
-                          create_array=True, is_signed=False)
+        i32 = ir.IntegerType.get_signless(32)
+        lane = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _LANES))
+        # This lane's copy, once: then an element is a shift-add from it and a load (a
+        # memref.load's row-major index k 32 + lane took more: experiments/sass_profile.py)
+        column = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(tref), [lane], i32)
+        row_bytes = arith.constant(i32, (4 * _LANES).bit_length() - 1)  # log2 of 128
+
+        def load(v, _):  # byte offset k 128 from the lane's column: one LEA
+            offset = arith.shli(v, row_bytes)
+            return llvm.load(i32, mgpu_utils.getelementptr(column, [offset],
+                                                           ir.IntegerType.get_signless(8)))
+        return ix.foreach(load, create_array=True, is_signed=False)
     return gather(table_ref, idx)
+
+
+def _byte_select(a, b: int, selector: int, interpret: bool):
+    """PTX ``prmt.b32 d, a, b, selector`` of each element of ``a`` (uint32) and the constant
+    ``b``: byte ``i`` of ``d`` is byte ``(selector >> 4 i) & 7`` of ``b:a`` (0-3: ``a``'s,
+    4-7: ``b``'s). One instruction for what shifts, masks and an OR would take two or three
+    (ptxas does not fold a constant OR into its own byte extracts)."""
+    if interpret:
+        src = [(a >> jnp.uint32(8 * j)) & jnp.uint32(255) for j in range(4)] + \
+              [jnp.uint32((b >> (8 * j)) & 255) for j in range(4)]
+        d = None
+        for i in range(4):
+            v = src[(selector >> (4 * i)) & 7] << jnp.uint32(8 * i)
+            d = v if d is None else d | v
+        return d
+    from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
+    from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
+
+    @plgpu.inline_mgpu(arg_types=(_LAYOUT,),
+                       return_type=plgpu.ShapeDtypeStruct(a.shape, jnp.uint32, layout=_LAYOUT))
+    def prmt(ctx, ax):
+        i32 = ir.IntegerType.get_signless(32)
+        bc = arith.constant(i32, ir.IntegerAttr.get(i32, b - (1 << 32) if b >= 1 << 31 else b))
+        # The constant as the first operand and the selector an immediate, sources swapped
+        # (index ^ 4): ptxas keeps one register for the constant (as the second operand
+        # with an immediate selector it rebuilt the selector in a register every time)
+        swapped = sum((((selector >> (4 * i)) & 7) ^ 4) << (4 * i) for i in range(4))
+        return ax.foreach(
+            lambda v, _: llvm.inline_asm(i32, [bc, v], f"prmt.b32 $0, $1, $2, {swapped};",
+                                         "=r,r,r"),
+            create_array=True, is_signed=False)
+    return prmt(a)
 
 
 def _block(w, tw, p: int, tab_smem, pow_smem, *, config: HNLQConfig, bias: int,
@@ -181,15 +222,18 @@ def _block(w, tw, p: int, tab_smem, pow_smem, *, config: HNLQConfig, bias: int,
     rows = config.q**config.d
     word, valid = None, None
     for m in range(config.M):
-        k = (w >> jnp.uint32(8 * isz * (p * config.M + m))) & jnp.uint32((1 << (8 * isz)) - 1)
+        at = isz * (p * config.M + m)  # the level's first byte in the word
+        k = (_byte_select(w, 0, 0x4440 | at, interpret) if isz == 1 else
+             (w >> jnp.uint32(8 * at)) & jnp.uint32((1 << (8 * isz)) - 1))
         v = _gather(tab_smem, k, interpret) * jnp.uint32(config.q**m)
         word = v if word is None else word + v
         if rows < 1 << (8 * isz):  # a corrupt index names no entry: NaN, as Triton's
             ok = k < jnp.uint32(rows)
             valid = ok if valid is None else valid & ok
-    coords = [jax.lax.bitcast_convert_type(
-        ((word >> jnp.uint32(8 * c)) & jnp.uint32(255)) | jnp.uint32(_MAGIC),
-        jnp.float32) - np.float32(_TWO23 + bias) for c in range(config.d)]
+    # byte c under the magic exponent: 0x4B0000cc, the float 2^23 + field
+    coords = [jax.lax.bitcast_convert_type(_byte_select(word, _MAGIC, 0x7540 | c, interpret),
+                                           jnp.float32) - np.float32(_TWO23 + bias)
+              for c in range(config.d)]
     u = (tw >> jnp.uint32(tb * p)) & jnp.uint32((1 << tb) - 1)
     scale = jax.lax.bitcast_convert_type(_gather(pow_smem, u, interpret), jnp.float32)
     if valid is not None:

@@ -63,7 +63,7 @@ N = 8192
 CASES = [("gemv", 1, {}), ("gemv", 8, {}),
          ("decode_matmul", 1, {}), ("decode_matmul", 16, {}),
          ("decode_matmul", 16, {"a_registers": False}),
-         ("decode_matmul", 64, {"block_w": 64, "stages": 2})]
+         ("decode_matmul", 64, {"a_registers": False, "stages": 3})]
 
 
 def compile_case(kernel: str, batch: int, params: dict, dump: pathlib.Path):

@@ -31,11 +31,12 @@ coordinates themselves); the row scale multiplies the row's sum after the split-
 
 **Gathers.** Pallas' Mosaic GPU lowering has no gather, so the two shared-memory tables are
 read through ``plgpu.inline_mgpu``: one ``ld.shared`` per element at the thread's own address.
-Each table is stored 32 times over, entry ``k`` of lane ``l`` at word ``32 k + l``, so the
-32 lanes of a warp always read 32 distinct banks (a 1 KiB table read at random addresses
-would serialize about 3-4 ways). The byte fields (under the float magic exponent) and the
-gathers' index bytes come from one PTX ``prmt`` each, also inline (:func:`_byte_select`;
-``experiments/sass_profile.py`` counts the instructions). GPU interpret mode cannot run
+Each table is stored 32 times over, entry ``k`` of lane ``l`` at word ``32 k + l`` (the
+codebook at ``64 k + l``: its rows 256 bytes apart, so that an index byte under the lane's
+byte offset is the address, one ``prmt``), so the 32 lanes of a warp always read 32 distinct
+banks (a 1 KiB table read at random addresses would serialize about 3-4 ways). The byte
+fields under the float magic exponent also come from one ``prmt`` each
+(:func:`_byte_select`; ``experiments/sass_profile.py`` counts the instructions). GPU interpret mode cannot run
 ``inline_mgpu``; there the gathers are an indexing of the table and ``prmt`` is shifts and
 masks (``interpret=True``), and everything else is the kernel as compiled.
 
@@ -147,9 +148,18 @@ def chosen(codes: Codes, batch: int, dtype) -> str | None:
     return kernel if ok else None
 
 
-def _replicated(table: np.ndarray):
-    """uint32 ``[rows, 32]``: entry ``k`` repeated for each lane of a warp."""
-    return jnp.asarray(np.repeat(np.asarray(table).view(np.uint32)[:, None], _LANES, axis=1))
+def _replicated(table: np.ndarray, row_words: int = _LANES):
+    """uint32 ``[rows, row_words]``: entry ``k`` repeated for each lane of a warp (columns past
+    the 32 lanes zero)."""
+    rows = np.asarray(table).view(np.uint32)
+    out = np.zeros((rows.shape[0], row_words), np.uint32)
+    out[:, :_LANES] = rows[:, None]
+    return jnp.asarray(out)
+
+
+# The codebook's rows are 256 bytes apart (64 words, the lanes' 32 and zeros): a byte of an
+# index word under the lane's byte offset is then the entry's address (one prmt, no multiply)
+_CODEBOOK_ROW_WORDS = 64
 
 
 def _gather(table_ref, idx, interpret: bool):
@@ -178,6 +188,35 @@ def _gather(table_ref, idx, interpret: bool):
                                                            ir.IntegerType.get_signless(8)))
         return ix.foreach(load, create_array=True, is_signed=False)
     return gather(table_ref, idx)
+
+
+def _gather_byte(table_ref, w, at: int, interpret: bool):
+    """``table[k, lane]`` (uint32, shape and layout of ``w``) for ``k`` byte ``at`` of each
+    element of ``w``, from the shared-memory codebook ``[256, 64]`` (:data:`_CODEBOOK_ROW_WORDS`):
+    the byte offset ``256 k + 4 lane`` is one ``prmt`` of the lane's offset and the word."""
+    if interpret:
+        k = (w >> jnp.uint32(8 * at)) & jnp.uint32(255)
+        return table_ref[...][k.astype(jnp.int32), 0]
+    from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
+    from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _LAYOUT),
+                       return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.uint32, layout=_LAYOUT))
+    def gather(ctx, tref, wx):
+        i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
+        lane4 = arith.shli(arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _LANES)),
+                           arith.constant(i32, 2))
+        base = mgpu_utils.memref_ptr(tref)
+        # bytes of d: lane4's byte 0, the word's byte `at`, zeros (lane4's bytes 1 and 2)
+        selector = (2 << 12) | (1 << 8) | ((4 + at) << 4)
+
+        def load(v, _):
+            offset = llvm.inline_asm(i32, [lane4, v], f"prmt.b32 $0, $1, $2, {selector};",
+                                     "=r,r,r")
+            return llvm.load(i32, mgpu_utils.getelementptr(base, [offset], i8))
+        return wx.foreach(load, create_array=True, is_signed=False)
+    return gather(table_ref, w)
 
 
 def _byte_select(a, b: int, selector: int, interpret: bool):
@@ -217,18 +256,15 @@ def _block(w, tw, p: int, tab_smem, pow_smem, *, config: HNLQConfig, bias: int,
     """Block ``p`` of each index word of a tile (``w``, ``tw``: uint32 ``[rows, words]``):
     ``(coords, scale)``, its ``d`` P coordinates as float32 (the levels' packed fields minus
     ``bias``) and ``2^(alpha T)``, NaN where the block failed or its index names no entry."""
-    isz = np.dtype(index_dtype(config)).itemsize
     tb = t_bits(config)
     rows = config.q**config.d
     word, valid = None, None
     for m in range(config.M):
-        at = isz * (p * config.M + m)  # the level's first byte in the word
-        k = (_byte_select(w, 0, 0x4440 | at, interpret) if isz == 1 else
-             (w >> jnp.uint32(8 * at)) & jnp.uint32((1 << (8 * isz)) - 1))
-        v = _gather(tab_smem, k, interpret) * jnp.uint32(config.q**m)
+        at = p * config.M + m  # the level's byte in the word (q^d <= 256: one-byte indices)
+        v = _gather_byte(tab_smem, w, at, interpret) * jnp.uint32(config.q**m)
         word = v if word is None else word + v
-        if rows < 1 << (8 * isz):  # a corrupt index names no entry: NaN, as Triton's
-            ok = k < jnp.uint32(rows)
+        if rows < 256:  # a corrupt index names no entry: NaN, as Triton's
+            ok = ((w >> jnp.uint32(8 * at)) & jnp.uint32(255)) < jnp.uint32(rows)
             valid = ok if valid is None else valid & ok
     # byte c under the magic exponent: 0x4B0000cc, the float 2^23 + field
     coords = [jax.lax.bitcast_convert_type(_byte_select(word, _MAGIC, 0x7540 | c, interpret),
@@ -475,7 +511,7 @@ def _smem_bytes(op: str, t: dict, config: HNLQConfig, batch: int) -> int:
     buffers (index words, T view, x's planes; :func:`decode_matmul`'s planes through shared
     memory)."""
     g, t_dtype = _word_view(config)
-    tables = _LANES * 4 * (_TABLE_ROWS_MAX + (1 << t_bits(config)))
+    tables = 4 * (_TABLE_ROWS_MAX * _CODEBOOK_ROW_WORDS + _LANES * (1 << t_bits(config)))
     bn, bw = t["block_n"], t["block_w"]
     codes = bn * bw * (4 + np.dtype(t_dtype).itemsize)
     if op == "gemv":
@@ -554,7 +590,8 @@ def _operands(codes: Codes) -> tuple:
     # padded to every value an index byte holds (zeros: corrupt indices are masked), so that
     # no gather reads past the table
     table = _pallas.packed_codebook(config)[0]
-    tab = _replicated(np.pad(table, (0, _TABLE_ROWS_MAX - table.shape[0])))
+    tab = _replicated(np.pad(table, (0, _TABLE_ROWS_MAX - table.shape[0])),
+                      _CODEBOOK_ROW_WORDS)
     return w, tf, tab, _replicated(_pallas.overload_table(config))
 
 

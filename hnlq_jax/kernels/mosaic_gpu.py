@@ -36,9 +36,10 @@ codebook at ``64 k + l``: its rows 256 bytes apart, so that an index byte under 
 byte offset is the address, one ``prmt``), so the 32 lanes of a warp always read 32 distinct
 banks (a 1 KiB table read at random addresses would serialize about 3-4 ways). The byte
 fields under the float magic exponent also come from one ``prmt`` each
-(:func:`_byte_select`; ``experiments/sass_profile.py`` counts the instructions). GPU interpret mode cannot run
-``inline_mgpu``; there the gathers are an indexing of the table and ``prmt`` is shifts and
-masks (``interpret=True``), and everything else is the kernel as compiled.
+(:func:`_byte_select`; ``experiments/sass_profile.py`` counts the instructions). GPU
+interpret mode cannot run ``inline_mgpu``; there the gathers are an indexing of the table and
+``prmt`` is shifts and masks (``interpret=True``), and everything else is the kernel as
+compiled.
 
 Supported (:func:`unsupported` says why not): jax >= 0.11 (``plgpu.InterpretGPUParams``,
 ``plgpu.kernel``), a packed codebook of one word an entry and at most 256 entries (D4 up to

@@ -66,9 +66,20 @@ CASES = [("gemv", 1, {}), ("gemv", 8, {}),
          ("decode_matmul", 64, {"a_registers": False, "stages": 3})]
 
 
-def compile_case(kernel: str, batch: int, params: dict, dump: pathlib.Path):
-    """Compiles one case for the H100 with no device (run in a fresh process: Mosaic GPU
-    reads its dump settings once); the PTX lands in ``dump``."""
+# Every other variant the kernels' code takes (T views, corrupt-index masks, the dither's
+# planes, other codebooks, A's two paths), compiled at 1024^2 to check that each assembles:
+# (lattice, q, max_T, dither, kernel, rows of x, launch parameters)
+VARIANTS = [("D4", 4, 20, False, "gemv", 2, {}), ("D4", 4, 20, False, "decode_matmul", 16, {}),
+            ("D4", 3, 14, False, "gemv", 1, {}),
+            ("D4", 3, 14, False, "decode_matmul", 32, {"a_registers": True}),
+            ("D4", 4, 14, True, "gemv", 8, {}),
+            ("D4", 4, 14, True, "decode_matmul", 5, {"a_registers": False}),
+            ("A2", 8, 14, False, "gemv", 1, {}), ("A2", 8, 14, False, "decode_matmul", 16, {}),
+            ("Z2", 8, 14, False, "decode_matmul", 64, {"a_registers": False})]
+
+
+def _compile(kernel: str, cfg, n: int, batch: int, params: dict):
+    """A deviceless compile of one kernel call for the H100; its launch parameters."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.topologies import get_topology_desc
@@ -78,17 +89,39 @@ def compile_case(kernel: str, batch: int, params: dict, dump: pathlib.Path):
 
     dev = get_topology_desc("h100", "cuda", target_config=H100, topology="1x1x1").devices[0]
     sharding = jax.sharding.SingleDeviceSharding(dev)
-    cfg = hq.HNLQConfig("D4", 4, 2)
-    codes = jax.eval_shape(lambda: hq.encode_rows(jnp.zeros((N, N), jnp.float32), cfg))
+    codes = jax.eval_shape(lambda: hq.encode_rows(jnp.zeros((n, n), jnp.float32), cfg))
     codes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                          codes)
-    x = jax.ShapeDtypeStruct((batch, N), jnp.bfloat16, sharding=sharding)
+    x = jax.ShapeDtypeStruct((batch, n), jnp.bfloat16, sharding=sharding)
     fn = getattr(mosaic_gpu, kernel)
     jax.jit(lambda x, c: fn(x, c, jnp.bfloat16, interpret=False, **params)).trace(
         x, codes).lower().compile()
-    t = mosaic_gpu.launch_params(kernel, cfg, N, N // cfg.d, batch)
-    t.update(params)
+    return {**mosaic_gpu.launch_params(kernel, cfg, n, n // cfg.d, batch), **params}
+
+
+def compile_case(kernel: str, batch: int, params: dict, dump: pathlib.Path):
+    """Compiles one case at 8192^2 (run in a fresh process: Mosaic GPU reads its dump
+    settings once); the PTX lands in ``dump``."""
+    import hnlq_jax as hq
+    t = _compile(kernel, hq.HNLQConfig("D4", 4, 2), N, batch, params)
     (dump / "params.json").write_text(json.dumps(t))
+
+
+def compile_variants() -> list:
+    """:data:`VARIANTS`, each compiled: ``"ok"`` or the error."""
+    import hnlq_jax as hq
+    out = []
+    for lattice, q, max_t, dither, kernel, batch, params in VARIANTS:
+        cfg = hq.HNLQConfig(lattice, q, 2, max_T=max_t,  # (the dither's variants are D4's)
+                            dither=(0.1, -0.2, 0.05, 0.3) if dither else None)
+        try:
+            _compile(kernel, cfg, 1024, batch, params)
+            result = "ok"
+        except Exception as e:  # noqa: BLE001  (reported)
+            result = f"{type(e).__name__}: {e}"[:300]
+        out.append({"config": f"{lattice} q={q} max_T={max_t}" + (" dither" if dither else ""),
+                    "kernel": kernel, "batch": batch, "params": params, "result": result})
+    return out
 
 
 def _loops(sass: str) -> list:
@@ -159,8 +192,15 @@ def markdown(out: dict) -> str:
     table = markdown_table(["kernel", "rows of x", "launch parameters", "registers",
                             "spilled bytes", "step loop (instructions a thread)",
                             "a word (8 weights)", "a weight", "most frequent"], rows)
+    bad = [v for v in out["variants"] if v["result"] != "ok"]
+    checked = (f"The other variants of the kernels' code ({len(out['variants'])}: 8-bit T, "
+               "q=3 with its corrupt-index mask, the dither, A2, Z2, A's two paths) compiled "
+               "for sm_90a at 1024²: "
+               + ("all assembled." if not bad else
+                  "failed: " + "; ".join(f"{v['config']} {v['kernel']} {v['batch']} rows: "
+                                          f"`{v['result'][:120]}`" for v in bad) + "."))
     return (f"{out['target']}, jax {out['jax']}, weight {out['n']}², D4 q=4 M=2 "
-            "(`experiments/sass_profile.py`):\n\n" + table)
+            "(`experiments/sass_profile.py`):\n\n" + table + "\n\n" + checked)
 
 
 def main(argv=None):
@@ -168,6 +208,7 @@ def main(argv=None):
     p.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas")
     p.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
     p.add_argument("--case", help=argparse.SUPPRESS)  # one case, in a child process
+    p.add_argument("--variants", help=argparse.SUPPRESS)  # VARIANTS, in a child process
     add_report_flag(p)
     args = p.parse_args(argv)
     if args.report:
@@ -177,6 +218,9 @@ def main(argv=None):
     if args.case:
         kernel, batch, params, dump = json.loads(args.case)
         compile_case(kernel, batch, params, pathlib.Path(dump))
+        return 0
+    if args.variants:
+        pathlib.Path(args.variants).write_text(json.dumps(compile_variants()))
         return 0
     if not args.nvdisasm:
         sys.exit("sass_profile: no nvdisasm (pip install nvidia-cuda-nvdisasm; --nvdisasm)")
@@ -195,9 +239,15 @@ def main(argv=None):
         print(f"{kernel} rows={batch} {params}: {row['registers']} registers, "
               f"{row['spill_bytes']} B spilled, {row['per_word']:.1f} instructions a word",
               flush=True)
+    env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory() as d:
+        subprocess.run([sys.executable, __file__, "--variants", f"{d}/v.json"], env=env,
+                       check=True, capture_output=True)
+        variants = json.loads(pathlib.Path(f"{d}/v.json").read_text())
     import jax
     out = {"jax": jax.__version__, "target": "H100 (sm_90a), compiled without a device",
-           "n": N, "rows": rows}
+           "n": N, "rows": rows, "variants": variants}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sass_profile.json").write_text(json.dumps(out, indent=1))
     write_between_markers(DOCS / "kernels.md", "sass_profile", markdown(out))

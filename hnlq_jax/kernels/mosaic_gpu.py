@@ -498,8 +498,11 @@ def decode_matmul(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | 
     return out.reshape(lead + out.shape[-1:])
 
 
-# Hopper's shared memory a block (227 KiB); the kernels' use is estimated before compiling.
+# Hopper's shared memory a block (227 KiB) and a multiprocessor (228 KiB, 1 KiB of it kept by
+# the system for each resident block); the kernels' use is estimated before compiling.
 _SMEM_BYTES = 227 * 1024
+_SM_SMEM_BYTES = 228 * 1024
+_SMEM_RESERVED = 1024
 
 
 def _mma_rows(batch: int) -> int:
@@ -563,8 +566,8 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     op (``"gemv_mosaic"``, ``"decode_matmul_mosaic"``) and the GPU's generation
     (:func:`hnlq_jax.kernels.pallas.tuning_entry`), over its defaults; ``splits`` grows until
     about ``waves`` work items (a row tile's split-K share) a multiprocessor, taken in turn by
-    ``resident`` persistent programs a multiprocessor (``programs`` in all). Without a GPU:
-    an H100's (sm90, 132)."""
+    ``resident`` persistent programs a multiprocessor (``programs`` in all; at most as many as
+    its shared memory holds at once). Without a GPU: an H100's (sm90, 132)."""
     if op not in _OPS:
         raise ValueError(f"kernels.mosaic_gpu.launch_params: op must be one of {tuple(_OPS)}, "
                          f"got {op!r}")
@@ -574,7 +577,12 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     view = _word_view(config)
     tiles = -(-nb // ((view[0] if view else 1) * t["block_w"]))  # a row's steps
     t["splits"] = max(1, min(-(-waves * sms // row_tiles), tiles))
-    t["programs"] = t.pop("resident") * sms
+    resident = t.pop("resident")
+    if view is not None:  # at most as many as a multiprocessor's shared memory holds: the
+        # others would wait for a whole program to finish, then take their items alone
+        per_program = _smem_bytes(op, t, config, batch) + _SMEM_RESERVED
+        resident = max(1, min(resident, _SM_SMEM_BYTES // per_program))
+    t["programs"] = resident * sms
     return t
 
 

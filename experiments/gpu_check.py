@@ -192,7 +192,7 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
         a = [dict(block_n=bn, block_w=bw, stages=4, waves=4)
              for bn in (64, 128) for bw in ((16, 32, 64) if batch == 1 else (16, 32))]
         return a, [dict(stages=2), dict(stages=8), dict(waves=2), dict(waves=8),
-                   dict(resident=1), dict(resident=4)]
+                   dict(resident=1), dict(resident=3)]  # (shared memory holds at most 3)
     if op == "decode_matmul_mosaic":  # kernels.mosaic_gpu.decode_matmul (wgmma)
         entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
         if quick:  # the planes through shared memory, taller tiles, longer steps

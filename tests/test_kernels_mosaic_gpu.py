@@ -169,7 +169,7 @@ def test_launch_params_split_k():
     t = mg.launch_params("gemv", D4, 8192, 2048, 1, entry=dict(block_n=64, block_w=32, waves=4,
                                                         resident=3))
     assert t["splits"] == -(-4 * 132 // 128) and "waves" not in t
-    # two programs' shared memory (tables 66 KiB, 4 stages of 11 KiB) fit a multiprocessor
+    # two programs' shared memory (tables 66 KiB, 4 stages of 11.25 KiB) fit a multiprocessor
     assert t["programs"] == 2 * 132 and "resident" not in t
     t = mg.launch_params("gemv", D4, 8192, 2048, 1, entry=dict(block_w=16, stages=1,
                                                               resident=3))
@@ -181,6 +181,23 @@ def test_launch_params_split_k():
     assert t["splits"] == -(-2 * 132 // 128)  # the defaults: waves 2
     with pytest.raises(ValueError, match="op must be one of"):
         mg.launch_params("matmul", D4, 64, 64, 1)
+
+
+def test_programs_fit_shared_memory_with_the_callers_tiles():
+    """A caller's larger tiles lower the persistent programs to what a multiprocessor's
+    shared memory holds (the default's two would need 2 x 156 KiB at 64-word steps); an
+    explicit ``programs`` is kept. (A one-multiprocessor GPU: programs = resident.)"""
+    codes = _weights(D4, 64, 1024)  # 128 words: two 64-word steps, two work items
+    calls, real = [], mg._gemv_call
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(K.pallas, "gpu_target", lambda: ("sm90", 1))
+        m.setattr(mg, "_gemv_call", lambda *a: calls.append(a[8]) or real(*a))
+        assert mg.launch_params("gemv", D4, 64, 256, 1)["programs"] == 2  # the default's
+        y = mg.gemv(_x(1, 1024), codes, jnp.float32, block_w=64, stages=4)
+        mg.gemv(_x(1, 1024), codes, jnp.float32, block_w=64, stages=4, programs=2)
+    assert calls == [1, 2]
+    ref = _decoded_product(_x(1, 1024), codes)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
 def test_gemv_more_splits_than_steps():

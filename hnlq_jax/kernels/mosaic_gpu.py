@@ -161,6 +161,7 @@ def _replicated(table: np.ndarray, row_words: int = _LANES):
 # The codebook's rows are 256 bytes apart (64 words, the lanes' 32 and zeros): a byte of an
 # index word under the lane's byte offset is then the entry's address (one prmt, no multiply)
 _CODEBOOK_ROW_WORDS = 64
+assert 4 * _CODEBOOK_ROW_WORDS == 256 == _TABLE_ROWS_MAX  # a byte's step, every byte a row
 
 
 def _gather(table_ref, idx, interpret: bool):
@@ -228,10 +229,9 @@ def _byte_select(a, b: int, selector: int, interpret: bool):
     if interpret:
         src = [(a >> jnp.uint32(8 * j)) & jnp.uint32(255) for j in range(4)] + \
               [jnp.uint32((b >> (8 * j)) & 255) for j in range(4)]
-        d = None
+        d = jnp.zeros_like(a)
         for i in range(4):
-            v = src[(selector >> (4 * i)) & 7] << jnp.uint32(8 * i)
-            d = v if d is None else d | v
+            d = d | (src[(selector >> (4 * i)) & 7] << jnp.uint32(8 * i))
         return d
     from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
     from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
@@ -405,6 +405,9 @@ def _prepare(op: str, x, codes: Codes, fn: str, given: dict) -> tuple:
         raise ValueError(f"{fn}: blocks [{n}, {nb}] are not tiled exactly by block_n = "
                          f"{t['block_n']}, block_w = {t['block_w']} words; use the Triton "
                          "kernel")
+    if given.get("programs") is None:  # the caller's tiles may need more shared memory
+        t["programs"] = min(t["programs"],
+                            _resident_cap(op, t, config, B) * _pallas.gpu_target()[1])
     tiles = nb // _word_view(config)[0] // t["block_w"]
     t["steps"] = _steps(tiles, t["splits"])
     t["programs"] = min(t["programs"], n // t["block_n"] * (tiles // t["steps"]))
@@ -503,6 +506,8 @@ def decode_matmul(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | 
 _SMEM_BYTES = 227 * 1024
 _SM_SMEM_BYTES = 228 * 1024
 _SMEM_RESERVED = 1024
+# the pipeline's and the tables' barriers (48 bytes in the programs Mosaic GPU built), with room
+_BARRIER_BYTES = 128
 
 
 def _mma_rows(batch: int) -> int:
@@ -518,6 +523,7 @@ def _smem_bytes(op: str, t: dict, config: HNLQConfig, batch: int) -> int:
     tables = 4 * (_TABLE_ROWS_MAX * _CODEBOOK_ROW_WORDS + _LANES * (1 << t_bits(config)))
     bn, bw = t["block_n"], t["block_w"]
     codes = bn * bw * (4 + np.dtype(t_dtype).itemsize)
+    tables += _BARRIER_BYTES
     if op == "gemv":
         bb = 1 << max(0, batch - 1).bit_length()  # x's rows, padded to a power of two
         return tables + t["stages"] * (codes + g * (config.d + 1) * bb * bw * 4)
@@ -578,12 +584,16 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     tiles = -(-nb // ((view[0] if view else 1) * t["block_w"]))  # a row's steps
     t["splits"] = max(1, min(-(-waves * sms // row_tiles), tiles))
     resident = t.pop("resident")
-    if view is not None:  # at most as many as a multiprocessor's shared memory holds: the
-        # others would wait for a whole program to finish, then take their items alone
-        per_program = _smem_bytes(op, t, config, batch) + _SMEM_RESERVED
-        resident = max(1, min(resident, _SM_SMEM_BYTES // per_program))
+    if view is not None:
+        resident = min(resident, _resident_cap(op, t, config, batch))
     t["programs"] = resident * sms
     return t
+
+
+def _resident_cap(op: str, t: dict, config: HNLQConfig, batch: int) -> int:
+    """Programs of launch parameters ``t`` that a multiprocessor's shared memory holds at
+    once: more would wait for a whole program to finish, then take their items alone."""
+    return max(1, _SM_SMEM_BYTES // (_smem_bytes(op, t, config, batch) + _SMEM_RESERVED))
 
 
 def _operands(codes: Codes) -> tuple:

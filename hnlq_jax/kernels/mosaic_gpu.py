@@ -36,7 +36,7 @@ codebook at ``64 k + l``: its rows 256 bytes apart, so that an index byte under 
 byte offset is the address, one ``prmt``), so the 32 lanes of a warp always read 32 distinct
 banks (a 1 KiB table read at random addresses would serialize about 3-4 ways). The byte
 fields under the float magic exponent also come from one ``prmt`` each
-(:func:`_byte_select`; ``experiments/sass_profile.py`` counts the instructions). GPU
+(:func:`_magic_byte`; ``experiments/sass_profile.py`` counts the instructions). GPU
 interpret mode cannot run ``inline_mgpu``; there the gathers are an indexing of the table and
 ``prmt`` is shifts and masks (``interpret=True``), and everything else is the kernel as
 compiled.
@@ -164,92 +164,69 @@ _CODEBOOK_ROW_WORDS = 64
 assert 4 * _CODEBOOK_ROW_WORDS == 256 == _TABLE_ROWS_MAX  # a byte's step, every byte a row
 
 
-def _gather(table_ref, idx, interpret: bool):
-    """``table[idx, lane]`` (uint32, shape and layout of ``idx``) from a shared-memory table
-    ``[rows, 32]``: each thread reads its own lane's copy."""
-    if interpret:
-        return table_ref[...][idx.astype(jnp.int32), 0]
+def _prmt(a, b, selector: int):
+    """PTX ``prmt.b32`` of two i32 MLIR values (inside ``inline_mgpu``): byte ``i`` of the
+    result is byte ``(selector >> 4 i) & 7`` of ``b:a`` (0-3: ``a``'s, 4-7: ``b``'s)."""
     from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
-    from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _LAYOUT),
-                       return_type=plgpu.ShapeDtypeStruct(idx.shape, jnp.uint32,
-                                                          layout=_LAYOUT))
-    def gather(ctx, tref, ix):
-        i32 = ir.IntegerType.get_signless(32)
-        lane = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _LANES))
-        # This lane's copy, once: then an element is a shift-add from it and a load (a
-        # memref.load's row-major index k 32 + lane took more: experiments/sass_profile.py)
-        column = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(tref), [lane], i32)
-        row_bytes = arith.constant(i32, (4 * _LANES).bit_length() - 1)  # log2 of 128
-
-        def load(v, _):  # byte offset k 128 from the lane's column: one LEA
-            offset = arith.shli(v, row_bytes)
-            return llvm.load(i32, mgpu_utils.getelementptr(column, [offset],
-                                                           ir.IntegerType.get_signless(8)))
-        return ix.foreach(load, create_array=True, is_signed=False)
-    return gather(table_ref, idx)
+    from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
+    return llvm.inline_asm(ir.IntegerType.get_signless(32), [a, b],
+                           f"prmt.b32 $0, $1, $2, {selector};", "=r,r,r")
 
 
-def _gather_byte(table_ref, w, at: int, interpret: bool):
-    """``table[k, lane]`` (uint32, shape and layout of ``w``) for ``k`` byte ``at`` of each
-    element of ``w``, from the shared-memory codebook ``[256, 64]`` (:data:`_CODEBOOK_ROW_WORDS`):
-    the byte offset ``256 k + 4 lane`` is one ``prmt`` of the lane's offset and the word."""
+def _gather(table_ref, x, interpret: bool, at: int | None = None):
+    """``table[k, lane]`` (uint32, shape and layout of ``x``) from a shared-memory table whose
+    rows hold an entry once per lane of a warp (each thread reads its own lane's copy): ``k =
+    x`` from a ``[rows, 32]`` table (a shift-add from the lane's byte offset), or ``k`` byte
+    ``at`` of ``x`` from the codebook ``[256, 64]`` (:data:`_CODEBOOK_ROW_WORDS`: the offset
+    ``256 k + 4 lane`` is one ``prmt`` of the lane's offset and the word). A ``memref.load``
+    at ``[k, lane]`` took the row-major index apart again per element
+    (``experiments/sass_profile.py``)."""
     if interpret:
-        k = (w >> jnp.uint32(8 * at)) & jnp.uint32(255)
+        k = x if at is None else (x >> jnp.uint32(8 * at)) & jnp.uint32(255)
         return table_ref[...][k.astype(jnp.int32), 0]
     from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
     from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
     from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _LAYOUT),
-                       return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.uint32, layout=_LAYOUT))
-    def gather(ctx, tref, wx):
+                       return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.uint32, layout=_LAYOUT))
+    def gather(ctx, tref, xs):
         i32, i8 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8)
         lane4 = arith.shli(arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, _LANES)),
                            arith.constant(i32, 2))
         base = mgpu_utils.memref_ptr(tref)
-        # bytes of d: lane4's byte 0, the word's byte `at`, zeros (lane4's bytes 1 and 2)
-        selector = (2 << 12) | (1 << 8) | ((4 + at) << 4)
+        if at is None:  # row k at byte 128 k of the lane's column (its address once)
+            base = mgpu_utils.getelementptr(base, [lane4], i8)
+            row = arith.constant(i32, (4 * _LANES).bit_length() - 1)
+            offset = lambda v: arith.shli(v, row)  # noqa: E731
+        else:  # bytes: lane4's byte 0, the word's byte `at`, zeros (lane4's bytes 1 and 2)
+            offset = lambda v: _prmt(lane4, v, (2 << 12) | (1 << 8) | ((4 + at) << 4))  # noqa: E731
+        return xs.foreach(
+            lambda v, _: llvm.load(i32, mgpu_utils.getelementptr(base, [offset(v)], i8)),
+            create_array=True, is_signed=False)
+    return gather(table_ref, x)
 
-        def load(v, _):
-            offset = llvm.inline_asm(i32, [lane4, v], f"prmt.b32 $0, $1, $2, {selector};",
-                                     "=r,r,r")
-            return llvm.load(i32, mgpu_utils.getelementptr(base, [offset], i8))
-        return wx.foreach(load, create_array=True, is_signed=False)
-    return gather(table_ref, w)
 
-
-def _byte_select(a, b: int, selector: int, interpret: bool):
-    """PTX ``prmt.b32 d, a, b, selector`` of each element of ``a`` (uint32) and the constant
-    ``b``: byte ``i`` of ``d`` is byte ``(selector >> 4 i) & 7`` of ``b:a`` (0-3: ``a``'s,
-    4-7: ``b``'s). One instruction for what shifts, masks and an OR would take two or three
-    (ptxas does not fold a constant OR into its own byte extracts)."""
+def _magic_byte(word, c: int, interpret: bool):
+    """Byte ``c`` of each element of ``word`` (uint32) under the float magic exponent:
+    ``0x4B0000cc``, the float ``2^23 + byte``. One ``prmt`` where shifts, a mask and an OR
+    took two or three (ptxas does not fold the OR into its own byte extracts)."""
     if interpret:
-        src = [(a >> jnp.uint32(8 * j)) & jnp.uint32(255) for j in range(4)] + \
-              [jnp.uint32((b >> (8 * j)) & 255) for j in range(4)]
-        d = jnp.zeros_like(a)
-        for i in range(4):
-            d = d | (src[(selector >> (4 * i)) & 7] << jnp.uint32(8 * i))
-        return d
+        return ((word >> jnp.uint32(8 * c)) & jnp.uint32(255)) | jnp.uint32(_MAGIC)
     from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
-    from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
+    from jax._src.lib.mlir.dialects import arith  # noqa: PLC0415
 
     @plgpu.inline_mgpu(arg_types=(_LAYOUT,),
-                       return_type=plgpu.ShapeDtypeStruct(a.shape, jnp.uint32, layout=_LAYOUT))
-    def prmt(ctx, ax):
-        i32 = ir.IntegerType.get_signless(32)
-        bc = arith.constant(i32, ir.IntegerAttr.get(i32, b - (1 << 32) if b >= 1 << 31 else b))
-        # The constant as the first operand and the selector an immediate, sources swapped
-        # (index ^ 4): ptxas keeps one register for the constant (as the second operand
-        # with an immediate selector it rebuilt the selector in a register every time)
-        swapped = sum((((selector >> (4 * i)) & 7) ^ 4) << (4 * i) for i in range(4))
-        return ax.foreach(
-            lambda v, _: llvm.inline_asm(i32, [bc, v], f"prmt.b32 $0, $1, $2, {swapped};",
-                                         "=r,r,r"),
-            create_array=True, is_signed=False)
-    return prmt(a)
+                       return_type=plgpu.ShapeDtypeStruct(word.shape, jnp.uint32,
+                                                          layout=_LAYOUT))
+    def magic_byte(ctx, ws):
+        magic = arith.constant(ir.IntegerType.get_signless(32), _MAGIC)
+        # The constant first (bytes 0-3: 00 00 00 4B), the word's bytes 4-7: result bytes
+        # the word's byte c, 00, 00, 4B. (With the constant second and the selector an
+        # immediate, ptxas rebuilt the selector in a register every time.)
+        return ws.foreach(lambda v, _: _prmt(magic, v, 0x3104 + c), create_array=True,
+                          is_signed=False)
+    return magic_byte(word)
 
 
 def _block(w, tw, p: int, tab_smem, pow_smem, *, config: HNLQConfig, bias: int,
@@ -262,15 +239,14 @@ def _block(w, tw, p: int, tab_smem, pow_smem, *, config: HNLQConfig, bias: int,
     word, valid = None, None
     for m in range(config.M):
         at = p * config.M + m  # the level's byte in the word (q^d <= 256: one-byte indices)
-        v = _gather_byte(tab_smem, w, at, interpret) * jnp.uint32(config.q**m)
+        v = _gather(tab_smem, w, interpret, at) * jnp.uint32(config.q**m)
         word = v if word is None else word + v
         if rows < 256:  # a corrupt index names no entry: NaN, as Triton's
             ok = ((w >> jnp.uint32(8 * at)) & jnp.uint32(255)) < jnp.uint32(rows)
             valid = ok if valid is None else valid & ok
     # byte c under the magic exponent: 0x4B0000cc, the float 2^23 + field
-    coords = [jax.lax.bitcast_convert_type(_byte_select(word, _MAGIC, 0x7540 | c, interpret),
-                                           jnp.float32) - np.float32(_TWO23 + bias)
-              for c in range(config.d)]
+    coords = [jax.lax.bitcast_convert_type(_magic_byte(word, c, interpret), jnp.float32)
+              - np.float32(_TWO23 + bias) for c in range(config.d)]
     u = (tw >> jnp.uint32(tb * p)) & jnp.uint32((1 << tb) - 1)
     scale = jax.lax.bitcast_convert_type(_gather(pow_smem, u, interpret), jnp.float32)
     if valid is not None:

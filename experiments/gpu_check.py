@@ -312,19 +312,15 @@ def pick_backends(best: dict, winners: dict):
         return row["seconds"] if row else float("inf")
 
     for lattice, batch in sorted({(lat, b) for _, lat, b in winners}):
-        gemv = batch <= kernels.GEMV_ROWS
-        entry = "gemv" if gemv else "decode_matmul"
-        times = {"triton": seconds(entry, lattice, batch),
-                 "mosaic_gpu_mma": seconds("decode_matmul_mosaic", lattice, batch)}
-        if gemv:
-            times["mosaic_gpu"] = seconds("gemv_mosaic", lattice, batch)
+        mma = seconds("decode_matmul_mosaic", lattice, batch)
+        if batch <= kernels.GEMV_ROWS:
+            entry = "gemv"
+            mosaic = {"mosaic_gpu": seconds("gemv_mosaic", lattice, batch),
+                      "mosaic_gpu_mma": mma}
         else:  # beyond gemv's rows the tensor-core kernel is the entry's own Mosaic GPU one
-            times["mosaic_gpu"] = times.pop("mosaic_gpu_mma")
-        mosaic = {k: v for k, v in times.items() if k != "triton" and v < float("inf")}
-        if not mosaic:
-            continue
+            entry, mosaic = "decode_matmul", {"mosaic_gpu": mma}
         fastest = min(mosaic, key=mosaic.get)
-        if mosaic[fastest] < times["triton"]:
+        if mosaic[fastest] < seconds(entry, lattice, batch):
             by_class = best.setdefault(entry, {}).setdefault(lattice, {})
             cls = f"batch<={batch}"
             by_class[cls] = {**by_class.get(cls, {}), "backend": fastest}

@@ -253,7 +253,7 @@ def sweep(clock, small, quick=False):
         ws = _copies(codes, _nbytes(codes))
         ref_w = hq.decode(codes, implementation="xla")
         for op, batch in (QUICK_SWEEP if quick else SWEEP):
-            if op in _MOSAIC and kernels.mosaic_gpu.unsupported(cfg):
+            if op in _MOSAIC and kernels.mosaic_gpu.unsupported(cfg, _MOSAIC[op]):
                 continue
             x = _x(batch, n)
             ref = jnp.dot(x.astype(jnp.float32), ref_w.T, precision="highest")

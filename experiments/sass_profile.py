@@ -63,6 +63,7 @@ N = 8192
 CASES = [("gemv", 1, {}), ("gemv", 8, {}),
          ("decode_matmul", 1, {}), ("decode_matmul", 16, {}),
          ("decode_matmul", 16, {"a_registers": False}),
+         ("decode_matmul", 16, {"block_n": 128}), ("decode_matmul", 16, {"block_w": 64}),
          ("decode_matmul", 64, {"a_registers": False, "stages": 3})]
 
 
@@ -74,6 +75,7 @@ VARIANTS = [("D4", 4, 20, False, "gemv", 2, {}), ("D4", 4, 20, False, "decode_ma
             ("D4", 3, 14, False, "decode_matmul", 32, {"a_registers": True}),
             ("D4", 4, 14, True, "gemv", 8, {}),
             ("D4", 4, 14, True, "decode_matmul", 5, {"a_registers": False}),
+            ("D4", 4, 14, True, "decode_matmul", 12, {"a_registers": True}),
             ("A2", 8, 14, False, "gemv", 1, {}), ("A2", 8, 14, False, "decode_matmul", 16, {}),
             ("Z2", 8, 14, False, "decode_matmul", 64, {"a_registers": False})]
 

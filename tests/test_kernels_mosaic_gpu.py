@@ -60,9 +60,12 @@ def test_gemv_matches_decoded_weights_and_triton(cfg, batch, splits, programs):
     np.testing.assert_allclose(y, tri, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
-# decode_matmul's products are of bfloat16 operands (2^(alpha T) times integer P coordinates,
-# x's planes): about 2^-9 relative error a term, as a bfloat16 dot of the decoded weights
-BF16_ATOL = 2e-3
+# decode_matmul's products are of float16 operands (integer P coordinates times 2^(alpha T),
+# x's planes scaled into float16's range): about 2^-11 relative error a term (measured about
+# 1e-4 of max |y|); Triton's decode_matmul rounds its operands to bfloat16 (about 2e-3)
+F16_ATOL = 5e-4
+BF16_ATOL = 4e-3
+BIG_T = hq.HNLQConfig("D4", 4, 2, beta=0.35, alpha=1.0, max_T=14)  # 2^(alpha T) up to 2^14
 
 
 @pytest.mark.parametrize("cfg,batch,splits,programs,a_registers,block_w", [
@@ -73,11 +76,11 @@ BF16_ATOL = 2e-3
          "T8bit-b9-split4-1program", "q3-b64-wide-step"])
 def test_decode_matmul_matches_decoded_weights_and_triton(cfg, batch, splits, programs,
                                                           a_registers, block_w):
-    """The tensor-core kernel: the product of the decoded weights in bfloat16 precision (row
+    """The tensor-core kernel: the product of the decoded weights in float16 precision (row
     scales, the dither's planes, the packed fields' bias, 4- and 8-bit T views, split-K, x's
     rows padded to 16, 64, persistent programs taking several work items, a step of 64
-    words), as Triton's decode_matmul in bfloat16; a_registers is moot in interpret mode
-    (shared memory)."""
+    words), as Triton's decode_matmul in bfloat16 up to its rounding; a_registers is moot in
+    interpret mode (shared memory)."""
     codes = _weights(cfg, 128, 512)
     x = _x(batch, 512)
     # (64 rows with A in registers: 64-word steps, whose x tiles leave room for one stage)
@@ -86,10 +89,95 @@ def test_decode_matmul_matches_decoded_weights_and_triton(cfg, batch, splits, pr
                                     a_registers=a_registers,
                                     **dict(SMALL, block_w=block_w, stages=stages)))
     ref = _decoded_product(x, codes)
-    tol = BF16_ATOL * np.abs(ref).max()
-    np.testing.assert_allclose(y, ref, rtol=0, atol=tol)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=F16_ATOL * np.abs(ref).max())
     tri = np.asarray(K.decode_matmul(x, codes, jnp.bfloat16, jnp.float32))
-    np.testing.assert_allclose(y, tri, rtol=0, atol=2 * tol)  # each rounds its own way
+    np.testing.assert_allclose(y, tri, rtol=0, atol=BF16_ATOL * np.abs(ref).max())
+
+
+def test_decode_matmul_rows_of_any_magnitude():
+    """x's planes are float16: each row of x is scaled by its own power of two, so rows near
+    bfloat16's largest and smallest values neither overflow nor flush to zero and keep
+    float16's precision; a NaN in x is its row's alone."""
+    codes = _weights(D4, 64, 256)
+    x = _x(4, 256) * jnp.asarray([2.0**100, 1.0, 2.0**-100, 1.0], jnp.bfloat16)[:, None]
+    x = x.at[3, 7].set(jnp.nan)
+    y = np.asarray(mg.decode_matmul(x, codes, jnp.float32, **SMALL))
+    ref = _decoded_product(x, codes)
+    for r in range(3):
+        np.testing.assert_allclose(y[r], ref[r], rtol=0, atol=F16_ATOL * np.abs(ref[r]).max())
+    assert np.isnan(y[3]).all()
+
+
+def test_decode_matmul_large_overload_steps():
+    """2^(alpha T) past float16's range over the largest P (alpha 1, T up to 14): A is
+    P 2^(alpha T - 6) and the product is scaled back (with no such halving the blocks at
+    T = 14 would be inf); a config whose steps no halving fits (2^(max_T / 3) = 2^42) is
+    refused with the reason, and gemv still takes it."""
+    assert mg._mma_exponent(BIG_T) == 6 and mg._mma_exponent(D4) == 0
+    codes = _weights(BIG_T, 64, 256)
+    T = codes.T.astype(jnp.int32).at[::3].set(BIG_T.max_T)
+    codes = hq.Codes.from_labels(codes.labels, T, BIG_T, scale=codes.scale, n=codes.n)
+    x = _x(16, 256)
+    y = np.asarray(mg.decode_matmul(x, codes, jnp.float32, **SMALL))
+    ref = _decoded_product(x, codes)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=F16_ATOL * np.abs(ref).max())
+    wide = hq.HNLQConfig("D4", 4, 2, beta=0.35, max_T=127)
+    assert "float16 range" in mg.unsupported(wide, "decode_matmul")
+    assert mg.unsupported(wide) is None
+    with pytest.raises(ValueError, match="no kernel for .*float16 range"):
+        mg.decode_matmul(x, _weights(wide, 64, 256), jnp.float32, **SMALL)
+
+
+def _register_positions(layout, shape):
+    """``{(thread, register index, element): (row, column)}`` of an array of ``shape`` in the
+    Mosaic GPU ``layout`` (a TiledLayout), as its ``thread_idxs`` computes them in MLIR."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    contig = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
+    strides = layout.tiling.tile_strides(tuple(contig))
+    tiled = layout.tiled_tiling_shape
+
+    def split(i, dims):  # as TiledLayout._delinearize_index
+        sizes = [d.times if isinstance(d, fa.Replicated) else tiled[d] for d in dims]
+        full = [0] * len(tiled)
+        for d, size, stride in zip(dims, sizes, [int(np.prod(sizes[k + 1:]))
+                                                 for k in range(len(sizes))]):
+            if not isinstance(d, fa.Replicated):
+                full[d] = (i // stride) % size
+        return full
+
+    out = {}
+    for thread in range(128):
+        w, lane = split(thread // 32 % 4, layout.warp_dims), split(thread % 32,
+                                                                    layout.lane_dims)
+        base = sum((a + b) * s for a, b, s in zip(w, lane, strides[-len(tiled):]))
+        for reg in np.ndindex(layout.registers_shape(shape)):
+            row, col = np.unravel_index(base + sum(i * s for i, s in zip(reg, strides)), shape)
+            for e in range(layout.vector_length):
+                out[thread, reg, e] = (int(row), int(col) + e)
+    return out
+
+
+@pytest.mark.parametrize("pairs", [4, 5], ids=["D4", "D4-dither"])
+def test_a_operand_registers_hold_the_k_order(pairs):
+    """What interpret mode cannot run: the A operand built in registers (pair u of element e
+    of an index-word register goes to register ``_a_register(...)``) puts at each of its
+    (row, K) what x's planes hold at K (``_k_major``): checked for every thread against the
+    positions Mosaic GPU's WGMMA layout gives both arrays."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    rows, words = 64, 16
+    layout = fa.WGMMA_LAYOUT
+    src = _register_positions(layout, (rows, words))
+    dst = _register_positions(layout, (rows, 2 * pairs * words))
+    order = mg._k_major(np.arange(2 * pairs * words).reshape(pairs, 2, 1, words))[0]
+    seen = set()
+    for (thread, reg, e), (row, word) in src.items():
+        for u in range(pairs):
+            for e2 in range(2):
+                at = (thread, mg._a_register(reg, e, u, pairs), e2)
+                assert dst[at][0] == row
+                assert order[dst[at][1]] == (2 * u + e2) * words + word
+                seen.add(at)
+    assert seen == set(dst)  # every register of A is built, once
 
 
 @pytest.mark.parametrize("kernel", ["gemv", "decode_matmul"])
@@ -149,8 +237,11 @@ def test_decode_matmul_refusals():
         mg.decode_matmul(x, codes, jnp.float32, a_registers=1)
     with pytest.raises(ValueError, match="block_w of 16"):
         mg.decode_matmul(x, codes, jnp.float32, block_w=24)
-    with pytest.raises(ValueError, match=r"block_w must be a multiple of x's rows .* \(32\)"):
-        mg.decode_matmul(_x(17, 256), codes, jnp.float32, block_w=16, a_registers=True)
+    # the dither's 10 planes x 16 words: K = 160, not whole 128-byte swizzle tiles of 64 rows
+    with pytest.raises(ValueError, match=r"10 planes x block_w must be a multiple of x's rows "
+                                         r".* \(64\)"):
+        mg.decode_matmul(_x(33, 256), _weights(D4_DITHER, 64, 256), jnp.float32,
+                         block_w=16, a_registers=True)
     # 64 rows of x: 8 planes x 32 words x 64 rows x 2 bytes = 32 KiB a stage
     with pytest.raises(ValueError, match="shared memory"):
         mg.decode_matmul(_x(64, 256), codes, jnp.float32, block_n=128, block_w=32, stages=5,
@@ -261,7 +352,7 @@ def test_matmul_takes_mosaic_where_the_table_says(op, backend, kernel, batch):
                                                             else kernel)
     assert calls == [(batch, 256)]
     ref = _decoded_product(x, codes)
-    tol = (BF16_ATOL if kernel == "decode_matmul" else 2e-6) * np.abs(ref).max()
+    tol = (F16_ATOL if kernel == "decode_matmul" else 2e-6) * np.abs(ref).max()
     # the output is bfloat16, as x
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2**-8, atol=tol)
 

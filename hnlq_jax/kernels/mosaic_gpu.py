@@ -5,11 +5,13 @@ the twin of the Triton :func:`hnlq_jax.kernels.pallas.gemv` (packed codebook mod
 to it, and to the XLA path, up to float32 rounding.
 
 ``decode_matmul``: the same product on the tensor cores for up to :data:`MMA_ROWS` rows of
-bfloat16 x, the twin of the Triton :func:`hnlq_jax.kernels.pallas.decode_matmul` in
-bfloat16. It shares ``gemv``'s work split and block decode; each block's P coordinates times
-``2^(alpha T)`` become planes of a ``wgmma``'s A operand (swap-AB: the weight's rows are M,
-x's rows N), k permuted in both operands so that a plane is one coordinate of one block of
-each index word (a register-layout tile, no shuffles); x's planes are laid out once a call.
+bfloat16 x, the twin of the Triton :func:`hnlq_jax.kernels.pallas.decode_matmul` (in float16
+precision, finer than Triton's bfloat16). It shares ``gemv``'s work split and block decode;
+each block's P coordinates times ``2^(alpha T)`` become the float16 A operand of a ``wgmma``
+(swap-AB: the weight's rows are M, x's rows N), two coordinates a register built in two
+instructions (Marlin's magic-exponent conversion, then one multiply), with K permuted in both
+operands to the order in which the layout holds a thread's registers (no shuffles); x's
+planes are laid out once a call, each row scaled into float16's range.
 
 **What one program does.** Programs are persistent: each loads the two tables once, then
 takes work items in turn, a work item being a tile of ``block_n`` weight rows and a share of
@@ -92,8 +94,9 @@ def _word_view(config: HNLQConfig) -> tuple | None:
         else None
 
 
-def unsupported(config: HNLQConfig) -> str | None:
-    """Why :func:`gemv` has no kernel for ``config`` (``None`` where it has one)."""
+def unsupported(config: HNLQConfig, op: str = "gemv") -> str | None:
+    """Why ``op`` (:func:`gemv` or :func:`decode_matmul`) has no kernel for ``config``
+    (``None`` where it has one)."""
     if not available():
         return f"jax {jax.__version__} lacks Mosaic GPU's plgpu.kernel / GPU interpret mode"
     if _pallas.unsupported(config):
@@ -105,6 +108,9 @@ def unsupported(config: HNLQConfig) -> str | None:
     if _word_view(config) is None:
         return (f"M = {config.M} index bytes a block and {t_bits(config)}-bit T have no "
                 "uint32 word view")
+    if op == "decode_matmul" and _mma_exponent(config) > 14:
+        return (f"2^(alpha max_T) = 2^{config.alpha * config.max_T:.3g} is past the float16 "
+                "range of the tensor cores' operands (at most 2^22)")
     return None
 
 
@@ -139,7 +145,7 @@ def chosen(codes: Codes, batch: int, dtype) -> str | None:
     op = "gemv" if batch <= _pallas.GEMV_ROWS else "decode_matmul"
     backend = _pallas.tuning_entry(op, config, batch, generation).get("backend")
     kernel = _BACKENDS[op].get(backend)
-    if kernel is None or unsupported(config):  # the entry is the lattice's, whatever q and M
+    if kernel is None or unsupported(config, kernel):  # the entry is the lattice's
         return None
     if kernel == "decode_matmul" and (jnp.dtype(dtype) != jnp.bfloat16 or batch > MMA_ROWS):
         return None
@@ -229,12 +235,10 @@ def _magic_byte(word, c: int, interpret: bool):
     return magic_byte(word)
 
 
-def _block(w, tw, p: int, tab_smem, pow_smem, *, config: HNLQConfig, bias: int,
-           interpret: bool):
-    """Block ``p`` of each index word of a tile (``w``, ``tw``: uint32 ``[rows, words]``):
-    ``(coords, scale)``, its ``d`` P coordinates as float32 (the levels' packed fields minus
-    ``bias``) and ``2^(alpha T)``, NaN where the block failed or its index names no entry."""
-    tb = t_bits(config)
+def _levels(w, p: int, tab_smem, *, config: HNLQConfig, interpret: bool):
+    """Block ``p`` of each index word of a tile (``w``: uint32 ``[rows, words]``): its
+    levels' packed sum (uint32, ``d`` byte fields ``P + bias``) and whether its indices name
+    codebook entries (``None``: every byte does)."""
     rows = config.q**config.d
     word, valid = None, None
     for m in range(config.M):
@@ -244,14 +248,32 @@ def _block(w, tw, p: int, tab_smem, pow_smem, *, config: HNLQConfig, bias: int,
         if rows < 256:  # a corrupt index names no entry: NaN, as Triton's
             ok = ((w >> jnp.uint32(8 * at)) & jnp.uint32(255)) < jnp.uint32(rows)
             valid = ok if valid is None else valid & ok
-    # byte c under the magic exponent: 0x4B0000cc, the float 2^23 + field
-    coords = [jax.lax.bitcast_convert_type(_magic_byte(word, c, interpret), jnp.float32)
-              - np.float32(_TWO23 + bias) for c in range(config.d)]
+    return word, valid
+
+
+def _overload(tw, p: int, pow_smem, valid, nan: int, *, config: HNLQConfig,
+              interpret: bool):
+    """Block ``p``'s ``2^(alpha T)`` as the bits of the overload table's entry (uint32, the
+    shape of ``tw``), ``nan`` where its indices name no entry."""
+    tb = t_bits(config)
     u = (tw >> jnp.uint32(tb * p)) & jnp.uint32((1 << tb) - 1)
-    scale = jax.lax.bitcast_convert_type(_gather(pow_smem, u, interpret), jnp.float32)
-    if valid is not None:
-        scale = jnp.where(valid, scale, jnp.float32(jnp.nan))
-    return coords, scale
+    bits = _gather(pow_smem, u, interpret)
+    return bits if valid is None else jnp.where(valid, bits, jnp.uint32(nan))
+
+
+def _block(w, tw, p: int, tab_smem, pow_smem, *, config: HNLQConfig, interpret: bool):
+    """Block ``p`` of each index word of a tile (``w``, ``tw``: uint32 ``[rows, words]``):
+    ``(fields, scale)``, its ``d`` packed fields ``P + bias`` as float32 and ``2^(alpha T)``,
+    NaN where the block failed or its index names no entry."""
+    word, valid = _levels(w, p, tab_smem, config=config, interpret=interpret)
+    # byte c under the magic exponent: 0x4B0000cc, the float 2^23 + field
+    fields = [jax.lax.bitcast_convert_type(_magic_byte(word, c, interpret), jnp.float32)
+              - np.float32(_TWO23) for c in range(config.d)]
+    nan = int(np.float32(np.nan).view(np.uint32))
+    scale = jax.lax.bitcast_convert_type(
+        _overload(tw, p, pow_smem, valid, nan, config=config, interpret=interpret),
+        jnp.float32)
+    return fields, scale
 
 
 def _load_tables(tab_gmem, pow_gmem, tab_smem, pow_smem, barrier):
@@ -278,7 +300,7 @@ def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_s
         tw = plgpu.layout_cast(t_smem[...], _LAYOUT).astype(jnp.uint32)
         acc = list(acc)
         for p in range(g):  # block p of each word; the fields' bias is folded into off
-            coords, scale = _block(w, tw, p, tab_smem, pow_smem, config=config, bias=0,
+            coords, scale = _block(w, tw, p, tab_smem, pow_smem, config=config,
                                    interpret=interpret)
             for b in range(bb):
                 v = None
@@ -306,33 +328,144 @@ def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_s
             o_gmem.at[s, b][pl.ds(i * bn, bn)] = jnp.sum(acc[b], axis=1)
 
 
+# An index word's byte under 0x64 is the float16 1024 + byte (10 mantissa bits: any byte)
+_F16_MAGIC = 0x64646464
+_F16_NAN = 0x7E007E00  # a float16 NaN in both halves
+
+
+def _pairs(config: HNLQConfig) -> tuple:
+    """The A operand's planes of an index word in pairs, a pair one float16x2 register:
+    ``("coords", p, c)``, coordinates ``c`` and ``c + 1`` of block ``p`` (``d`` is even), then,
+    with a dither, ``("scales", p, p + 1)``, the dither's planes of blocks ``p`` and ``p + 1``
+    (their ``2^(alpha T)``; ``p + 1`` past the last block is ``None``: zeros)."""
+    g = _word_view(config)[0]
+    pairs = [("coords", p, c) for p in range(g) for c in range(0, config.d, 2)]
+    if config.dither is not None:
+        pairs += [("scales", p, p + 1 if p + 1 < g else None) for p in range(0, g, 2)]
+    return tuple(pairs)
+
+
+def _k_major(a):
+    """``a [U, 2, rows, words]`` (pair ``u`` of a word, its element ``e'``; numpy or jax) in
+    the wgmma's K order, ``[rows, 2 U words]``: the order in which a thread's registers hold
+    the pairs (:func:`_a_register`), so that building A needs no shuffle. The layout gives a
+    thread words ``8 j + 2 t + e`` of a row (``t`` its lane mod 4, ``e`` 0 or 1) and columns
+    ``8 J + 2 t + e'``: ``J = 2 U j + U e + u`` holds pair ``u`` of word ``8 j + 2 t + e``."""
+    U, _, rows, words = a.shape
+    return (a.reshape(U, 2, rows, words // 8, 4, 2).transpose(2, 3, 5, 0, 4, 1)
+            .reshape(rows, 2 * U * words))
+
+
+def _a_register(idx: tuple, e: int, u: int, pairs: int) -> tuple:
+    """The A operand's register (its index in the layout's register array) holding pair ``u``
+    of element ``e`` of the index words' register ``idx``: dimension 1 counts 8-column
+    groups, the rest are the rows' (:func:`_k_major`)."""
+    return idx[:1] + (2 * pairs * idx[1] + pairs * e + u,) + idx[2:]
+
+
+def _a_operand(levels: list, scales: list, config: HNLQConfig, interpret: bool):
+    """The A operand ``[rows, 2 U words]`` (float16, the wgmma's register layout; K in
+    :func:`_k_major`'s order) of a tile's blocks: ``levels[p]``, ``scales[p]`` (uint32 ``[rows,
+    words]``: block ``p``'s packed fields, and its ``2^(alpha T - e_A)`` as float16 in both
+    halves) give ``U`` (:func:`_pairs`) registers a word, ``(P_c, P_c+1) 2^(alpha T -
+    e_A)``: P exact from the fields under :data:`_F16_MAGIC` (one ``prmt`` a pair) less
+    ``1024 + bias``, then rounded once by the product."""
+    pairs = _pairs(config)
+    U = len(pairs)
+    rows, words = levels[0].shape
+    offset = np.float16(1024 + _pallas.packed_bias(config, 0))
+    if interpret:
+        vals = []
+        for kind, p, c in pairs:
+            if kind == "coords":
+                lo = (levels[p] >> jnp.uint32(8 * c)) & jnp.uint32(255)
+                hi = (levels[p] >> jnp.uint32(8 * c + 8)) & jnp.uint32(255)
+                h = jax.lax.bitcast_convert_type(lo | (hi << jnp.uint32(16))
+                                                 | jnp.uint32(_F16_MAGIC & 0xFF00FF00),
+                                                 jnp.float16)
+                v = (h - offset) * jax.lax.bitcast_convert_type(scales[p], jnp.float16)
+            else:
+                hi = jnp.uint32(0) if c is None else scales[c] & jnp.uint32(0xFFFF0000)
+                v = jax.lax.bitcast_convert_type((scales[p] & jnp.uint32(0xFFFF)) | hi,
+                                                 jnp.float16)
+            vals.append(v)
+        return _k_major(jnp.stack(vals).transpose(0, 3, 1, 2))  # [U, rows, words, 2]
+    from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
+    from jax._src.lib.mlir.dialects import arith, vector  # noqa: PLC0415
+    from jax.experimental.mosaic import gpu as mgpu  # noqa: PLC0415
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: PLC0415
+
+    g = len(levels)
+
+    @plgpu.inline_mgpu(arg_types=(_LAYOUT,) * (2 * g),
+                       return_type=plgpu.ShapeDtypeStruct((rows, 2 * U * words), jnp.float16,
+                                                          layout=_LAYOUT))
+    def build(ctx, *arrays):
+        i32, f16 = ir.IntegerType.get_signless(32), ir.F16Type.get()
+        h2 = ir.VectorType.get((2,), f16)
+        const = lambda v: arith.constant(i32, v)  # noqa: E731
+        off = arith.constant(h2, ir.DenseElementsAttr.get_splat(h2, ir.FloatAttr.get(f16,
+                                                                                   offset)))
+        lv, sc = arrays[:g], arrays[g:]
+        layout = lv[0].layout
+        shape = layout.registers_shape((rows, 2 * U * words))
+        assert shape == _a_register(lv[0].registers.shape, 0, 0, U)  # (see _a_register)
+        out = np.empty(shape, object)
+        for idx in np.ndindex(lv[0].registers.shape):
+            for e in range(2):
+                elem = lambda a: vector.extract(  # noqa: E731
+                    a.registers[idx], dynamic_position=[],
+                    static_position=ir.DenseI64ArrayAttr.get([e]))
+                v, s = [elem(a) for a in lv], [elem(a) for a in sc]
+                for u, (kind, p, c) in enumerate(pairs):
+                    if kind == "coords":  # bytes c, c + 1 of the fields, 0x64 above each
+                        h = mgpu_utils.bitcast(
+                            _prmt(const(_F16_MAGIC), v[p], (4 + c) | ((5 + c) << 8)), h2)
+                        r = arith.mulf(arith.subf(h, off), mgpu_utils.bitcast(s[p], h2))
+                    else:  # scale p's low half, scale c's high half (or zeros)
+                        bits = (arith.andi(s[p], const(0xFFFF)) if c is None
+                                else _prmt(s[p], s[c], 0x7610))
+                        r = mgpu_utils.bitcast(bits, h2)
+                    out[_a_register(idx, e, u, U)] = r
+        return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+    return build(*levels, *scales)
+
+
+def _chunk_words(config: HNLQConfig, bw: int, batch: int) -> int:
+    """Index words a wgmma of :func:`decode_matmul` takes: the fewest (a multiple of 8, the
+    layout's column group) dividing ``bw`` whose planes are whole swizzle tiles of x's operand
+    (its padded rows), so that decoding the next words overlaps the tensor cores' product."""
+    planes = 2 * len(_pairs(config))
+    for cw in range(8, bw + 1, 8):
+        if bw % cw == 0 and (planes * cw) % _mma_rows(batch) == 0:
+            return cw
+    return bw
+
+
 def _mma_kernel(w_gmem, t_gmem, x_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, pow_smem,
-                barrier, *a_smem, config: HNLQConfig, g: int, bn: int, bw: int, steps: int,
-                stages: int, dither: bool, interpret: bool):
+                barrier, *a_smem, config: HNLQConfig, g: int, bn: int, bw: int, cw: int,
+                steps: int, stages: int, interpret: bool):
     _load_tables(tab_gmem, pow_gmem, tab_smem, pow_smem, barrier)
-    d, bb = config.d, x_gmem.shape[1]
-    planes = g * (d + dither)
-    bias = _pallas.packed_bias(config, 0)
+    bb = x_gmem.shape[1]
+    kw = 2 * len(_pairs(config)) * cw  # x's rows (K) of a chunk of cw words
 
     def step(acc_ref, w_smem, t_smem, x_smem):
-        w = plgpu.layout_cast(w_smem[...], _LAYOUT)  # [bn, bw] index words
-        tw = plgpu.layout_cast(t_smem[...], _LAYOUT).astype(jnp.uint32)
-
-        def mma(j, a):  # plane j of the weight tile [bn, bw] times x's [bw, bb]
-            a = a.astype(jnp.bfloat16)
+        w_all = plgpu.layout_cast(w_smem[...], _LAYOUT)  # [bn, bw] index words
+        tw_all = plgpu.layout_cast(t_smem[...], _LAYOUT).astype(jnp.uint32)
+        for j in range(bw // cw):  # a chunk's wgmma runs while the next chunk decodes
+            w, tw = w_all[:, j * cw:(j + 1) * cw], tw_all[:, j * cw:(j + 1) * cw]
+            levels, scales = [], []
+            for p in range(g):
+                word, valid = _levels(w, p, tab_smem, config=config, interpret=interpret)
+                levels.append(word)
+                scales.append(_overload(tw, p, pow_smem, valid, _F16_NAN, config=config,
+                                        interpret=interpret))
+            a = _a_operand(levels, scales, config, interpret)
             if a_smem:  # through shared memory (in interpret mode always: wgmma reads refs)
                 a_smem[0].at[j][...] = a
                 plgpu.commit_smem()
                 a = a_smem[0].at[j]
-            plgpu.wgmma(acc_ref, a, x_smem.at[pl.ds(j * bw, bw), :])
-
-        for p in range(g):  # block p of each word: its d coordinates, then the dither's
-            coords, scale = _block(w, tw, p, tab_smem, pow_smem, config=config, bias=bias,
-                                   interpret=interpret)
-            for c in range(d):
-                mma(p * d + c, coords[c] * scale)
-            if dither:
-                mma(g * d + p, scale)
+            plgpu.wgmma(acc_ref, a, x_smem.at[pl.ds(j * kw, kw), :])
         plgpu.wgmma_wait(0)  # the tiles' buffers (and a_smem) are free for the next step
 
     @plgpu.nd_loop((o_gmem.shape[1] // bn, o_gmem.shape[0]), collective_axes="p")
@@ -345,7 +478,7 @@ def _mma_kernel(w_gmem, t_gmem, x_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, po
                 lambda _, *tiles: step(acc_ref, *tiles),
                 grid=(steps,),
                 in_specs=_codes_specs(bn, bw, i, first)
-                + [plgpu.BlockSpec((planes * bw, bb), lambda k: (first + k, 0))],
+                + [plgpu.BlockSpec((bw // cw * kw, bb), lambda k: (first + k, 0))],
                 max_concurrent_steps=stages,
             )(w_gmem, t_gmem, x_gmem)
             return acc_ref[...]
@@ -361,7 +494,7 @@ def _prepare(op: str, x, codes: Codes, fn: str, given: dict) -> tuple:
     codes = _pallas.weight_codes(codes, fn)
     x = check_activations(x, codes, fn)
     config = codes.config
-    why = unsupported(config)
+    why = unsupported(config, op)
     if why:
         raise ValueError(f"{fn}: no kernel for {config}: {why}")
     n, nb = codes.blocks_shape
@@ -438,8 +571,9 @@ def decode_matmul(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | 
                   a_registers: bool | None = None):
     """``y = x @ W_hat^T`` on Hopper's tensor cores for up to :data:`MMA_ROWS` rows of
     bfloat16 ``x`` (see the module docstring): each block's P coordinates times
-    ``2^(alpha T)``, rounded to bfloat16, are the A operand of a ``wgmma`` whose B operand is
-    x's matching plane, ``beta C^T x`` rounded to bfloat16; float32 accumulation.
+    ``2^(alpha T)``, rounded to float16, are the A operand of a ``wgmma`` whose B operand is
+    x's matching plane, ``beta C^T x`` times a power of two a row of x, rounded to float16;
+    float32 accumulation, scaled back exactly.
 
     Args:
       x: ``[..., k]`` bfloat16 activations, at most :data:`MMA_ROWS` rows.
@@ -448,19 +582,20 @@ def decode_matmul(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | 
       interpret: as :func:`gemv`.
       block_n, block_w, splits, stages, programs: as :func:`gemv` (``block_w`` words make
         the planes' K: a multiple of 16, the wgmma's).
-      a_registers: the decoded planes go to the wgmma from registers (``True``; then
-        ``block_w`` must be a multiple of x's rows padded to a power of two >= 16, whole
-        swizzle tiles of x's operand) or through shared memory; interpret mode always takes
-        shared memory (its wgmma reads refs only).
+      a_registers: the decoded planes go to the wgmma from registers (``True``; then the
+        planes of ``block_w`` words must be a multiple of x's rows padded to a power of two
+        >= 16, whole swizzle tiles of x's operand) or through shared memory; interpret mode
+        always takes shared memory (its wgmma reads refs only).
 
     Returns:
-      ``[..., n]`` in ``out_dtype``: the products of the decoded weights in bfloat16
+      ``[..., n]`` in ``out_dtype``: the products of the decoded weights in float16
       precision (each weight's P coordinates are exact integers; their products with
-      ``2^(alpha T)``, and x's planes, round to bfloat16), as
-      :func:`hnlq_jax.kernels.decode_matmul` in bfloat16.
+      ``2^(alpha T)``, and x's planes, round to float16: about 2^-11 relative a term), as
+      :func:`hnlq_jax.kernels.decode_matmul` up to its bfloat16 rounding.
 
     Raises:
-      ValueError: as :func:`gemv`; ``x`` not bfloat16; more than :data:`MMA_ROWS` rows.
+      ValueError: as :func:`gemv`; ``x`` not bfloat16; more than :data:`MMA_ROWS` rows;
+        overload steps past float16's range (:func:`unsupported`).
     """
     fn = "kernels.mosaic_gpu.decode_matmul"
     if getattr(x, "dtype", None) != jnp.bfloat16:
@@ -503,7 +638,7 @@ def _smem_bytes(op: str, t: dict, config: HNLQConfig, batch: int) -> int:
     if op == "gemv":
         bb = 1 << max(0, batch - 1).bit_length()  # x's rows, padded to a power of two
         return tables + t["stages"] * (codes + g * (config.d + 1) * bb * bw * 4)
-    planes = g * (config.d + (config.dither is not None))
+    planes = 2 * len(_pairs(config))
     a = 0 if t["a_registers"] else planes * bn * bw * 2
     return tables + a + t["stages"] * (codes + planes * bw * _mma_rows(batch) * 2)
 
@@ -518,11 +653,13 @@ def _launch_error(op: str, t: dict, config: HNLQConfig, batch: int) -> str | Non
     if t["block_n"] % 64 or t["block_w"] % 16:
         return (f"block_n must be a multiple of 64 and block_w of 16, got {t['block_n']}, "
                 f"{t['block_w']}")
-    if op == "decode_matmul" and t["a_registers"] and t["block_w"] % _mma_rows(batch):
-        # x's tile [block_w, rows] is swizzled along its rows; a wgmma with A in registers
-        # takes K in whole swizzle tiles (Mosaic GPU's lowering refuses the rest)
-        return (f"with a_registers, block_w must be a multiple of x's rows padded to a power "
-                f"of two >= 16 ({_mma_rows(batch)}), got {t['block_w']}")
+    planes = 2 * len(_pairs(config))
+    if op == "decode_matmul" and t["a_registers"] and planes * t["block_w"] % _mma_rows(batch):
+        # x's tile [planes block_w, rows] is swizzled along its rows; a wgmma with A in
+        # registers takes K in whole swizzle tiles (Mosaic GPU's lowering refuses the rest)
+        return (f"with a_registers, {planes} planes x block_w must be a multiple of x's rows "
+                f"padded to a power of two >= 16 ({_mma_rows(batch)}), got block_w = "
+                f"{t['block_w']}")
     if _smem_bytes(op, t, config, batch) > _SMEM_BYTES:
         return (f"block_n = {t['block_n']}, block_w = {t['block_w']}, stages = {t['stages']} "
                 f"need {_smem_bytes(op, t, config, batch)} bytes of shared memory (at most "
@@ -572,9 +709,11 @@ def _resident_cap(op: str, t: dict, config: HNLQConfig, batch: int) -> int:
     return max(1, _SM_SMEM_BYTES // (_smem_bytes(op, t, config, batch) + _SMEM_RESERVED))
 
 
-def _operands(codes: Codes) -> tuple:
+def _operands(codes: Codes, f16: bool = False) -> tuple:
     """The codes as the kernels read them, viewed, not copied (index words ``[n, words]``
-    uint32, the T field's view ``[n, words]``), and the two lane-replicated tables."""
+    uint32, the T field's view ``[n, words]``), and the two lane-replicated tables (the
+    overload table as float32, or with ``f16`` as float16 ``2^(alpha T - e_A)`` in both
+    halves of a word: :func:`decode_matmul`'s)."""
     config = codes.config
     n, nb = codes.blocks_shape
     g, t_dtype = _word_view(config)
@@ -587,7 +726,11 @@ def _operands(codes: Codes) -> tuple:
     table = _pallas.packed_codebook(config)[0]
     tab = _replicated(np.pad(table, (0, _TABLE_ROWS_MAX - table.shape[0])),
                       _CODEBOOK_ROW_WORDS)
-    return w, tf, tab, _replicated(_pallas.overload_table(config))
+    pow_tab = _pallas.overload_table(config)
+    if f16:
+        h = np.ldexp(pow_tab, -_mma_exponent(config)).astype(np.float16).view(np.uint16)
+        pow_tab = h.astype(np.uint32) * np.uint32(0x10001)
+    return w, tf, tab, _replicated(pow_tab)
 
 
 def _launch(kernel, out_shape, programs: int, tables: tuple, scratch: list, interpret: bool):
@@ -604,9 +747,12 @@ def _launch(kernel, out_shape, programs: int, tables: tuple, scratch: list, inte
     )
 
 
-def _finish(out, x, codes: Codes, out_dtype):
-    """The split-K sums ``out [splits, bb, n]`` of x's rows, times the row scale."""
+def _finish(out, x, codes: Codes, out_dtype, exponent=None):
+    """The split-K sums ``out [splits, bb, n]`` of x's rows, times ``2^exponent`` (by x's
+    row) and the row scale."""
     y = jnp.sum(out, axis=0)[:x.shape[0]]
+    if exponent is not None:
+        y = jnp.ldexp(y, exponent[:, None])
     if codes.scale is not None:
         y = y * codes.scale.astype(jnp.float32)[None, :]
     return y.astype(out_dtype)
@@ -629,28 +775,53 @@ def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, pro
     return _finish(out, x, codes, out_dtype)
 
 
+def _mma_exponent(config: HNLQConfig) -> int:
+    """``e_A``, the fewest halvings that keep :func:`decode_matmul`'s A operand, ``P
+    2^(alpha T - e_A)`` with ``|P| <= 255``, in float16's range (at most 65504)."""
+    top = float(np.nanmax(_pallas.overload_table(config)))
+    return max(0, int(np.ceil(np.log2(top / 256))))
+
+
+def _mma_planes(x, config: HNLQConfig, nb: int, bb: int, bw: int) -> tuple:
+    """x's planes as the wgmma's B operand, float16 ``[2 U words, bb]`` (K permuted as
+    :func:`_a_operand`'s; x's rows padded to ``bb``), each row of x scaled by ``2^-e`` (exact)
+    to put its largest finite plane in ``[2^14, 2^15)``: float16's range and its 11 bits for
+    any x. Returns them and ``e + e_A`` for x's rows, the exponents that scale the product
+    back (:func:`_mma_exponent`)."""
+    g = _word_view(config)[0]
+    B = x.shape[0]
+    # [g, d, bb, words], [g, bb, words]: beta C^T x, the dither's offsets
+    xt, off = _pallas.gemv_activations(jnp.pad(x, ((0, bb - B), (0, 0))), config, nb, parts=g)
+    planes = []
+    for kind, p, c in _pairs(config):
+        if kind == "coords":
+            planes += [xt[p, c], xt[p, c + 1]]
+        else:  # the dither's planes: -off (zeros past the last block)
+            planes += [-off[p], jnp.zeros_like(off[p]) if c is None else -off[c]]
+    X = jnp.stack(planes)  # [2 U, bb, words]
+    big = jnp.max(jnp.where(jnp.isfinite(X), jnp.abs(X), 0), axis=(0, 2))
+    e = jnp.frexp(big)[1] - 15
+    X = jnp.ldexp(X, -e[None, :, None]).astype(jnp.float16)
+    # [(u, e'), bb, (step, word)] -> [(step, K of the step's words), bb]
+    xk = _k_major(X.reshape(len(planes) // 2, 2, -1, bw))  # [(bb, step), K]
+    xk = xk.reshape(bb, -1, xk.shape[-1]).transpose(1, 2, 0).reshape(-1, bb)
+    return xk, e[:B] + _mma_exponent(config)
+
+
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
 def _mma_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, programs,
               a_registers):
     config = codes.config
     n, nb = codes.blocks_shape
     g = _word_view(config)[0]
-    B, bb = x.shape[0], _mma_rows(x.shape[0])
-    dither = config.dither is not None
-    xt, off = _pallas.gemv_activations(jnp.pad(x, ((0, bb - B), (0, 0))), config, nb,
-                                       parts=g)  # [g, d, bb, words], [g, bb, words]
-    # x's planes [word tiles, planes, bw, bb] as wgmma B operands [K, N], one plane after
-    # another in a step's K: block p coordinate c at p d + c, the dither's (-off) after them
-    planes = xt.reshape(g * config.d, bb, -1)
-    if dither:
-        planes = jnp.concatenate([planes, -off], axis=0)
-    P = planes.shape[0]
-    xk = planes.reshape(P, bb, -1, bw).transpose(2, 0, 3, 1).reshape(-1, bb)
+    cw = _chunk_words(config, bw, x.shape[0])
+    xk, e = _mma_planes(x, config, nb, _mma_rows(x.shape[0]), bw)
     splits = nb // g // bw // steps
-    kernel = functools.partial(_mma_kernel, config=config, g=g, bn=bn, bw=bw, steps=steps,
-                               stages=stages, dither=dither, interpret=interpret)
-    scratch = [] if a_registers else [plgpu.SMEM((P, bn, bw), jnp.bfloat16)]
-    w, tf, tab, pow_tab = _operands(codes)
-    out = _launch(kernel, (splits, n, bb), programs, (tab, pow_tab), scratch, interpret)(
-        w, tf, xk.astype(jnp.bfloat16), tab, pow_tab)
-    return _finish(out.transpose(0, 2, 1), x, codes, out_dtype)
+    kernel = functools.partial(_mma_kernel, config=config, g=g, bn=bn, bw=bw, cw=cw,
+                               steps=steps, stages=stages, interpret=interpret)
+    planes = 2 * len(_pairs(config))
+    scratch = [] if a_registers else [plgpu.SMEM((bw // cw, bn, planes * cw), jnp.float16)]
+    w, tf, tab, pow_tab = _operands(codes, f16=True)
+    out = _launch(kernel, (splits, n, xk.shape[1]), programs, (tab, pow_tab), scratch,
+                  interpret)(w, tf, xk, tab, pow_tab)
+    return _finish(out.transpose(0, 2, 1), x, codes, out_dtype, e)

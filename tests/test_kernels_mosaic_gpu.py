@@ -270,6 +270,9 @@ def test_launch_params_split_k():
     t = mg.launch_params("decode_matmul", D4, 8192, 2048, 16)
     assert t["a_registers"] is True and t["block_n"] == 64 and t["block_w"] == 32
     assert t["splits"] == -(-2 * 132 // 128)  # the defaults: waves 2
+    # 64 rows of x: 4 stages of 8 planes x 32 words x 64 rows would pass shared memory
+    t = mg.launch_params("decode_matmul", D4, 8192, 2048, 64)
+    assert t["stages"] == 3 and mg._launch_error("decode_matmul", t, D4, 64) is None
     with pytest.raises(ValueError, match="op must be one of"):
         mg.launch_params("matmul", D4, 64, 64, 1)
 

@@ -686,7 +686,8 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     (:func:`hnlq_jax.kernels.pallas.tuning_entry`), over its defaults; ``splits`` grows until
     about ``waves`` work items (a row tile's split-K share) a multiprocessor, taken in turn by
     ``resident`` persistent programs a multiprocessor (``programs`` in all; at most as many as
-    its shared memory holds at once). Without a GPU: an H100's (sm90, 132)."""
+    its shared memory holds at once); ``stages`` at most what a program's shared memory holds.
+    Without a GPU: an H100's (sm90, 132)."""
     if op not in _OPS:
         raise ValueError(f"kernels.mosaic_gpu.launch_params: op must be one of {tuple(_OPS)}, "
                          f"got {op!r}")
@@ -698,6 +699,9 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     t["splits"] = max(1, min(-(-waves * sms // row_tiles), tiles))
     resident = t.pop("resident")
     if view is not None:
+        # stages past what shared memory holds (x's planes grow with its rows) are dropped
+        while t["stages"] > 1 and _smem_bytes(op, t, config, batch) > _SMEM_BYTES:
+            t["stages"] -= 1
         resident = min(resident, _resident_cap(op, t, config, batch))
     t["programs"] = resident * sms
     return t

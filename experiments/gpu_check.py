@@ -195,10 +195,12 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
                    dict(resident=1), dict(resident=3)]  # (shared memory holds at most 3)
     if op == "decode_matmul_mosaic":  # kernels.mosaic_gpu.decode_matmul (wgmma)
         entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
-        if quick:  # the planes through shared memory, taller tiles, longer steps
+        if quick:  # the planes through shared memory, taller tiles, longer steps, and two
+            # programs a multiprocessor (the tables and two stages each: 8 warps, not 4)
             return [entry, dict(entry, a_registers=not entry["a_registers"]),
                     dict(entry, block_n=2 * entry["block_n"]),
-                    dict(entry, block_w=2 * entry["block_w"])], []
+                    dict(entry, block_w=2 * entry["block_w"]),
+                    dict(entry, stages=2, resident=2)], []
         # (with A in registers, block_w must hold x's padded rows: invalid ones fail at once)
         a = [dict(entry, block_n=bn, block_w=bw, a_registers=r)
              for bn in (64, 128) for bw in (16, 32, 64) for r in (True, False)]

@@ -94,6 +94,18 @@ def test_decode_matmul_matches_decoded_weights_and_triton(cfg, batch, splits, pr
     np.testing.assert_allclose(y, tri, rtol=0, atol=BF16_ATOL * np.abs(ref).max())
 
 
+def test_decode_matmul_float16_x():
+    """float16 activations take the same float16 operands (leading axes kept, the output
+    dtype the one asked for)."""
+    codes = _weights(D4, 128, 512)
+    x = _x(12, 512, dtype=jnp.float16).reshape(3, 4, 512)
+    y = mg.decode_matmul(x, codes, jnp.float16, **SMALL)
+    assert y.shape == (3, 4, 128) and y.dtype == jnp.float16
+    ref = _decoded_product(x.reshape(12, 512), codes).reshape(3, 4, 128)
+    np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2**-10,
+                               atol=F16_ATOL * np.abs(ref).max())
+
+
 def test_decode_matmul_rows_of_any_magnitude():
     """x's planes are float16: each row of x is scaled by its own power of two, so rows near
     bfloat16's largest and smallest values neither overflow nor flush to zero and keep
@@ -350,9 +362,10 @@ def test_matmul_takes_mosaic_where_the_table_says(op, backend, kernel, batch):
             m3 = _weights(hq.HNLQConfig("D4", 4, 3, beta=0.35), 64, 256)
             assert mg.chosen(m3, batch, x.dtype) is None
             y = fresh()(x, codes)
-            # float32 x: gemv takes it; the tensor-core kernel's operands are bfloat16 only
+            # float32 x: gemv takes it; the tensor-core kernel's are 16-bit x only
             assert mg.chosen(codes, batch, jnp.float32) == (None if kernel == "decode_matmul"
                                                             else kernel)
+            assert mg.chosen(codes, batch, jnp.float16) == kernel
     assert calls == [(batch, 256)]
     ref = _decoded_product(x, codes)
     tol = (F16_ATOL if kernel == "decode_matmul" else 2e-6) * np.abs(ref).max()

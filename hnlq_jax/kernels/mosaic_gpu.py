@@ -5,7 +5,7 @@ the twin of the Triton :func:`hnlq_jax.kernels.pallas.gemv` (packed codebook mod
 to it, and to the XLA path, up to float32 rounding.
 
 ``decode_matmul``: the same product on the tensor cores for up to :data:`MMA_ROWS` rows of
-bfloat16 x, the twin of the Triton :func:`hnlq_jax.kernels.pallas.decode_matmul` (in float16
+bfloat16 or float16 x, the twin of the Triton :func:`hnlq_jax.kernels.pallas.decode_matmul` (in float16
 precision, finer than Triton's bfloat16). It shares ``gemv``'s work split and block decode;
 each block's P coordinates times ``2^(alpha T)`` become the float16 A operand of a ``wgmma``
 (swap-AB: the weight's rows are M, x's rows N), two coordinates a register built in two
@@ -138,7 +138,7 @@ def chosen(codes: Codes, batch: int, dtype) -> str | None:
     Triton's). The tuning table's entry of the Triton op for the GPU's generation, the lattice
     and the batch class names it (the sweep found it the fastest): ``"backend":
     "mosaic_gpu"`` (the entry's own op), or, up to ``GEMV_ROWS`` rows, ``"mosaic_gpu_mma"``
-    (the tensor-core kernel, for bfloat16 x only); and the kernel supports the codes, its
+    (the tensor-core kernel, for 16-bit x only); and the kernel supports the codes, its
     launch parameters are valid and tile the weight exactly."""
     generation, _ = _pallas.gpu_target()
     config = codes.config
@@ -147,7 +147,8 @@ def chosen(codes: Codes, batch: int, dtype) -> str | None:
     kernel = _BACKENDS[op].get(backend)
     if kernel is None or unsupported(config, kernel):  # the entry is the lattice's
         return None
-    if kernel == "decode_matmul" and (jnp.dtype(dtype) != jnp.bfloat16 or batch > MMA_ROWS):
+    if kernel == "decode_matmul" and (jnp.dtype(dtype) not in _MMA_DTYPES
+                                      or batch > MMA_ROWS):
         return None
     n, nb = codes.blocks_shape
     t = launch_params(kernel, config, n, nb, batch)
@@ -559,6 +560,8 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
     return out.reshape(lead + out.shape[-1:])
 
 
+# decode_matmul's activations: its float16 operands are as fine as x
+_MMA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # decode_matmul takes up to this many rows of x: the wgmma's N (x's rows, padded to a power
 # of two >= 16, whose rows of 2-byte elements shared memory swizzles), and past 64 rows the
 # x tiles outgrow the weight's in shared memory.
@@ -570,13 +573,13 @@ def decode_matmul(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | 
                   stages: int | None = None, programs: int | None = None,
                   a_registers: bool | None = None):
     """``y = x @ W_hat^T`` on Hopper's tensor cores for up to :data:`MMA_ROWS` rows of
-    bfloat16 ``x`` (see the module docstring): each block's P coordinates times
+    bfloat16 or float16 ``x`` (see the module docstring): each block's P coordinates times
     ``2^(alpha T)``, rounded to float16, are the A operand of a ``wgmma`` whose B operand is
     x's matching plane, ``beta C^T x`` times a power of two a row of x, rounded to float16;
     float32 accumulation, scaled back exactly.
 
     Args:
-      x: ``[..., k]`` bfloat16 activations, at most :data:`MMA_ROWS` rows.
+      x: ``[..., k]`` bfloat16 or float16 activations, at most :data:`MMA_ROWS` rows.
       codes: the weight ``W[n, k]`` as codes with blocks ``[n, nb]``.
       out_dtype: the result's dtype.
       interpret: as :func:`gemv`.
@@ -594,12 +597,13 @@ def decode_matmul(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | 
       :func:`hnlq_jax.kernels.decode_matmul` up to its bfloat16 rounding.
 
     Raises:
-      ValueError: as :func:`gemv`; ``x`` not bfloat16; more than :data:`MMA_ROWS` rows;
-        overload steps past float16's range (:func:`unsupported`).
+      ValueError: as :func:`gemv`; ``x`` not bfloat16 or float16; more than
+        :data:`MMA_ROWS` rows; overload steps past float16's range (:func:`unsupported`).
     """
     fn = "kernels.mosaic_gpu.decode_matmul"
-    if getattr(x, "dtype", None) != jnp.bfloat16:
-        raise ValueError(f"{fn}: x must be bfloat16 (the wgmma's operands), got "
+    if getattr(x, "dtype", None) not in _MMA_DTYPES:
+        raise ValueError(f"{fn}: x must be bfloat16 or float16 (16-bit activations, for "
+                         "which the wgmma's float16 operands are as fine), got "
                          f"{getattr(x, 'dtype', type(x).__name__)}")
     codes, x, lead, t = _prepare("decode_matmul", x, codes, fn, dict(
         block_n=block_n, block_w=block_w, splits=splits, stages=stages, programs=programs,

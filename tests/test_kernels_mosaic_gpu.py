@@ -285,6 +285,13 @@ def test_launch_params_split_k():
     # 64 rows of x: 4 stages of 8 planes x 32 words x 64 rows would pass shared memory
     t = mg.launch_params("decode_matmul", D4, 8192, 2048, 64)
     assert t["stages"] == 3 and mg._launch_error("decode_matmul", t, D4, 64) is None
+    # tiles halved until they cover the weight: 48 words a row (384 weights), 192 rows
+    t = mg.launch_params("decode_matmul", D4, 192, 96, 16,
+                         entry=dict(block_n=128, block_w=32))
+    assert (t["block_n"], t["block_w"]) == (64, 16)
+    assert mg.supported_shape(D4, 192, 96, t)
+    t = mg.launch_params("gemv", D4, 8192, 2048, 1, entry=dict(block_n=128, block_w=64))
+    assert (t["block_n"], t["block_w"]) == (128, 64)  # (tiles that fit stay)
     with pytest.raises(ValueError, match="op must be one of"):
         mg.launch_params("matmul", D4, 64, 64, 1)
 

@@ -690,15 +690,21 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     (:func:`hnlq_jax.kernels.pallas.tuning_entry`), over its defaults; ``splits`` grows until
     about ``waves`` work items (a row tile's split-K share) a multiprocessor, taken in turn by
     ``resident`` persistent programs a multiprocessor (``programs`` in all; at most as many as
-    its shared memory holds at once); ``stages`` at most what a program's shared memory holds.
-    Without a GPU: an H100's (sm90, 132)."""
+    its shared memory holds at once); ``stages`` at most what a program's shared memory holds;
+    ``block_n`` and ``block_w`` halved (down to 64 and 16) until they tile the weight exactly
+    (MiniLM's 384 x 384: 48 words a row, not a multiple of the default 32). Without a GPU: an
+    H100's (sm90, 132)."""
     if op not in _OPS:
         raise ValueError(f"kernels.mosaic_gpu.launch_params: op must be one of {tuple(_OPS)}, "
                          f"got {op!r}")
     t, sms = _pallas.launch_entry(_OPS[op], config, batch, entry)
     waves = t.pop("waves")
-    row_tiles = max(1, -(-n // t["block_n"]))
     view = _word_view(config)
+    if view is not None and nb % view[0] == 0:  # tiles halved until they cover the weight
+        for name, size, least in (("block_n", n, 64), ("block_w", nb // view[0], 16)):
+            while t[name] > least and t[name] % (2 * least) == 0 and size % t[name]:
+                t[name] //= 2
+    row_tiles = max(1, -(-n // t["block_n"]))
     tiles = -(-nb // ((view[0] if view else 1) * t["block_w"]))  # a row's steps
     t["splits"] = max(1, min(-(-waves * sms // row_tiles), tiles))
     resident = t.pop("resident")

@@ -12,7 +12,9 @@ in one process (best of ``--repeat``):
 
 and reports the share of blocks that each rescaling step sees (``T - t0`` histogram: t0 is the
 norm-based lower bound every block starts from), the work of the search in units of one
-attempt over all blocks, and the optimized HLO's size (fusions and instructions) of one
+attempt over all blocks, the GPU encode kernel's work in attempts a block (its tiles' loops
+run as long as their slowest block: one pass, or two as ``kernels.encode`` runs them), and
+the optimized HLO's size (fusions and instructions) of one
 attempt, and the time XLA takes to compile the search for one chunk (the encoder's compile cost:
 a first call per shape bucket pays it). Writes ``experiments/results/profile_encode.json`` and
 the table into ``docs/performance.md``.
@@ -86,6 +88,7 @@ def profile(name: str, repeat: int) -> dict:
     steps = np.bincount(np.asarray(T) - t0)
     # Blocks still unresolved before step k (k = 0 is the first attempt, over all blocks).
     unresolved = [int(steps[k:].sum()) for k in range(len(steps))]
+    attempts = np.asarray(T) - t0 + 1
     return {
         "lattice": name, "q": 4, "M": 2, "beta": beta, "n": N,
         "seconds": times,
@@ -94,15 +97,32 @@ def profile(name: str, repeat: int) -> dict:
         "unresolved_before_step": unresolved,
         "ideal_attempts": sum(unresolved) / N,
         "search_in_attempts": times["search"] / times["one attempt"],
+        "kernel_attempts": kernel_attempts(attempts),
         "hlo_one_attempt": hlo_size(attempt, xt),
         "compile_search_s": compile_seconds(search, x),
     }
 
 
+def kernel_attempts(attempts, tile: int = 256) -> dict:
+    """The GPU encode kernel's work in attempts a block (a tile's loop runs as long as its
+    slowest block): one pass over all blocks, and one attempt over all then the loop over the
+    blocks left, gathered in order into the buffer of N/4, N/2 or N that holds them
+    (``kernels.encode``)."""
+    n = attempts.size
+    one = np.max(attempts.reshape(-1, tile), axis=1).sum() * tile / n
+    left = attempts[attempts > 1] - 1
+    cap = next((c for c in (n // 4, n // 2, n) if left.size <= c), n) if left.size else 0
+    buf = np.zeros(cap, np.int64)
+    buf[:left.size] = left
+    two = 1 + (np.max(buf.reshape(-1, tile), axis=1).sum() * tile / n if cap else 0)
+    return {"tile": tile, "one_pass": float(one), "two_passes": float(two)}
+
+
 def table(rows) -> str:
     lines = ["| lattice | level 0 | one attempt | search (= attempts) | encode | ideal attempts "
-             "| blocks per step (% of N) | HLO of one attempt | compile of the search |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| blocks per step (% of N) | GPU kernel, tiles of 256: one pass / two passes "
+             "| HLO of one attempt | compile of the search |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = {k: f"{1e3 * v:.2f} ms" for k, v in r["seconds"].items()}
         share = " / ".join(f"{100 * u / r['n']:.1f}" for u in r["unresolved_before_step"])
@@ -110,7 +130,9 @@ def table(rows) -> str:
         lines.append(f"| {r['lattice']} q=4 M=2 | {t['level 0']} | {t['one attempt']} | "
                      f"{t['search']} ({r['search_in_attempts']:.1f}) | {t['encode']} "
                      f"({r['vec_per_s']['encode']:.3g} vec/s) | {r['ideal_attempts']:.2f} | "
-                     f"{share} | {h['fusions']} fusions, {h['instructions']} instructions | "
+                     f"{share} | {r['kernel_attempts']['one_pass']:.2f} / "
+                     f"{r['kernel_attempts']['two_passes']:.2f} attempts | "
+                     f"{h['fusions']} fusions, {h['instructions']} instructions | "
                      f"{r['compile_search_s']:.1f} s |")
     return "\n".join(lines)
 

@@ -126,6 +126,32 @@ def test_encode_edge_cases():
                        hq.encode(xb, cfg, failures="mark", **XLA))
 
 
+@pytest.mark.parametrize("spread,branch", [(0.0, 0), (0.5, 1), (0.7, 2), (8.0, 3)],
+                         ids=["none-left", "under-a-quarter", "under-half", "most-and-failed"])
+def test_encode_second_pass(spread, branch):
+    """Past four tiles the kernel makes one attempt over every block, then runs the overload
+    loop over the blocks still unresolved, gathered into a buffer of N/4, N/2 or N by their
+    share (``branch``: the one this data takes): the reference's codes in each, with a NaN
+    block and blocks failing at max_T."""
+    cfg = D4
+    x = np.random.default_rng(3).standard_normal((2048, 4)) * spread * 8 * cfg.beta
+    x[5] = np.nan
+    x = jnp.asarray(x, jnp.float32)
+    index, T = K.encode(x, cfg, block=64)
+    ref_index, ref_T = codec.encode_blocks(x, cfg, cfg.beta)
+    np.testing.assert_array_equal(index, ref_index)
+    np.testing.assert_array_equal(T, ref_T)
+    # the share left after one attempt: a block whose T is past the first step its norm allows
+    _, thresholds = codec.scale_tables(cfg, cfg.beta, jnp.float32)
+    unit = codec.norm_unit(thresholds)
+    t0 = np.asarray(jnp.sum(thresholds * unit < jnp.linalg.norm(x * unit, axis=1)[:, None],
+                            axis=1))
+    T = np.asarray(T)
+    left = np.sum((T > t0) | ((T == -1) & (t0 < cfg.max_T) & np.isfinite(x).all(axis=1)))
+    assert branch == (0 if left == 0 else 1 + (left > 512) + (left > 1024))
+    assert (branch < 3) or (T == -1).sum() > 1  # failures besides the NaN block
+
+
 @given(st.integers(0, 2**31 - 1), st.sampled_from([0.25, 1.0, 3.0]))
 def test_encode_property(seed, spread):
     """Any input: the kernel's codes are the reference's (one compiled shape)."""
@@ -555,6 +581,8 @@ def _lowering_cases(cfg, all_ops):
     c = hq.encode(jnp.zeros((5, 81, cfg.d)), cfg)
     cases = {
         "encode": (lambda x: K.encode(x, cfg, **gpu), (x,)),
+        # past four tiles: one attempt, then the loop over the blocks left (a start per block)
+        "encode_two_passes": (lambda x: K.encode(x, cfg, block=64, **gpu), (x,)),
         "decode": (lambda c: K.decode(c, None, jnp.float32, **gpu), (c,)),
         "decode_digits": (lambda c: K.decode(c, 1, jnp.float32, use_table=False, **gpu), (c,)),
     }

@@ -361,8 +361,13 @@ def _index_columns(idx_ref, M: int, mask, at=()):
 # ----------------------------------------------------------------------------------- encode
 
 
-def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *, config: HNLQConfig, thresholds, unit,
-                   n: int):
+def _encode_kernel(x_ref, scale_ref, *refs, config: HNLQConfig, thresholds, unit, n: int,
+                   once: bool):
+    """Algorithm 1's overload loop on a tile of blocks, from each block's first step: the
+    reference's lower bound from its norm, or ``t_ref``'s (``-1``: an empty slot). ``once``:
+    one attempt, and ``next_ref`` gets the step a block tries next (``-1``: done)."""
+    start = refs[0] if len(refs) == 3 + once else None
+    idx_ref, T_ref, *next_ref = refs[len(refs) - 2 - once:]
     d, max_T = config.d, config.max_T
     bn = T_ref.shape[0]
     live = pl.program_id(0) * bn + _iota(bn) < n
@@ -371,12 +376,15 @@ def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *, config: HNLQConfig, thre
     finite = jnp.isfinite(x[0])
     for c in x[1:]:
         finite = finite & jnp.isfinite(c)
-    norm = jnp.sqrt(sumsq([jnp.where(finite, c * dtype.type(unit), 0) for c in x]))
-    # The reference's lower bound on T, the number of thresholds below the norm, against
-    # constant thresholds (both in units of codec.norm_unit).
-    t = jnp.zeros(norm.shape, jnp.int32)
-    for th in thresholds:
-        t = t + (dtype.type(th) < norm).astype(jnp.int32)
+    if start is None:
+        norm = jnp.sqrt(sumsq([jnp.where(finite, c * dtype.type(unit), 0) for c in x]))
+        # The reference's lower bound on T, the number of thresholds below the norm, against
+        # constant thresholds (both in units of codec.norm_unit).
+        t = jnp.zeros(norm.shape, jnp.int32)
+        for th in thresholds:
+            t = t + (dtype.type(th) < norm).astype(jnp.int32)
+    else:
+        t = _load(start, live)
     z = [dtype.type(v) for v in config.dither_array]
 
     def attempt(state):
@@ -392,35 +400,75 @@ def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *, config: HNLQConfig, thre
     def any_active(state):
         return jnp.max(state[1].astype(jnp.int32)) > 0
 
-    state = (t, finite & (t <= max_T), jnp.full(t.shape, -1, jnp.int32),
+    state = (t, finite & (t >= 0) & (t <= max_T), jnp.full(t.shape, -1, jnp.int32),
              tuple(jnp.zeros(t.shape, jnp.int32) for _ in range(d)))
-    _, _, T, digits = jax.lax.while_loop(any_active, attempt, state)
+    state = attempt(state) if once else jax.lax.while_loop(any_active, attempt, state)
+    t, active, T, digits = state
     for m, k in enumerate(codec.index_from_digits(list(digits), config)):
         pltriton.store(idx_ref.at[:, _at(m)], k.astype(idx_ref.dtype), mask=live)
     pltriton.store(T_ref, T, mask=live)
+    if once:
+        pltriton.store(next_ref[0], jnp.where(active, t, -1), mask=live)
+
+
+def _encode_call(x, start, scales, config: HNLQConfig, interpret, block: int, gpu_backend,
+                 once: bool):
+    """One kernel pass over blocks ``x [N, d]`` (from ``start``'s steps, or their bounds):
+    ``(index, T)``, and with ``once`` the steps still to try."""
+    N, d = x.shape
+    with jax.ensure_compile_time_eval():
+        _, thresholds = codec.scale_tables(config, config.beta, x.dtype)
+        unit = codec.norm_unit(thresholds)
+        thresholds = [float(v) for v in np.asarray(thresholds * unit)]
+        unit = float(unit)
+    bn = _tile(N, block)
+    tiles = pl.BlockSpec((bn,), lambda i: (i,))
+    vec = jax.ShapeDtypeStruct((N,), jnp.int32)
+    return pl.pallas_call(
+        functools.partial(_encode_kernel, config=config, thresholds=thresholds, unit=unit, n=N,
+                          once=once),
+        grid=(pl.cdiv(N, bn),),
+        in_specs=[pl.BlockSpec((bn, d), lambda i: (i, 0)),
+                  pl.BlockSpec(scales.shape, lambda i: (0,))] + [tiles] * (start is not None),
+        out_specs=[pl.BlockSpec((bn, config.M), lambda i: (i, 0)), tiles] + [tiles] * once,
+        out_shape=[jax.ShapeDtypeStruct((N, config.M), index_dtype(config)), vec]
+        + [vec] * once,
+        interpret=interpret,
+        compiler_params=_compiler_params(gpu_backend, "encode"),
+    )(x, scales, *([] if start is None else [start]))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _encode_pallas(x, config, interpret, block, gpu_backend):
-    N, d = x.shape
-    with jax.ensure_compile_time_eval():
-        scales, thresholds = codec.scale_tables(config, config.beta, x.dtype)
-        unit = codec.norm_unit(thresholds)
-        thresholds = [float(v) for v in np.asarray(thresholds * unit)]
-        unit = float(unit)
+    """One attempt over every block, then the overload loop over the blocks still unresolved
+    (a quarter to a half for Gaussian data), gathered into the smaller buffer of N/4 or N/2
+    that holds them: a tile's loop runs as long as its slowest block (about 4 attempts for
+    256 blocks where a block needs 1.3 on average), so looping over all N did about 3x the
+    work. Each block's result depends on its own data only: the codes are the same. With at
+    most four tiles the loop runs over all of them."""
+    N = x.shape[0]
     S = _pow2_at_least(config.max_T + 1)
-    bn = _tile(N, block)
-    return pl.pallas_call(
-        functools.partial(_encode_kernel, config=config, thresholds=thresholds, unit=unit, n=N),
-        grid=(pl.cdiv(N, bn),),
-        in_specs=[pl.BlockSpec((bn, d), lambda i: (i, 0)), pl.BlockSpec((S,), lambda i: (0,))],
-        out_specs=[pl.BlockSpec((bn, config.M), lambda i: (i, 0)),
-                   pl.BlockSpec((bn,), lambda i: (i,))],
-        out_shape=[jax.ShapeDtypeStruct((N, config.M), index_dtype(config)),
-                   jax.ShapeDtypeStruct((N,), jnp.int32)],
-        interpret=interpret,
-        compiler_params=_compiler_params(gpu_backend, "encode"),
-    )(x, _padded(scales, S))
+    with jax.ensure_compile_time_eval():
+        scales = _padded(codec.scale_tables(config, config.beta, x.dtype)[0], S)
+    call = functools.partial(_encode_call, scales=scales, config=config, interpret=interpret,
+                             block=block, gpu_backend=gpu_backend)
+    if N <= 4 * block:
+        return tuple(call(x, None, once=False))
+    index, T, t_next = call(x, None, once=True)
+    active = t_next >= 0
+
+    def compact(cap):
+        at = codec.active_index(active, cap)  # N in the empty slots
+        take = jnp.minimum(at, N - 1)
+        sub_index, sub_T = call(x[take], jnp.where(at < N, t_next[take], -1), once=False)
+        return (index.at[at].set(sub_index, mode="drop"), T.at[at].set(sub_T, mode="drop"))
+
+    count = jnp.sum(active)
+    branch = jnp.where(count == 0, 0, 1 + (count > N // 4).astype(jnp.int32)
+                       + (count > N // 2))
+    return jax.lax.switch(branch, [lambda: (index, T), functools.partial(compact, N // 4),
+                                   functools.partial(compact, N // 2),
+                                   functools.partial(compact, N)])
 
 
 def encode(x, config: HNLQConfig, *, interpret=None, block: int = 256,

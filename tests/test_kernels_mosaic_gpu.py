@@ -24,6 +24,8 @@ D4 = hq.HNLQConfig("D4", 4, 2, beta=0.35)
 D4_DITHER = hq.HNLQConfig("D4", 4, 2, beta=0.3, dither=(0.1, -0.2, 0.05, 0.3))
 WIDE_T = hq.HNLQConfig("D4", 4, 2, beta=0.35, max_T=20)  # 8-bit T: a uint16 view a word
 Q3 = hq.HNLQConfig("D4", 3, 2, beta=0.35)  # 81 codebook entries: a byte holds corrupt indices
+# four index bytes a block: one block a word, its dither plane paired with zeros
+ONE_BLOCK = hq.HNLQConfig("D4", 2, 4, beta=0.3, max_T=20, dither=(0.1, -0.2, 0.05, 0.3))
 SMALL = dict(block_n=64, block_w=16, stages=2)  # the smallest tiles: a [64 n, 128 k] weight
 NATIVE = jax.default_backend() == "gpu"
 
@@ -71,9 +73,10 @@ BIG_T = hq.HNLQConfig("D4", 4, 2, beta=0.35, alpha=1.0, max_T=14)  # 2^(alpha T)
 @pytest.mark.parametrize("cfg,batch,splits,programs,a_registers,block_w", [
     (D4, 16, 1, None, None, 16), (D4, 5, 2, 3, False, 16), (D4_DITHER, 40, 2, None, False, 16),
     (D4_DITHER, 12, 2, 2, None, 16),
-    (WIDE_T, 9, 4, 1, None, 16), (Q3, 64, 1, None, True, 64)],
+    (WIDE_T, 9, 4, 1, None, 16), (Q3, 64, 1, None, True, 64),
+    (ONE_BLOCK, 16, 2, None, None, 16)],
     ids=["D4-b16", "D4-b5-split-3programs", "dither-b40", "dither-b12-split-2programs",
-         "T8bit-b9-split4-1program", "q3-b64-wide-step"])
+         "T8bit-b9-split4-1program", "q3-b64-wide-step", "one-block-a-word-dither"])
 def test_decode_matmul_matches_decoded_weights_and_triton(cfg, batch, splits, programs,
                                                           a_registers, block_w):
     """The tensor-core kernel: the product of the decoded weights in float16 precision (row
@@ -120,6 +123,23 @@ def test_decode_matmul_rows_of_any_magnitude():
     assert np.isnan(y[3]).all()
 
 
+@pytest.mark.parametrize("cfg", [D4, hq.HNLQConfig("A2", 8, 2, beta=0.7)], ids=["D4", "A2"])
+def test_decode_matmul_planes_fill_float16(cfg):
+    """x's planes, each row scaled by its own power of two: the row's largest |plane| lands in
+    [2^14, 2^15) (float16's top binade below 65504), the exponents undo the scaling exactly,
+    and the planes are beta C^T x rounded to float16 (A2: C is not the identity)."""
+    nb = 128 // cfg.d
+    x = _x(5, 128, dtype=jnp.float32) * jnp.asarray([1.0, 2.0**-30, 2.0**40, 3.0, 0.0])[:, None]
+    xk, e = mg._mma_planes(x.astype(jnp.bfloat16), cfg, nb, 16, 16)
+    big = np.max(np.abs(np.asarray(xk, np.float32)), axis=0)[:4]
+    assert np.all((big >= 2**14) & (big < 2**15)), big
+    assert np.all(np.asarray(xk, np.float32)[:, 4:] == 0)  # the zero row and the padding
+    g = mg._word_view(cfg)[0]
+    xt, off = hq.kernels.pallas.gemv_activations(x.astype(jnp.bfloat16), cfg, nb, parts=g)
+    want = np.max(np.abs(np.asarray(xt)[..., :4, :]), axis=(0, 1, 3))
+    np.testing.assert_allclose(big * 2.0 ** np.asarray(e)[:4], want, rtol=2**-11)
+
+
 def test_decode_matmul_large_overload_steps():
     """2^(alpha T) past float16's range over the largest P (alpha 1, T up to 14): A is
     P 2^(alpha T - 6) and the product is scaled back (with no such halving the blocks at
@@ -136,6 +156,9 @@ def test_decode_matmul_large_overload_steps():
     wide = hq.HNLQConfig("D4", 4, 2, beta=0.35, max_T=127)
     assert "float16 range" in mg.unsupported(wide, "decode_matmul")
     assert mg.unsupported(wide) is None
+    # the edge: 2^22 (14 halvings, T = 0's scale 2^-14 still normal) is taken, 2^23 is not
+    assert mg.unsupported(BIG_T.replace(max_T=22), "decode_matmul") is None
+    assert "float16 range" in mg.unsupported(BIG_T.replace(max_T=23), "decode_matmul")
     with pytest.raises(ValueError, match="no kernel for .*float16 range"):
         mg.decode_matmul(x, _weights(wide, 64, 256), jnp.float32, **SMALL)
 
@@ -298,8 +321,9 @@ def test_launch_params_split_k():
 
 def test_programs_fit_shared_memory_with_the_callers_tiles():
     """A caller's larger tiles lower the persistent programs to what a multiprocessor's
-    shared memory holds (the default's two would need 2 x 156 KiB at 64-word steps); an
-    explicit ``programs`` is kept. (A one-multiprocessor GPU: programs = resident.)"""
+    shared memory holds (the default's two would need 2 x 156 KiB at 64-word steps), and the
+    table's stages to what a program's holds; an explicit ``programs`` or ``stages`` is kept.
+    (A one-multiprocessor GPU: programs = resident.)"""
     codes = _weights(D4, 64, 1024)  # 128 words: two 64-word steps, two work items
     calls, real = [], mg._gemv_call
     with pytest.MonkeyPatch.context() as m:
@@ -309,6 +333,15 @@ def test_programs_fit_shared_memory_with_the_callers_tiles():
         y = mg.gemv(_x(1, 1024), codes, jnp.float32, block_w=64, stages=4)
         mg.gemv(_x(1, 1024), codes, jnp.float32, block_w=64, stages=4, programs=2)
     assert calls == [1, 2]
+    # the table's stages drop for the caller's tiles too (64 rows of x, 64-word steps: 4
+    # stages of 64 KiB would not fit), an explicit one is kept and refused
+    x64 = _x(64, 1024)
+    y64 = mg.decode_matmul(x64, codes, jnp.float32, block_w=64, a_registers=False)
+    ref64 = _decoded_product(x64, codes)
+    np.testing.assert_allclose(np.asarray(y64), ref64, rtol=0,
+                               atol=F16_ATOL * np.abs(ref64).max())
+    with pytest.raises(ValueError, match="shared memory"):
+        mg.decode_matmul(x64, codes, jnp.float32, block_w=64, stages=4, a_registers=False)
     ref = _decoded_product(_x(1, 1024), codes)
     np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
@@ -386,9 +419,11 @@ def test_matmul_takes_mosaic_where_the_table_says(op, backend, kernel, batch):
     ("decode_matmul", D4, 16, {"a_registers": True}),
     ("decode_matmul", D4, 5, {"a_registers": True}),
     ("decode_matmul", D4, 64, {"a_registers": True, "block_w": 64, "stages": 1}),
-    ("decode_matmul", D4_DITHER, 64, {"a_registers": False, "block_n": 128})],
+    ("decode_matmul", D4_DITHER, 64, {"a_registers": False, "block_n": 128}),
+    ("decode_matmul", ONE_BLOCK, 16, {"a_registers": True})],
     ids=["gemv-D4-b1", "gemv-D4-b8", "gemv-T8bit-b2", "mma-D4-b16-registers", "mma-D4-b5",
-         "mma-D4-b64-registers-64-words", "mma-dither-b64-smem-128"])
+         "mma-D4-b64-registers-64-words", "mma-dither-b64-smem-128",
+         "mma-one-block-a-word-dither-registers"])
 def test_lowers_for_cuda(kernel, cfg, batch, extra):
     """The kernels lower for CUDA on a CPU machine: Pallas' Mosaic GPU lowering, layout
     inference, the inline shared-memory gathers and the wgmma, its A operand from registers

@@ -8,10 +8,10 @@ to it, and to the XLA path, up to float32 rounding.
 bfloat16 or float16 x, the twin of the Triton :func:`hnlq_jax.kernels.pallas.decode_matmul` (in float16
 precision, finer than Triton's bfloat16). It shares ``gemv``'s work split and block decode;
 each block's P coordinates times ``2^(alpha T)`` become the float16 A operand of a ``wgmma``
-(swap-AB: the weight's rows are M, x's rows N), two coordinates a register built in two
-instructions (Marlin's magic-exponent conversion, then one multiply), with K permuted in both
-operands to the order in which the layout holds a thread's registers (no shuffles); x's
-planes are laid out once a call, each row scaled into float16's range.
+(swap-AB: the weight's rows are M, x's rows N), two coordinates a register built in three
+instructions (Marlin's magic-exponent conversion, a subtraction, a multiply), with K permuted
+in both operands to the order in which the layout holds a thread's registers (no shuffles);
+x's planes are laid out once a call, each row scaled into float16's range.
 
 **What one program does.** Programs are persistent: each loads the two tables once, then
 takes work items in turn, a work item being a tile of ``block_n`` weight rows and a share of
@@ -171,13 +171,29 @@ _CODEBOOK_ROW_WORDS = 64
 assert 4 * _CODEBOOK_ROW_WORDS == 256 == _TABLE_ROWS_MAX  # a byte's step, every byte a row
 
 
-def _prmt(a, b, selector: int):
-    """PTX ``prmt.b32`` of two i32 MLIR values (inside ``inline_mgpu``): byte ``i`` of the
-    result is byte ``(selector >> 4 i) & 7`` of ``b:a`` (0-3: ``a``'s, 4-7: ``b``'s)."""
+def _prmt(a, b, selector: int, interpret: bool = False):
+    """PTX ``prmt.b32`` (default mode): byte ``i`` of the result is byte ``(selector >> 4 i) &
+    7`` of ``b:a`` (0-3: ``a``'s, 4-7: ``b``'s). Of two i32 MLIR values (inside
+    ``inline_mgpu``), or, ``interpret``, of uint32 arrays (the same selector, emulated: the
+    interpret-mode tests then pin the selectors the kernels use)."""
+    if interpret:
+        out = jnp.zeros(jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)), jnp.uint32)
+        for i in range(4):
+            k = (selector >> 4 * i) & 7
+            byte = ((a if k < 4 else b) >> jnp.uint32(8 * (k % 4))) & jnp.uint32(255)
+            out = out | (byte << jnp.uint32(8 * i))
+        return out
     from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
     from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
     return llvm.inline_asm(ir.IntegerType.get_signless(32), [a, b],
                            f"prmt.b32 $0, $1, $2, {selector};", "=r,r,r")
+
+
+def _codebook_selector(at: int) -> int:
+    """The ``prmt`` selector of a codebook gather's address (:func:`_gather`): the lane's
+    byte offset (``4 lane < 256``, byte 0 of ``a``), index byte ``at`` of the word (``b``),
+    then the offset's zero bytes."""
+    return (2 << 12) | (1 << 8) | ((4 + at) << 4)
 
 
 def _gather(table_ref, x, interpret: bool, at: int | None = None):
@@ -188,8 +204,8 @@ def _gather(table_ref, x, interpret: bool, at: int | None = None):
     ``256 k + 4 lane`` is one ``prmt`` of the lane's offset and the word). A ``memref.load``
     at ``[k, lane]`` took the row-major index apart again per element
     (``experiments/sass_profile.py``)."""
-    if interpret:
-        k = x if at is None else (x >> jnp.uint32(8 * at)) & jnp.uint32(255)
+    if interpret:  # lane 0's copy: its byte offset is 0
+        k = x if at is None else _prmt(jnp.uint32(0), x, _codebook_selector(at), True) >> 8
         return table_ref[...][k.astype(jnp.int32), 0]
     from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
     from jax._src.lib.mlir.dialects import arith, llvm  # noqa: PLC0415
@@ -207,7 +223,7 @@ def _gather(table_ref, x, interpret: bool, at: int | None = None):
             row = arith.constant(i32, (4 * _LANES).bit_length() - 1)
             offset = lambda v: arith.shli(v, row)  # noqa: E731
         else:  # bytes: lane4's byte 0, the word's byte `at`, zeros (lane4's bytes 1 and 2)
-            offset = lambda v: _prmt(lane4, v, (2 << 12) | (1 << 8) | ((4 + at) << 4))  # noqa: E731
+            offset = lambda v: _prmt(lane4, v, _codebook_selector(at))  # noqa: E731
         return xs.foreach(
             lambda v, _: llvm.load(i32, mgpu_utils.getelementptr(base, [offset(v)], i8)),
             create_array=True, is_signed=False)
@@ -218,8 +234,12 @@ def _magic_byte(word, c: int, interpret: bool):
     """Byte ``c`` of each element of ``word`` (uint32) under the float magic exponent:
     ``0x4B0000cc``, the float ``2^23 + byte``. One ``prmt`` where shifts, a mask and an OR
     took two or three (ptxas does not fold the OR into its own byte extracts)."""
+    # The constant first (bytes 0-3: 00 00 00 4B), the word's bytes 4-7: result bytes the
+    # word's byte c, 00, 00, 4B. (With the constant second and the selector an immediate,
+    # ptxas rebuilt the selector in a register every time.)
+    selector = 0x3104 + c
     if interpret:
-        return ((word >> jnp.uint32(8 * c)) & jnp.uint32(255)) | jnp.uint32(_MAGIC)
+        return _prmt(jnp.uint32(_MAGIC), word, selector, True)
     from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
     from jax._src.lib.mlir.dialects import arith  # noqa: PLC0415
 
@@ -228,10 +248,7 @@ def _magic_byte(word, c: int, interpret: bool):
                                                           layout=_LAYOUT))
     def magic_byte(ctx, ws):
         magic = arith.constant(ir.IntegerType.get_signless(32), _MAGIC)
-        # The constant first (bytes 0-3: 00 00 00 4B), the word's bytes 4-7: result bytes
-        # the word's byte c, 00, 00, 4B. (With the constant second and the selector an
-        # immediate, ptxas rebuilt the selector in a register every time.)
-        return ws.foreach(lambda v, _: _prmt(magic, v, 0x3104 + c), create_array=True,
+        return ws.foreach(lambda v, _: _prmt(magic, v, selector), create_array=True,
                           is_signed=False)
     return magic_byte(word)
 
@@ -332,6 +349,15 @@ def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_s
 # An index word's byte under 0x64 is the float16 1024 + byte (10 mantissa bits: any byte)
 _F16_MAGIC = 0x64646464
 _F16_NAN = 0x7E007E00  # a float16 NaN in both halves
+# A dither pair: scale p's low half (bytes 0, 1 of a), scale p + 1's high half (bytes 6, 7)
+_SCALES_SELECTOR = 0x7610
+
+
+def _pair_selector(c: int) -> int:
+    """The ``prmt`` selector of a coordinate pair: the magic constant first (``a``: bytes
+    0x64), the fields' word second; bytes ``c`` and ``c + 1`` of the fields under 0x64, the
+    float16 pair ``(1024 + field_c, 1024 + field_c+1)``."""
+    return (4 + c) | ((5 + c) << 8)
 
 
 def _pairs(config: HNLQConfig) -> tuple:
@@ -370,7 +396,8 @@ def _a_operand(levels: list, scales: list, config: HNLQConfig, interpret: bool):
     words]``: block ``p``'s packed fields, and its ``2^(alpha T - e_A)`` as float16 in both
     halves) give ``U`` (:func:`_pairs`) registers a word, ``(P_c, P_c+1) 2^(alpha T -
     e_A)``: P exact from the fields under :data:`_F16_MAGIC` (one ``prmt`` a pair) less
-    ``1024 + bias``, then rounded once by the product."""
+    ``1024 + bias``, times the float16 scale (rounded: the scale was itself rounded to
+    float16, so about 1.5 2^-11 relative at most)."""
     pairs = _pairs(config)
     U = len(pairs)
     rows, words = levels[0].shape
@@ -379,16 +406,13 @@ def _a_operand(levels: list, scales: list, config: HNLQConfig, interpret: bool):
         vals = []
         for kind, p, c in pairs:
             if kind == "coords":
-                lo = (levels[p] >> jnp.uint32(8 * c)) & jnp.uint32(255)
-                hi = (levels[p] >> jnp.uint32(8 * c + 8)) & jnp.uint32(255)
-                h = jax.lax.bitcast_convert_type(lo | (hi << jnp.uint32(16))
-                                                 | jnp.uint32(_F16_MAGIC & 0xFF00FF00),
-                                                 jnp.float16)
+                bits = _prmt(jnp.uint32(_F16_MAGIC), levels[p], _pair_selector(c), True)
+                h = jax.lax.bitcast_convert_type(bits, jnp.float16)
                 v = (h - offset) * jax.lax.bitcast_convert_type(scales[p], jnp.float16)
             else:
-                hi = jnp.uint32(0) if c is None else scales[c] & jnp.uint32(0xFFFF0000)
-                v = jax.lax.bitcast_convert_type((scales[p] & jnp.uint32(0xFFFF)) | hi,
-                                                 jnp.float16)
+                bits = (scales[p] & jnp.uint32(0xFFFF) if c is None
+                        else _prmt(scales[p], scales[c], _SCALES_SELECTOR, True))
+                v = jax.lax.bitcast_convert_type(bits, jnp.float16)
             vals.append(v)
         return _k_major(jnp.stack(vals).transpose(0, 3, 1, 2))  # [U, rows, words, 2]
     from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
@@ -419,13 +443,13 @@ def _a_operand(levels: list, scales: list, config: HNLQConfig, interpret: bool):
                     static_position=ir.DenseI64ArrayAttr.get([e]))
                 v, s = [elem(a) for a in lv], [elem(a) for a in sc]
                 for u, (kind, p, c) in enumerate(pairs):
-                    if kind == "coords":  # bytes c, c + 1 of the fields, 0x64 above each
+                    if kind == "coords":
                         h = mgpu_utils.bitcast(
-                            _prmt(const(_F16_MAGIC), v[p], (4 + c) | ((5 + c) << 8)), h2)
+                            _prmt(const(_F16_MAGIC), v[p], _pair_selector(c)), h2)
                         r = arith.mulf(arith.subf(h, off), mgpu_utils.bitcast(s[p], h2))
-                    else:  # scale p's low half, scale c's high half (or zeros)
+                    else:
                         bits = (arith.andi(s[p], const(0xFFFF)) if c is None
-                                else _prmt(s[p], s[c], 0x7610))
+                                else _prmt(s[p], s[c], _SCALES_SELECTOR))
                         r = mgpu_utils.bitcast(bits, h2)
                     out[_a_register(idx, e, u, U)] = r
         return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
@@ -506,6 +530,8 @@ def _prepare(op: str, x, codes: Codes, fn: str, given: dict) -> tuple:
         raise ValueError(f"{fn}: at most {rows} rows of x, got {B}")
     t = launch_params(op, config, n, nb, B)
     t.update({k: v for k, v in given.items() if v is not None})
+    if given.get("stages") is None:  # the table's, for the caller's tiles
+        _fit_stages(op, t, config, B)
     why = _launch_error(op, t, config, B)
     if why:
         raise ValueError(f"{fn}: {why}")
@@ -709,12 +735,17 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     t["splits"] = max(1, min(-(-waves * sms // row_tiles), tiles))
     resident = t.pop("resident")
     if view is not None:
-        # stages past what shared memory holds (x's planes grow with its rows) are dropped
-        while t["stages"] > 1 and _smem_bytes(op, t, config, batch) > _SMEM_BYTES:
-            t["stages"] -= 1
+        _fit_stages(op, t, config, batch)
         resident = min(resident, _resident_cap(op, t, config, batch))
     t["programs"] = resident * sms
     return t
+
+
+def _fit_stages(op: str, t: dict, config: HNLQConfig, batch: int):
+    """Drops ``t``'s stages past what a program's shared memory holds (x's planes grow with its
+    rows; in place)."""
+    while t["stages"] > 1 and _smem_bytes(op, t, config, batch) > _SMEM_BYTES:
+        t["stages"] -= 1
 
 
 def _resident_cap(op: str, t: dict, config: HNLQConfig, batch: int) -> int:
@@ -799,8 +830,9 @@ def _mma_exponent(config: HNLQConfig) -> int:
 def _mma_planes(x, config: HNLQConfig, nb: int, bb: int, bw: int) -> tuple:
     """x's planes as the wgmma's B operand, float16 ``[2 U words, bb]`` (K permuted as
     :func:`_a_operand`'s; x's rows padded to ``bb``), each row of x scaled by ``2^-e`` (exact)
-    to put its largest finite plane in ``[2^14, 2^15)``: float16's range and its 11 bits for
-    any x. Returns them and ``e + e_A`` for x's rows, the exponents that scale the product
+    to put its largest finite plane in ``[2^14, 2^15)``: any row fits float16's range, and
+    its planes keep 11 bits down to 2^-28 of its largest (docs/kernels.md, "Precision").
+    Returns them and ``e + e_A`` for x's rows, the exponents that scale the product
     back (:func:`_mma_exponent`)."""
     g = _word_view(config)[0]
     B = x.shape[0]

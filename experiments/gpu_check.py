@@ -185,22 +185,23 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
     A's winner (the keys it names replace the winner's). ``quick``: ``gemv``'s tuning-table
     entry with its blocks one by one and in pairs, and tiles of pairs."""
     if op == "gemv_mosaic":  # kernels.mosaic_gpu.gemv: rows a program, words a step, stages
-        if quick:
+        if quick:  # and about one work item a program (each item fills its own pipeline)
             entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
             return [entry] + [dict(entry, block_w=bw) for bw in (16, 32, 64)
-                              if bw != entry["block_w"]], []
+                              if bw != entry["block_w"]] + [dict(entry, waves=1)], []
         a = [dict(block_n=bn, block_w=bw, stages=4, waves=4)
              for bn in (64, 128) for bw in ((16, 32, 64) if batch == 1 else (16, 32))]
         return a, [dict(stages=2), dict(stages=8), dict(waves=2), dict(waves=8),
                    dict(resident=1), dict(resident=3)]  # (shared memory holds at most 3)
     if op == "decode_matmul_mosaic":  # kernels.mosaic_gpu.decode_matmul (wgmma)
         entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
-        if quick:  # the planes through shared memory, taller tiles, longer steps, and two
-            # programs a multiprocessor (the tables and two stages each: 8 warps, not 4)
+        if quick:  # the planes through shared memory, taller tiles, longer steps, two
+            # programs a multiprocessor (the tables and two stages each: 8 warps, not 4), and
+            # about one work item a program (each item fills its own pipeline)
             return [entry, dict(entry, a_registers=not entry["a_registers"]),
                     dict(entry, block_n=2 * entry["block_n"]),
                     dict(entry, block_w=2 * entry["block_w"]),
-                    dict(entry, stages=2, resident=2)], []
+                    dict(entry, stages=2, resident=2), dict(entry, waves=1)], []
         # (with A in registers, block_w must hold x's padded rows: invalid ones fail at once)
         a = [dict(entry, block_n=bn, block_w=bw, a_registers=r)
              for bn in (64, 128) for bw in (16, 32, 64) for r in (True, False)]

@@ -518,8 +518,17 @@ def _decode_kernel(idx_ref, t_ref, *refs, config: HNLQConfig, first: int, n: int
     u = _read_u(t_ref, row, col, L, config)
     cols = _decoded(ks, u, tab[0] if tab else None, pow_ref, beta_ref, config, o_ref.dtype,
                     interpret, first)
-    for j, c in enumerate(cols):
-        pltriton.store(o_ref.at[:, _at(j)], c, mask=live)
+    pltriton.store(o_ref, _interleaved(cols), mask=live[:, None])
+
+
+def _interleaved(cols: list):
+    """Columns ``[bn]`` as one tile ``[bn, len(cols)]`` (a power of two), from Triton's
+    two-argument joins: ``join(join(c0, c2), join(c1, c3))`` is ``[bn, 2, 2]`` with ``c(2k +
+    l)`` at ``[:, k, l]``."""
+    if len(cols) == 1:
+        return cols[0][:, None]
+    tile = jnp.stack([_interleaved(cols[0::2]), _interleaved(cols[1::2])], axis=-1)
+    return tile.reshape(tile.shape[0], len(cols))
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))

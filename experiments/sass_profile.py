@@ -68,16 +68,19 @@ CASES = [("gemv", 1, {}), ("gemv", 8, {}),
 
 
 # Every other variant the kernels' code takes (T views, corrupt-index masks, the dither's
-# planes, other codebooks, A's two paths), compiled at 1024^2 to check that each assembles:
-# (lattice, q, max_T, dither, kernel, rows of x, launch parameters)
-VARIANTS = [("D4", 4, 20, False, "gemv", 2, {}), ("D4", 4, 20, False, "decode_matmul", 16, {}),
-            ("D4", 3, 14, False, "gemv", 1, {}),
-            ("D4", 3, 14, False, "decode_matmul", 32, {"a_registers": True}),
-            ("D4", 4, 14, True, "gemv", 8, {}),
-            ("D4", 4, 14, True, "decode_matmul", 5, {"a_registers": False}),
-            ("D4", 4, 14, True, "decode_matmul", 12, {"a_registers": True}),
-            ("A2", 8, 14, False, "gemv", 1, {}), ("A2", 8, 14, False, "decode_matmul", 16, {}),
-            ("Z2", 8, 14, False, "decode_matmul", 64, {"a_registers": False})]
+# planes, other codebooks, one block a word, A's two paths), compiled at 1024^2 to check that
+# each assembles: (lattice, q, M, max_T, dither, kernel, rows of x, launch parameters)
+VARIANTS = [("D4", 4, 2, 20, False, "gemv", 2, {}),
+            ("D4", 4, 2, 20, False, "decode_matmul", 16, {}),
+            ("D4", 3, 2, 14, False, "gemv", 1, {}),
+            ("D4", 3, 2, 14, False, "decode_matmul", 32, {"a_registers": True}),
+            ("D4", 4, 2, 14, True, "gemv", 8, {}),
+            ("D4", 4, 2, 14, True, "decode_matmul", 5, {"a_registers": False}),
+            ("D4", 4, 2, 14, True, "decode_matmul", 12, {"a_registers": True}),
+            ("D4", 2, 4, 20, True, "decode_matmul", 16, {"a_registers": True}),
+            ("A2", 8, 2, 14, False, "gemv", 1, {}),
+            ("A2", 8, 2, 14, False, "decode_matmul", 16, {}),
+            ("Z2", 8, 2, 14, False, "decode_matmul", 64, {"a_registers": False})]
 
 
 def _compile(kernel: str, cfg, n: int, batch: int, params: dict):
@@ -113,15 +116,16 @@ def compile_variants() -> list:
     """:data:`VARIANTS`, each compiled: ``"ok"`` or the error."""
     import hnlq_jax as hq
     out = []
-    for lattice, q, max_t, dither, kernel, batch, params in VARIANTS:
-        cfg = hq.HNLQConfig(lattice, q, 2, max_T=max_t,  # (the dither's variants are D4's)
+    for lattice, q, M, max_t, dither, kernel, batch, params in VARIANTS:
+        cfg = hq.HNLQConfig(lattice, q, M, max_T=max_t,  # (the dither's variants are D4's)
                             dither=(0.1, -0.2, 0.05, 0.3) if dither else None)
         try:
             _compile(kernel, cfg, 1024, batch, params)
             result = "ok"
         except Exception as e:  # noqa: BLE001  (reported)
             result = f"{type(e).__name__}: {e}"[:300]
-        out.append({"config": f"{lattice} q={q} max_T={max_t}" + (" dither" if dither else ""),
+        out.append({"config": f"{lattice} q={q} M={M} max_T={max_t}"
+                    + (" dither" if dither else ""),
                     "kernel": kernel, "batch": batch, "params": params, "result": result})
     return out
 
@@ -196,7 +200,8 @@ def markdown(out: dict) -> str:
                             "a word (8 weights)", "a weight", "most frequent"], rows)
     bad = [v for v in out["variants"] if v["result"] != "ok"]
     checked = (f"The other variants of the kernels' code ({len(out['variants'])}: 8-bit T, "
-               "q=3 with its corrupt-index mask, the dither, A2, Z2, A's two paths) compiled "
+               "q=3 with its corrupt-index mask, the dither, one block a word, A2, Z2, A's "
+               "two paths) compiled "
                "for sm_90a at 1024²: "
                + ("all assembled." if not bad else
                   "failed: " + "; ".join(f"{v['config']} {v['kernel']} {v['batch']} rows: "

@@ -390,6 +390,11 @@ def _a_register(idx: tuple, e: int, u: int, pairs: int) -> tuple:
     return idx[:1] + (2 * pairs * idx[1] + pairs * e + u,) + idx[2:]
 
 
+def _planes(config: HNLQConfig) -> int:
+    """The A operand's planes (K columns) an index word: two a pair (:func:`_pairs`)."""
+    return 2 * len(_pairs(config))
+
+
 def _a_operand(levels: list, scales: list, config: HNLQConfig, interpret: bool):
     """The A operand ``[rows, 2 U words]`` (float16, the wgmma's register layout; K in
     :func:`_k_major`'s order) of a tile's blocks: ``levels[p]``, ``scales[p]`` (uint32 ``[rows,
@@ -460,7 +465,7 @@ def _chunk_words(config: HNLQConfig, bw: int, batch: int) -> int:
     """Index words a wgmma of :func:`decode_matmul` takes: the fewest (a multiple of 8, the
     layout's column group) dividing ``bw`` whose planes are whole swizzle tiles of x's operand
     (its padded rows), so that decoding the next words overlaps the tensor cores' product."""
-    planes = 2 * len(_pairs(config))
+    planes = _planes(config)
     for cw in range(8, bw + 1, 8):
         if bw % cw == 0 and (planes * cw) % _mma_rows(batch) == 0:
             return cw
@@ -472,7 +477,7 @@ def _mma_kernel(w_gmem, t_gmem, x_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, po
                 steps: int, stages: int, interpret: bool):
     _load_tables(tab_gmem, pow_gmem, tab_smem, pow_smem, barrier)
     bb = x_gmem.shape[1]
-    kw = 2 * len(_pairs(config)) * cw  # x's rows (K) of a chunk of cw words
+    kw = _planes(config) * cw  # x's rows (K) of a chunk of cw words
 
     def step(acc_ref, w_smem, t_smem, x_smem):
         w_all = plgpu.layout_cast(w_smem[...], _LAYOUT)  # [bn, bw] index words
@@ -668,7 +673,7 @@ def _smem_bytes(op: str, t: dict, config: HNLQConfig, batch: int) -> int:
     if op == "gemv":
         bb = 1 << max(0, batch - 1).bit_length()  # x's rows, padded to a power of two
         return tables + t["stages"] * (codes + g * (config.d + 1) * bb * bw * 4)
-    planes = 2 * len(_pairs(config))
+    planes = _planes(config)
     a = 0 if t["a_registers"] else planes * bn * bw * 2
     return tables + a + t["stages"] * (codes + planes * bw * _mma_rows(batch) * 2)
 
@@ -683,7 +688,7 @@ def _launch_error(op: str, t: dict, config: HNLQConfig, batch: int) -> str | Non
     if t["block_n"] % 64 or t["block_w"] % 16:
         return (f"block_n must be a multiple of 64 and block_w of 16, got {t['block_n']}, "
                 f"{t['block_w']}")
-    planes = 2 * len(_pairs(config))
+    planes = _planes(config)
     if op == "decode_matmul" and t["a_registers"] and planes * t["block_w"] % _mma_rows(batch):
         # x's tile [planes block_w, rows] is swizzled along its rows; a wgmma with A in
         # registers takes K in whole swizzle tiles (Mosaic GPU's lowering refuses the rest)
@@ -865,7 +870,7 @@ def _mma_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, prog
     splits = nb // g // bw // steps
     kernel = functools.partial(_mma_kernel, config=config, g=g, bn=bn, bw=bw, cw=cw,
                                steps=steps, stages=stages, interpret=interpret)
-    planes = 2 * len(_pairs(config))
+    planes = _planes(config)
     scratch = [] if a_registers else [plgpu.SMEM((bw // cw, bn, planes * cw), jnp.float16)]
     w, tf, tab, pow_tab = _operands(codes, f16=True)
     out = _launch(kernel, (splits, n, xk.shape[1]), programs, (tab, pow_tab), scratch,

@@ -411,16 +411,11 @@ def _encode_kernel(x_ref, scale_ref, *refs, config: HNLQConfig, thresholds, unit
         pltriton.store(next_ref[0], jnp.where(active, t, -1), mask=live)
 
 
-def _encode_call(x, start, scales, config: HNLQConfig, interpret, block: int, gpu_backend,
-                 once: bool):
+def _encode_call(x, start, scales, config: HNLQConfig, thresholds, unit, interpret,
+                 block: int, gpu_backend, once: bool):
     """One kernel pass over blocks ``x [N, d]`` (from ``start``'s steps, or their bounds):
     ``(index, T)``, and with ``once`` the steps still to try."""
     N, d = x.shape
-    with jax.ensure_compile_time_eval():
-        _, thresholds = codec.scale_tables(config, config.beta, x.dtype)
-        unit = codec.norm_unit(thresholds)
-        thresholds = [float(v) for v in np.asarray(thresholds * unit)]
-        unit = float(unit)
     bn = _tile(N, block)
     tiles = pl.BlockSpec((bn,), lambda i: (i,))
     vec = jax.ShapeDtypeStruct((N,), jnp.int32)
@@ -447,28 +442,27 @@ def _encode_pallas(x, config, interpret, block, gpu_backend):
     work. Each block's result depends on its own data only: the codes are the same. With at
     most four tiles the loop runs over all of them."""
     N = x.shape[0]
-    S = _pow2_at_least(config.max_T + 1)
     with jax.ensure_compile_time_eval():
-        scales = _padded(codec.scale_tables(config, config.beta, x.dtype)[0], S)
-    call = functools.partial(_encode_call, scales=scales, config=config, interpret=interpret,
-                             block=block, gpu_backend=gpu_backend)
+        scales, thresholds = codec.scale_tables(config, config.beta, x.dtype)
+        unit = codec.norm_unit(thresholds)
+        thresholds = [float(v) for v in np.asarray(thresholds * unit)]
+        scales = _padded(scales, _pow2_at_least(config.max_T + 1))
+    call = functools.partial(_encode_call, scales=scales, config=config, thresholds=thresholds,
+                             unit=float(unit), interpret=interpret, block=block,
+                             gpu_backend=gpu_backend)
     if N <= 4 * block:
         return tuple(call(x, None, once=False))
     index, T, t_next = call(x, None, once=True)
     active = t_next >= 0
 
-    def compact(cap):
+    def compact(cap, codes):
         at = codec.active_index(active, cap)  # N in the empty slots
         take = jnp.minimum(at, N - 1)
         sub_index, sub_T = call(x[take], jnp.where(at < N, t_next[take], -1), once=False)
-        return (index.at[at].set(sub_index, mode="drop"), T.at[at].set(sub_T, mode="drop"))
+        return (codes[0].at[at].set(sub_index, mode="drop"),
+                codes[1].at[at].set(sub_T, mode="drop"))
 
-    count = jnp.sum(active)
-    branch = jnp.where(count == 0, 0, 1 + (count > N // 4).astype(jnp.int32)
-                       + (count > N // 2))
-    return jax.lax.switch(branch, [lambda: (index, T), functools.partial(compact, N // 4),
-                                   functools.partial(compact, N // 2),
-                                   functools.partial(compact, N)])
+    return codec.by_share_left(active, (index, T), compact, functools.partial(compact, N))
 
 
 def encode(x, config: HNLQConfig, *, interpret=None, block: int = 256,

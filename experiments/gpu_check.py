@@ -7,7 +7,12 @@ measured):
 1. **ceilings**: a device-to-device copy (bytes read + written) and a bfloat16 GEMV at
    8192^2, against the device's HBM peak: the GEMV row must read 70-90 % before any ratio
    against it means anything.
-2. **sweep**: the launch parameters (rows and blocks per program, warps, stages, split-K
+2. **tests**: ``tests/test_kernels.py`` and ``tests/test_kernels_mosaic_gpu.py`` (or
+   ``--tests``) natively, in a process of their own, at most ``TESTS_LIMIT`` seconds: the
+   kernels compiled by Triton and Mosaic GPU against XLA on the GPU. First, so that a kernel
+   that faults (an illegal address breaks the whole process's CUDA context) or hangs is found
+   there: the sweep then leaves the Mosaic GPU kernels out (:func:`device_fault`).
+3. **sweep**: the launch parameters (rows and blocks per program, warps, stages, split-K
    waves) of ``kernels.gemv`` (Triton) and ``kernels.mosaic_gpu.gemv`` (Mosaic GPU, the
    codebooks it holds: D4) at batch 1 and 8 and of ``kernels.decode_matmul`` and
    ``kernels.mosaic_gpu.decode_matmul`` (tensor cores) at batch 16 and 64 (``--quick``: 16),
@@ -16,21 +21,25 @@ measured):
    (:func:`pick_backends`); the winners go into
    ``hnlq_jax/kernels/gpu_tiles.py`` (``--write-tiles`` after the run) and into this run's
    table.
-3. **matmul**: ``hq.matmul(x, codes, implementation="pallas")`` (``gemv`` up to 8 rows,
+4. **matmul**: ``hq.matmul(x, codes, implementation="pallas")`` (``gemv`` up to 8 rows,
    ``decode_matmul`` beyond) against a bfloat16 ``jnp.dot`` of the dense weight, XLA's int4
    weight-only product with group-128 bfloat16 scales (int4 -> convert -> scale -> dot, fused
    by XLA: what a JAX user would pick instead) and decode-then-dot (``"xla"``), bfloat16
    activations, 4096^2, 8192^2 and 28672 x 8192 (an LLM MLP's up-projection), batch 1, 4, 16,
    64.
-4. **tests**: ``tests/test_kernels.py`` and ``tests/test_kernels_mosaic_gpu.py`` (or
-   ``--tests``) natively: the kernels compiled by Triton and Mosaic GPU against XLA on the GPU.
 5. **codec**: encode and decode of N D4 vectors, bytes in + out over device time (the front
    doors, and the kernels at 1024 and 4096 blocks per program).
 6. **torch**: ``QuantizedLinear`` on CUDA tensors beside ``F.linear`` in bfloat16, and the
    bridge's cost per call at batch 1 (wall clock), split into its parts.
 
-and, between 2 and 3, **ncu**: Nsight Compute's sections for one ``gemv`` launch into
+and, between 3 and 4, **ncu**: Nsight Compute's sections for one ``gemv`` launch into
 ``results/gpu_ncu.txt`` (what bounds the kernel).
+
+A first run on a device is when kernels break, so the run protects what it has measured: a
+sweep candidate whose error shows a broken CUDA context ends the run's work on the device
+(recorded as ``fault``; rerun with ``--no-mosaic`` if it was a Mosaic GPU kernel), and a
+:class:`Watchdog` writes the results and ends the process when a candidate runs past
+``CANDIDATE_LIMIT`` seconds or a part past the budget by a minute (recorded as ``hung``).
 
 Every time is device time (:func:`hnlq_jax.timing.device_time`: CUPTI, the weight rotating
 through copies that together are 3x the L2), so neither side runs from cache.
@@ -40,19 +49,22 @@ Writes ``results/gpu_check.json`` (after every part), ``results/gpu_check.md``,
 ``--write-tiles`` the sweep's winners into the tuning table, both from the saved JSON. Without
 a GPU it stops with exit status 2 unless ``--allow-cpu`` (a smoke run at tiny sizes).
 
-Usage: ``python experiments/gpu_check.py [--budget 420] [--allow-cpu] [--skip-tests]``
+Usage: ``python experiments/gpu_check.py [--budget 420] [--quick] [--allow-cpu] [--skip-tests]
+[--no-mosaic]``
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import functools
 import json
+import os
 import pathlib
 import pprint
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -76,6 +88,10 @@ HBM_PEAK = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "H10
 CONFIGS = {"D4": hq.HNLQConfig("D4", 4, 2), "E8": hq.HNLQConfig("E8", 4, 2)}
 SHAPES = [(4096, 4096), (8192, 8192), (28672, 8192)]  # (n, k): y[b, n] = x[b, k] W[n, k]^T
 BATCHES = (1, 4, 16, 64)
+# Seconds the native tests may take (they run first, in a process of their own) and one sweep
+# candidate (compile + 10 timed runs: ~5-20 s) before the run counts it as hung
+TESTS_LIMIT = 240
+CANDIDATE_LIMIT = 120
 
 
 def peak_bandwidth(kind: str):
@@ -95,6 +111,46 @@ class Clock:
         return self.end - time.monotonic()
 
 
+# What a kernel's failure on the device looks like when it takes the process's CUDA context
+# with it (everything after it in the process fails too) or crashes a pytest worker
+FATAL = ("illegal memory access", "ILLEGAL_ADDRESS", "misaligned address", "illegal instruction",
+         "unspecified launch failure", "LAUNCH_FAILED", "Fatal Python error", "node down",
+         "crashed")
+
+
+def device_fault(text: str) -> str | None:
+    """The first sign in ``text`` (an error or a test run's output) of a kernel that broke
+    the device context or its process; ``None`` where there is none."""
+    return next((m for m in FATAL if m in text), None)
+
+
+class Watchdog:
+    """Ends the run, its results written, when the step it guards runs past its limit: a
+    kernel that never returns (a barrier no thread arrives at) would otherwise hold the lease
+    to its end with nothing written. ``on_expiry(label)`` is called once, from a thread."""
+
+    def __init__(self, on_expiry):
+        self.on_expiry = on_expiry
+        self.label, self.deadline = None, float("inf")
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    @contextlib.contextmanager
+    def guard(self, label: str, seconds: float):
+        """Within the block, ``label`` must finish in ``seconds`` (and by any outer limit)."""
+        outer = self.label, self.deadline
+        self.label = label
+        self.deadline = min(self.deadline, time.monotonic() + seconds)
+        try:
+            yield
+        finally:
+            self.label, self.deadline = outer
+
+    def _watch(self):
+        while time.monotonic() <= self.deadline:
+            time.sleep(0.2)
+        self.on_expiry(self.label)
+
+
 def pytest_command(*targets: str, workers: int = 4) -> list:
     """The pytest command line run from the repository root (several workers share the GPU:
     ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` is set by :func:`run_tests`)."""
@@ -102,18 +158,25 @@ def pytest_command(*targets: str, workers: int = 4) -> list:
             *(targets or ("tests/test_kernels.py",))]
 
 
-def run_tests(targets, clock):
+def run_tests(targets, clock, limit: float = TESTS_LIMIT):
+    """The kernel tests natively, in a process of their own (a kernel that faults or hangs
+    there costs at most ``limit`` seconds). ``fault``: the sign of a kernel that broke its
+    process (:func:`device_fault`), or that the tests ran past ``limit``."""
     # the programs users run: JAX's default compilation, not the tests' fast settings
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "HNLQ_TEST_FAST_COMPILE": "0"}
     try:
         r = subprocess.run(pytest_command(*targets), cwd=ROOT, capture_output=True, text=True,
-                           env=env, timeout=max(clock.left() - 5, 1))
+                           env=env, timeout=max(min(clock.left() - 5, limit), 1))
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        budget = clock.left() < 10
         return {"targets": list(targets), "returncode": None,
-                "summary": out.strip().splitlines()[-15:] + ["(stopped at the time budget)"]}
-    lines = (r.stdout + r.stderr).strip().splitlines()
-    return {"targets": list(targets), "returncode": r.returncode, "summary": lines[-15:]}
+                "fault": None if budget else f"the tests ran past {limit:.0f} s",
+                "summary": out.strip().splitlines()[-15:]
+                + ["(stopped at the time budget)" if budget else f"(stopped after {limit:.0f} s)"]}
+    text = r.stdout + r.stderr
+    return {"targets": list(targets), "returncode": r.returncode, "fault": device_fault(text),
+            "summary": text.strip().splitlines()[-15:]}
 
 
 def _copies(a, nbytes):
@@ -245,18 +308,29 @@ SWEEP = QUICK_SWEEP + (("decode_matmul_mosaic", 1), ("decode_matmul", 64),
 _MOSAIC = {"gemv_mosaic": "gemv", "decode_matmul_mosaic": "decode_matmul"}
 
 
-def sweep(clock, small, quick=False):
+def sweep(clock, small, quick=False, skip_mosaic=None, guard=None):
     """The kernels' launch parameters per op, lattice and batch class, timed; returns every
-    row and the winners ({op: {lattice: {"batch<=B": entry}}})."""
+    row and the winners ({op: {lattice: {"batch<=B": entry}}}).
+
+    ``skip_mosaic``: why the Mosaic GPU kernels are not timed (``None``: they are).
+    ``guard(label, seconds)``: a context each candidate runs in (:meth:`Watchdog.guard`). A
+    candidate whose error shows a broken device context (:func:`device_fault`) ends the
+    sweep (``"fault"``): nothing after it in this process can run."""
     n = 256 if small else 8192
     generation = kernels.pallas.gpu_generation(jax.devices()[0]) or "sm90"
+    guard = guard or (lambda *_: contextlib.nullcontext())
+    limit = float("inf") if small else CANDIDATE_LIMIT  # (interpret mode takes its time)
     rows, best, winners = [], {}, {}
+    out = {"n": n, "rows": rows, "best": best}
+    if skip_mosaic:
+        out["mosaic_skipped"] = skip_mosaic
     for lattice, cfg in CONFIGS.items():
         codes = hq.encode_rows(_weight(n, n), cfg)
         ws = _copies(codes, _nbytes(codes))
         ref_w = hq.decode(codes, implementation="xla")
         for op, batch in (QUICK_SWEEP if quick else SWEEP):
-            if op in _MOSAIC and kernels.mosaic_gpu.unsupported(cfg, _MOSAIC[op]):
+            if op in _MOSAIC and (skip_mosaic
+                                  or kernels.mosaic_gpu.unsupported(cfg, _MOSAIC[op])):
                 continue
             x = _x(batch, n)
             ref = jnp.dot(x.astype(jnp.float32), ref_w.T, precision="highest")
@@ -287,11 +361,16 @@ def sweep(clock, small, quick=False):
                     row = {"op": op, "lattice": lattice, "batch": batch, "entry": entry,
                            "splits": t["splits"]}
                     try:
-                        row.update(_timed(lambda x, c: fn(x, c), x, ws, None, _nbytes(codes),
-                                          ref))
+                        with guard(f"sweep {op} {lattice} batch {batch} {entry}", limit):
+                            row.update(_timed(lambda x, c: fn(x, c), x, ws, None,
+                                              _nbytes(codes), ref))
                     except Exception as e:  # noqa: BLE001  (a candidate that fails to compile)
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     rows.append(row)
+                    if device_fault(row.get("error", "")):
+                        out["fault"] = row["error"]
+                        pick_backends(best, winners)
+                        return out
                     if "seconds" in row and row["rel_diff"] < 1e-2 and (  # bf16 output
                             winner is None or row["seconds"] < winner["seconds"]):
                         winner = row
@@ -300,7 +379,7 @@ def sweep(clock, small, quick=False):
                     winner["entry"]
                 winners[op, lattice, batch] = winner
     pick_backends(best, winners)
-    return {"n": n, "rows": rows, "best": best}
+    return out
 
 
 def pick_backends(best: dict, winners: dict):
@@ -481,6 +560,17 @@ def markdown(out) -> str:
              "the L2.", ""]
     for name, err in out.get("errors", {}).items():
         lines += [f"**{name} failed**: `{err.splitlines()[0][:300]}`", ""]
+    if out.get("hung"):
+        lines += [f"**Stopped: `{out['hung']}` ran past its limit** (the results before it "
+                  "are below).", ""]
+    if out.get("fault"):
+        lines += [f"**The device context broke** (nothing after it ran): "
+                  f"`{out['fault'].splitlines()[0][:300]}`", ""]
+    if (out.get("sweep") or {}).get("mosaic_skipped"):
+        lines += [f"Mosaic GPU kernels not timed: {out['sweep']['mosaic_skipped']}.", ""]
+    if out.get("skipped"):
+        lines += [f"Parts not run (time budget or a broken context): "
+                  f"{', '.join(out['skipped'])}.", ""]
     c = out.get("ceilings")
     if c:
         lines += ["| ceiling | time | GB/s | % of HBM peak |", "|---|---|---|---|",
@@ -609,6 +699,9 @@ def main(argv=None):
     p.add_argument("--tests", nargs="+",
                    default=["tests/test_kernels.py", "tests/test_kernels_mosaic_gpu.py"],
                    help="test files (or node ids) to run natively")
+    p.add_argument("--no-mosaic", action="store_true",
+                   help="leave the Mosaic GPU kernels out of the sweep (a rerun after one "
+                        "faulted or hung: the report names it)")
     p.add_argument("--profile-target", action="store_true",
                    help="only run the products ncu profiles (the profile part runs this)")
     report.add_report_flag(p)
@@ -649,15 +742,36 @@ def main(argv=None):
     def save():
         (RESULTS / f"gpu_check{suffix}.json").write_text(json.dumps(out, indent=1))
 
+    def finish():
+        out["timing"] = "CUPTI" if not small else "wall clock (no GPU)"
+        save()
+        md = markdown(out)
+        (RESULTS / f"gpu_check{suffix}.md").write_text(md + "\n")
+        try:
+            plot(out, RESULTS / f"gpu_check{suffix}.png")
+        except Exception:  # noqa: BLE001  (a missing matplotlib must not lose the numbers)
+            traceback.print_exc()
+        print(md, flush=True)
+
+    def hung(label):
+        out["hung"] = label
+        print(f"gpu_check: {label} ran past its limit; results written, stopping", flush=True)
+        finish()
+        os._exit(3)  # the main thread waits on the device: only the process can end
+
+    watchdog = Watchdog(hung)
+
     def section(name, f, *f_args, need=10):
         """One part into ``out[name]``; a part that raises is recorded (and the run goes on:
-        a lease is short, and a first run on a device is when parts break)."""
-        if clock.left() < need:
+        a lease is short, and a first run on a device is when parts break). After a fault
+        (the device context broken) nothing more runs in this process."""
+        if clock.left() < need or out.get("fault"):
             out.setdefault("skipped", []).append(name)
             return
         t = time.monotonic()
-        try:
-            out[name] = f(*f_args)
+        try:  # a part may overrun the budget by a minute (its last candidate, its report)
+            with watchdog.guard(name, clock.left() + 60):
+                out[name] = f(*f_args)
         except Exception as e:  # noqa: BLE001  (reported, not handled)
             traceback.print_exc()
             out.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
@@ -667,8 +781,18 @@ def main(argv=None):
         save()
 
     section("ceilings", ceilings, peak, small)
-    section("sweep", sweep, clock, small, args.quick, need=60)
+    # The native tests first, in a process of their own: a kernel that faults or hangs on
+    # the device is found there, and the sweep then leaves the Mosaic GPU kernels out
+    # (Triton's have run on an H100 before; the Mosaic GPU ones had not)
+    if not args.skip_tests:
+        section("tests", run_tests, args.tests, clock, need=30)
+    fault = (out.get("tests") or {}).get("fault")
+    skip_mosaic = ("--no-mosaic" if args.no_mosaic else
+                   f"the native tests broke their process ({fault})" if fault else None)
+    section("sweep", sweep, clock, small, args.quick, skip_mosaic, watchdog.guard, need=60)
     if out.get("sweep"):  # this run's products use the winners, as the table will
+        if out["sweep"].get("fault"):
+            out["fault"] = out["sweep"]["fault"]
         gpu_tiles.TILES[env["generation"]] = merged_tiles(
             gpu_tiles.TILES.get(env["generation"], {}), out["sweep"]["best"])
     if not small and not args.quick:  # what bounds gemv: where the next kernel change starts
@@ -676,21 +800,11 @@ def main(argv=None):
     section("matmul", matmul_table, clock, peak, small,
             (1, 16) if small else (1, 4, 16) if args.quick else BATCHES,
             [(8192, 8192)] if args.quick else SHAPES, need=60)
-    if not args.skip_tests:
-        section("tests", run_tests, args.tests, clock, need=30)
     section("codec", codec_bandwidth, peak, small)
     section("torch", torch_path, small)
-    out["timing"] = "CUPTI" if not small else "wall clock (no GPU)"
-    save()
-    md = markdown(out)
-    (RESULTS / f"gpu_check{suffix}.md").write_text(md + "\n")
-    try:
-        plot(out, RESULTS / f"gpu_check{suffix}.png")
-    except Exception:  # noqa: BLE001  (a missing matplotlib must not lose the numbers)
-        traceback.print_exc()
-    print(md)
+    finish()
     tests_ok = out.get("tests") is None or out["tests"]["returncode"] == 0
-    return 0 if tests_ok and not out.get("errors") else 1
+    return 0 if tests_ok and not out.get("errors") and not out.get("fault") else 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import importlib.util
 import pathlib
 import subprocess
 import sys
+import time
 import warnings
 
 import jax
@@ -752,6 +753,75 @@ def test_gpu_check_sweep_table_and_report_run(monkeypatch):
     env = dict(device="cpu", backend="cpu", jax=jax.__version__, python="3")
     md = gpu_check.markdown({"environment": env, "sweep": sw, "matmul": rows})
     assert "| 256 x 256 | 16 |" in md and "0 failed to run" in md
+
+
+def test_gpu_check_watchdog_fires_once_for_an_overrun():
+    """A guarded step past its limit calls on_expiry with its label (once: the run ends
+    there), an outer limit bounding an inner one; steps in time do not."""
+    gpu_check = _gpu_check()
+    fired = []
+    dog = gpu_check.Watchdog(fired.append)
+    with dog.guard("part", 30):
+        with dog.guard("candidate in time", 5):
+            pass
+        time.sleep(0.5)
+    assert fired == []
+    with dog.guard("part", 0.2):
+        with dog.guard("candidate", 30):  # the part's limit still holds
+            time.sleep(1.0)
+    assert fired == ["candidate"]
+    time.sleep(0.5)
+    assert fired == ["candidate"]
+
+
+def test_gpu_check_stops_at_a_broken_device_context(monkeypatch):
+    """A candidate whose error shows a broken CUDA context ends the sweep (nothing after it
+    runs in that process); a fault in the native tests, or --no-mosaic, leaves the Mosaic GPU
+    kernels out of the sweep."""
+    gpu_check = _gpu_check()
+    calls = []
+
+    def timed(fn, x, ws, peak, nbytes, ref=None, iterations=10):
+        calls.append(fn)
+        if len(calls) == 2:
+            raise RuntimeError("INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access "
+                               "was encountered")
+        return {"seconds": 1e-3, "rel_diff": 0.0}
+
+    monkeypatch.setattr(gpu_check, "_timed", timed)
+    monkeypatch.setattr(gpu_check, "sweep_candidates",
+                        lambda *a, **k: ([dict(block_n=8, block_k=32)] * 3, []))
+    sw = gpu_check.sweep(gpu_check.Clock(3600), small=True, quick=True)
+    assert len(calls) == 2 and len(sw["rows"]) == 2
+    assert "ILLEGAL_ADDRESS" in sw["fault"] and sw["rows"][1]["error"] == sw["fault"]
+    assert gpu_check.device_fault("FAILED test_x - AssertionError: 0.1 > 0.01") is None
+    assert gpu_check.device_fault("[gw1] node down: Not properly terminated") == "node down"
+
+    calls.clear()
+    monkeypatch.setattr(gpu_check, "_timed",
+                        lambda *a, **k: calls.append(1) or {"seconds": 1e-3, "rel_diff": 0.0})
+    sw = gpu_check.sweep(gpu_check.Clock(3600), small=True, quick=True, skip_mosaic="--no-mosaic")
+    assert {r["op"] for r in sw["rows"]} == {"gemv", "decode_matmul"}
+    assert sw["mosaic_skipped"] == "--no-mosaic" and "fault" not in sw
+    env = dict(device="cpu", backend="cpu", jax=jax.__version__, python="3")
+    md = gpu_check.markdown({"environment": env, "sweep": sw, "fault": "RuntimeError: x",
+                             "skipped": ["matmul"]})
+    assert "Mosaic GPU kernels not timed: --no-mosaic" in md and "context broke" in md
+
+
+@pytest.mark.parametrize("script,fault", [
+    ("print('3 passed')", None),
+    ("import sys; print('Fatal Python error: Aborted'); sys.exit(134)", "Fatal Python error"),
+    ("import time; time.sleep(30)", "the tests ran past 1 s")])
+def test_gpu_check_tests_report_a_fault_or_hang(monkeypatch, script, fault):
+    """The native tests' process: a crash's sign or a run past the limit is a fault (the sweep
+    then leaves the Mosaic GPU kernels out); a run that only ends the budget is not."""
+    gpu_check = _gpu_check()
+    monkeypatch.setattr(gpu_check, "pytest_command", lambda *t: [sys.executable, "-c", script])
+    r = gpu_check.run_tests(["t"], gpu_check.Clock(3600), limit=1)
+    assert r["fault"] == fault
+    if fault is None:
+        assert r["returncode"] == 0 and r["summary"] == ["3 passed"]
 
 
 def test_gpu_check_command_parses():

@@ -382,6 +382,23 @@ def test_gemv_pairs_split_into_2M_columns(cfg):
     np.testing.assert_allclose(f(jnp.asarray(x)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+def test_products_of_nonfinite_x_rows():
+    """A row of x with an inf or a NaN gives a row of y with no finite value in every GPU
+    product (x is folded into beta C^T x and the fields' bias before the sum, so inf meets
+    -inf: NaN, where the reference gives +-inf at nonzero weights; docs/kernels.md); the
+    other rows are the product of the decoded weights."""
+    codes = _weights(D4, 12, 64)
+    x = np.random.default_rng(6).standard_normal((4, 64)).astype(np.float32)
+    ref = _decoded_product(x, codes)
+    x[1, 5], x[3, 40] = np.inf, np.nan
+    for f in [*(functools.partial(K.gemv, block_n=4, **how) for how in _GEMV_METHODS.values()),
+              functools.partial(K.decode_matmul, compute_dtype=jnp.float32)]:
+        y = np.asarray(f(jnp.asarray(x), codes, out_dtype=jnp.float32))
+        assert not np.isfinite(y[[1, 3]]).any()
+        np.testing.assert_allclose(y[[0, 2]], ref[[0, 2]], rtol=1e-5,
+                                   atol=1e-5 * np.abs(ref).max())
+
+
 def test_gemv_failed_blocks_bias_and_front_door():
     """A failed block (T = -1) or an index past q^d gives a NaN row and leaves the others; the
     packed fields' bias is exact for one-hot activations; matmul takes gemv for a few rows."""

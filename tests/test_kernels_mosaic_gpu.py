@@ -70,6 +70,21 @@ BF16_ATOL = 4e-3
 BIG_T = hq.HNLQConfig("D4", 4, 2, beta=0.35, alpha=1.0, max_T=14)  # 2^(alpha T) up to 2^14
 
 
+@pytest.mark.parametrize("kernel", ["gemv", "decode_matmul"])
+def test_nonfinite_x_rows(kernel):
+    """A row of x with an inf or a NaN gives a row of y with no finite value, as in the Triton
+    kernels (x folded before the sum: inf meets -inf); the other rows are the product."""
+    codes = _weights(D4, 64, 128)
+    dtype = jnp.float32 if kernel == "gemv" else jnp.float16
+    x = np.asarray(_x(4, 128, dtype=dtype)).copy()
+    ref = _decoded_product(jnp.asarray(x), codes)
+    x[1, 5], x[3, 40] = np.inf, np.nan
+    y = np.asarray(getattr(mg, kernel)(jnp.asarray(x), codes, jnp.float32, **SMALL))
+    assert not np.isfinite(y[[1, 3]]).any()
+    atol = 2e-6 if kernel == "gemv" else F16_ATOL
+    np.testing.assert_allclose(y[[0, 2]], ref[[0, 2]], rtol=0, atol=atol * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("cfg,batch,splits,programs,a_registers,block_w", [
     (D4, 16, 1, None, None, 16), (D4, 5, 2, 3, False, 16), (D4_DITHER, 40, 2, None, False, 16),
     (D4_DITHER, 12, 2, 2, None, 16),

@@ -308,20 +308,22 @@ SWEEP = QUICK_SWEEP + (("decode_matmul_mosaic", 1), ("decode_matmul", 64),
 _MOSAIC = {"gemv_mosaic": "gemv", "decode_matmul_mosaic": "decode_matmul"}
 
 
-def sweep(clock, small, quick=False, skip_mosaic=None, guard=None):
+def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None):
     """The kernels' launch parameters per op, lattice and batch class, timed; returns every
     row and the winners ({op: {lattice: {"batch<=B": entry}}}).
 
     ``skip_mosaic``: why the Mosaic GPU kernels are not timed (``None``: they are).
     ``guard(label, seconds)``: a context each candidate runs in (:meth:`Watchdog.guard`). A
     candidate whose error shows a broken device context (:func:`device_fault`) ends the
-    sweep (``"fault"``): nothing after it in this process can run."""
+    sweep (``"fault"``): nothing after it in this process can run. ``out``: the dict to
+    fill as the rows come (a run stopped by the watchdog keeps them), returned."""
     n = 256 if small else 8192
     generation = kernels.pallas.gpu_generation(jax.devices()[0]) or "sm90"
     guard = guard or (lambda *_: contextlib.nullcontext())
     limit = float("inf") if small else CANDIDATE_LIMIT  # (interpret mode takes its time)
     rows, best, winners = [], {}, {}
-    out = {"n": n, "rows": rows, "best": best}
+    out = {} if out is None else out
+    out.update(n=n, rows=rows, best=best)
     if skip_mosaic:
         out["mosaic_skipped"] = skip_mosaic
     for lattice, cfg in CONFIGS.items():
@@ -789,7 +791,9 @@ def main(argv=None):
     fault = (out.get("tests") or {}).get("fault")
     skip_mosaic = ("--no-mosaic" if args.no_mosaic else
                    f"the native tests broke their process ({fault})" if fault else None)
-    section("sweep", sweep, clock, small, args.quick, skip_mosaic, watchdog.guard, need=60)
+    out["sweep"] = {}  # filled row by row: a run the watchdog stops keeps what was timed
+    section("sweep", sweep, clock, small, args.quick, skip_mosaic, watchdog.guard,
+            out["sweep"], need=60)
     if out.get("sweep"):  # this run's products use the winners, as the table will
         if out["sweep"].get("fault"):
             out["fault"] = out["sweep"]["fault"]

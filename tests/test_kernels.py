@@ -793,8 +793,8 @@ def test_gpu_check_watchdog_fires_once_for_an_overrun():
 
 def test_gpu_check_stops_at_a_broken_device_context(monkeypatch):
     """A candidate whose error shows a broken CUDA context ends the sweep (nothing after it
-    runs in that process); a fault in the native tests, or --no-mosaic, leaves the Mosaic GPU
-    kernels out of the sweep."""
+    runs in that process), its rows in the caller's dict as they come; a fault in the native
+    tests, or --no-mosaic, leaves the Mosaic GPU kernels out of the sweep."""
     gpu_check = _gpu_check()
     calls = []
 
@@ -808,8 +808,9 @@ def test_gpu_check_stops_at_a_broken_device_context(monkeypatch):
     monkeypatch.setattr(gpu_check, "_timed", timed)
     monkeypatch.setattr(gpu_check, "sweep_candidates",
                         lambda *a, **k: ([dict(block_n=8, block_k=32)] * 3, []))
-    sw = gpu_check.sweep(gpu_check.Clock(3600), small=True, quick=True)
-    assert len(calls) == 2 and len(sw["rows"]) == 2
+    into = {}  # what the watchdog writes if the sweep never returns
+    sw = gpu_check.sweep(gpu_check.Clock(3600), small=True, quick=True, out=into)
+    assert sw is into and len(calls) == 2 and len(sw["rows"]) == 2
     assert "ILLEGAL_ADDRESS" in sw["fault"] and sw["rows"][1]["error"] == sw["fault"]
     assert gpu_check.device_fault("FAILED test_x - AssertionError: 0.1 > 0.01") is None
     assert gpu_check.device_fault("[gw1] node down: Not properly terminated") == "node down"

@@ -106,15 +106,14 @@ def profile(name: str, repeat: int) -> dict:
 def kernel_attempts(attempts, tile: int = 256) -> dict:
     """The GPU encode kernel's work in attempts a block (a tile's loop runs as long as its
     slowest block): one pass over all blocks, and one attempt over all then the loop over the
-    blocks left, gathered in order into the buffer of N/4, N/2 or N that holds them
-    (``kernels.encode``)."""
+    blocks left, in order, a tile at a time (``kernels.encode``; the last tile's empty slots
+    try nothing)."""
     n = attempts.size
     one = np.max(attempts.reshape(-1, tile), axis=1).sum() * tile / n
     left = attempts[attempts > 1] - 1
-    cap = next((c for c in (n // 4, n // 2, n) if left.size <= c), n) if left.size else 0
-    buf = np.zeros(cap, np.int64)
+    buf = np.zeros(-(-left.size // tile) * tile, np.int64)
     buf[:left.size] = left
-    two = 1 + (np.max(buf.reshape(-1, tile), axis=1).sum() * tile / n if cap else 0)
+    two = 1 + np.max(buf.reshape(-1, tile), axis=1).sum() * tile / n
     return {"tile": tile, "one_pass": float(one), "two_passes": float(two)}
 
 

@@ -127,13 +127,14 @@ def test_encode_edge_cases():
                        hq.encode(xb, cfg, failures="mark", **XLA))
 
 
-@pytest.mark.parametrize("spread,branch", [(0.0, 0), (0.5, 1), (0.7, 2), (8.0, 3)],
+@pytest.mark.parametrize("spread,share", [(0.0, 0), (0.5, 1), (0.7, 2), (8.0, 3)],
                          ids=["none-left", "under-a-quarter", "under-half", "most-and-failed"])
-def test_encode_second_pass(spread, branch):
+def test_encode_second_pass(spread, share):
     """Past four tiles the kernel makes one attempt over every block, then runs the overload
-    loop over the blocks still unresolved, gathered into a buffer of N/4, N/2 or N by their
-    share (``branch``: the one this data takes): the reference's codes in each, with a NaN
-    block and blocks failing at max_T."""
+    loop over the blocks still unresolved, their rows gathered in the kernel (``share``: how
+    many this data leaves, none, under a quarter, under a half, more): the reference's codes
+    in each, with a NaN block and blocks failing at max_T. No conditional in the program (on
+    a GPU an XLA conditional copies its branch index to the host: a sync a call)."""
     cfg = D4
     x = np.random.default_rng(3).standard_normal((2048, 4)) * spread * 8 * cfg.beta
     x[5] = np.nan
@@ -149,8 +150,12 @@ def test_encode_second_pass(spread, branch):
                             axis=1))
     T = np.asarray(T)
     left = np.sum((T > t0) | ((T == -1) & (t0 < cfg.max_T) & np.isfinite(x).all(axis=1)))
-    assert branch == (0 if left == 0 else 1 + (left > 512) + (left > 1024))
-    assert (branch < 3) or (T == -1).sum() > 1  # failures besides the NaN block
+    assert share == (0 if left == 0 else 1 + (left > 512) + (left > 1024))
+    assert (share < 3) or (T == -1).sum() > 1  # failures besides the NaN block
+    program = jax.make_jaxpr(lambda x: K.encode(x, cfg, block=64))(x)
+    [call] = program.eqns  # the jitted encode
+    names = [e.primitive.name for e in call.params["jaxpr"].eqns]
+    assert names.count("pallas_call") == 2 and "cond" not in names and "while" not in names
 
 
 @given(st.integers(0, 2**31 - 1), st.sampled_from([0.25, 1.0, 3.0]))

@@ -361,30 +361,13 @@ def _index_columns(idx_ref, M: int, mask, at=()):
 # ----------------------------------------------------------------------------------- encode
 
 
-def _encode_kernel(x_ref, scale_ref, *refs, config: HNLQConfig, thresholds, unit, n: int,
-                   once: bool):
-    """Algorithm 1's overload loop on a tile of blocks, from each block's first step: the
-    reference's lower bound from its norm, or ``t_ref``'s (``-1``: an empty slot). ``once``:
-    one attempt, and ``next_ref`` gets the step a block tries next (``-1``: done)."""
-    start = refs[0] if len(refs) == 3 + once else None
-    idx_ref, T_ref, *next_ref = refs[len(refs) - 2 - once:]
-    d, max_T = config.d, config.max_T
-    bn = T_ref.shape[0]
-    live = pl.program_id(0) * bn + _iota(bn) < n
-    x = [_load(x_ref.at[:, _at(j)], live) for j in range(d)]
+def _search(x: list, t, active, scale_ref, *, config: HNLQConfig, once: bool) -> tuple:
+    """Algorithm 1's overload loop over a tile of blocks (``x``: their ``d`` columns) from
+    each block's step ``t`` where ``active``: ``(t, active, T, index)``, the steps reached,
+    the blocks still unresolved, their T (``-1``: failed or not tried) and ``M`` index
+    columns. ``once``: one attempt (``t``, ``active``: where the loop would go on)."""
+    max_T = config.max_T
     dtype = x[0].dtype
-    finite = jnp.isfinite(x[0])
-    for c in x[1:]:
-        finite = finite & jnp.isfinite(c)
-    if start is None:
-        norm = jnp.sqrt(sumsq([jnp.where(finite, c * dtype.type(unit), 0) for c in x]))
-        # The reference's lower bound on T, the number of thresholds below the norm, against
-        # constant thresholds (both in units of codec.norm_unit).
-        t = jnp.zeros(norm.shape, jnp.int32)
-        for th in thresholds:
-            t = t + (dtype.type(th) < norm).astype(jnp.int32)
-    else:
-        t = _load(start, live)
     z = [dtype.type(v) for v in config.dither_array]
 
     def attempt(state):
@@ -400,69 +383,134 @@ def _encode_kernel(x_ref, scale_ref, *refs, config: HNLQConfig, thresholds, unit
     def any_active(state):
         return jnp.max(state[1].astype(jnp.int32)) > 0
 
-    state = (t, finite & (t >= 0) & (t <= max_T), jnp.full(t.shape, -1, jnp.int32),
-             tuple(jnp.zeros(t.shape, jnp.int32) for _ in range(d)))
+    state = (t, active, jnp.full(t.shape, -1, jnp.int32),
+             tuple(jnp.zeros(t.shape, jnp.int32) for _ in range(config.d)))
     state = attempt(state) if once else jax.lax.while_loop(any_active, attempt, state)
     t, active, T, digits = state
-    for m, k in enumerate(codec.index_from_digits(list(digits), config)):
+    return t, active, T, codec.index_from_digits(list(digits), config)
+
+
+def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *next_ref, config: HNLQConfig, thresholds,
+                   unit, n: int):
+    """Algorithm 1 on a tile of blocks from each block's first step (the reference's lower
+    bound from its norm). With ``next_ref``: one attempt, and ``next_ref`` gets the step a
+    block tries next (``-1``: done)."""
+    bn = T_ref.shape[0]
+    live = pl.program_id(0) * bn + _iota(bn) < n
+    x = [_load(x_ref.at[:, _at(j)], live) for j in range(config.d)]
+    dtype = x[0].dtype
+    finite = jnp.isfinite(x[0])
+    for c in x[1:]:
+        finite = finite & jnp.isfinite(c)
+    norm = jnp.sqrt(sumsq([jnp.where(finite, c * dtype.type(unit), 0) for c in x]))
+    # The reference's lower bound on T, the number of thresholds below the norm, against
+    # constant thresholds (both in units of codec.norm_unit).
+    t = jnp.zeros(norm.shape, jnp.int32)
+    for th in thresholds:
+        t = t + (dtype.type(th) < norm).astype(jnp.int32)
+    t, active, T, index = _search(x, t, finite & (t <= config.max_T), scale_ref, config=config,
+                                  once=bool(next_ref))
+    for m, k in enumerate(index):
         pltriton.store(idx_ref.at[:, _at(m)], k.astype(idx_ref.dtype), mask=live)
     pltriton.store(T_ref, T, mask=live)
-    if once:
+    if next_ref:
         pltriton.store(next_ref[0], jnp.where(active, t, -1), mask=live)
 
 
-def _encode_call(x, start, scales, config: HNLQConfig, thresholds, unit, interpret,
-                 block: int, gpu_backend, once: bool):
-    """One kernel pass over blocks ``x [N, d]`` (from ``start``'s steps, or their bounds):
-    ``(index, T)``, and with ``once`` the steps still to try."""
+def _encode_left_kernel(count_ref, left_ref, x_ref, t_ref, scale_ref, _index, _T, idx_ref,
+                        T_ref, *, config: HNLQConfig, bn: int, programs: int):
+    """The overload loop over the blocks a first attempt left unresolved (``left``: their
+    rows, the first ``count`` of them), ``bn`` at a time, program ``p`` taking tiles ``p``,
+    ``p + programs``, ... while there are any: each block's columns of x and next step
+    gathered by its row, its codes stored at its row (elsewhere the outputs keep the first
+    attempt's codes: they alias them). The count is read here, on the device: no host sync."""
+    count = count_ref[0]
+    n = left_ref.shape[0]
+    first = pl.program_id(0) * bn
+    stride = programs * bn
+
+    def tile(k, carry):
+        slots = first + k * stride + _iota(bn)
+        live = slots < count
+        rows = _load(left_ref.at[jnp.minimum(slots, n - 1)], live)
+        x = [_load(x_ref.at[rows, _at(j)], live) for j in range(config.d)]
+        t = _load(t_ref.at[rows], live)
+        _, _, T, index = _search(x, t, live, scale_ref, config=config, once=False)
+        for m, k_m in enumerate(index):
+            pltriton.store(idx_ref.at[rows, _at(m)], k_m.astype(idx_ref.dtype), mask=live)
+        pltriton.store(T_ref.at[rows], T, mask=live)
+        return carry
+
+    jax.lax.fori_loop(0, jax.lax.div(jnp.maximum(count - first, 0) + stride - 1, stride),
+                      tile, 0)
+
+
+def _encode_call(x, scales, config: HNLQConfig, thresholds, unit, interpret, block: int,
+                 gpu_backend, once: bool):
+    """One kernel pass over blocks ``x [N, d]``: ``(index, T)``, and with ``once`` (one
+    attempt) the steps still to try."""
     N, d = x.shape
     bn = _tile(N, block)
     tiles = pl.BlockSpec((bn,), lambda i: (i,))
     vec = jax.ShapeDtypeStruct((N,), jnp.int32)
     return pl.pallas_call(
-        functools.partial(_encode_kernel, config=config, thresholds=thresholds, unit=unit, n=N,
-                          once=once),
+        functools.partial(_encode_kernel, config=config, thresholds=thresholds, unit=unit, n=N),
         grid=(pl.cdiv(N, bn),),
         in_specs=[pl.BlockSpec((bn, d), lambda i: (i, 0)),
-                  pl.BlockSpec(scales.shape, lambda i: (0,))] + [tiles] * (start is not None),
+                  pl.BlockSpec(scales.shape, lambda i: (0,))],
         out_specs=[pl.BlockSpec((bn, config.M), lambda i: (i, 0)), tiles] + [tiles] * once,
         out_shape=[jax.ShapeDtypeStruct((N, config.M), index_dtype(config)), vec]
         + [vec] * once,
         interpret=interpret,
         compiler_params=_compiler_params(gpu_backend, "encode"),
-    )(x, scales, *([] if start is None else [start]))
+    )(x, scales)
+
+
+def _encode_left_call(x, t_next, index, T, scales, config: HNLQConfig, interpret, block: int,
+                      gpu_backend):
+    """The second pass over the blocks whose ``t_next >= 0``, into ``index`` and ``T``."""
+    N = x.shape[0]
+    active = t_next >= 0
+    count = jnp.sum(active, dtype=jnp.int32)[None]
+    left = codec.active_index(active, N)  # their rows first, N after them
+    # persistent programs: a few a multiprocessor, fewer for small inputs
+    programs = min(pl.cdiv(N, block), 8 * gpu_target()[1])
+    operands = (count, left, x, t_next, scales, index, T)
+    return pl.pallas_call(
+        functools.partial(_encode_left_kernel, config=config, bn=block, programs=programs),
+        grid=(programs,),
+        in_specs=[_whole(a) for a in operands],
+        out_specs=[_whole(index), _whole(T)],
+        out_shape=[jax.ShapeDtypeStruct(index.shape, index.dtype),
+                   jax.ShapeDtypeStruct(T.shape, T.dtype)],
+        input_output_aliases={5: 0, 6: 1},
+        interpret=interpret,
+        compiler_params=_compiler_params(gpu_backend, "encode"),
+    )(*operands)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _encode_pallas(x, config, interpret, block, gpu_backend):
     """One attempt over every block, then the overload loop over the blocks still unresolved
-    (a quarter to a half for Gaussian data), gathered into the smaller buffer of N/4 or N/2
-    that holds them: a tile's loop runs as long as its slowest block (about 4 attempts for
-    256 blocks where a block needs 1.3 on average), so looping over all N did about 3x the
-    work. Each block's result depends on its own data only: the codes are the same. With at
-    most four tiles the loop runs over all of them."""
+    (a quarter to a half for Gaussian data), their rows gathered by the kernel: a tile's loop
+    runs as long as its slowest block (about 4 attempts for 256 blocks where a block needs
+    1.3 on average), so looping over all N did about 3x the work. No conditional: the count
+    left stays on the device (an XLA conditional on a GPU copies its branch to the host, a
+    sync a call). Each block's result depends on its own data only: the codes are the same.
+    With at most four tiles the loop runs over all of them."""
     N = x.shape[0]
     with jax.ensure_compile_time_eval():
         scales, thresholds = codec.scale_tables(config, config.beta, x.dtype)
         unit = codec.norm_unit(thresholds)
         thresholds = [float(v) for v in np.asarray(thresholds * unit)]
         scales = _padded(scales, _pow2_at_least(config.max_T + 1))
-    call = functools.partial(_encode_call, scales=scales, config=config, thresholds=thresholds,
-                             unit=float(unit), interpret=interpret, block=block,
-                             gpu_backend=gpu_backend)
+    call = functools.partial(_encode_call, x, scales, config, thresholds, float(unit),
+                             interpret, block, gpu_backend)
     if N <= 4 * block:
-        return tuple(call(x, None, once=False))
-    index, T, t_next = call(x, None, once=True)
-    active = t_next >= 0
-
-    def compact(cap, codes):
-        at = codec.active_index(active, cap)  # N in the empty slots
-        take = jnp.minimum(at, N - 1)
-        sub_index, sub_T = call(x[take], jnp.where(at < N, t_next[take], -1), once=False)
-        return (codes[0].at[at].set(sub_index, mode="drop"),
-                codes[1].at[at].set(sub_T, mode="drop"))
-
-    return codec.by_share_left(active, (index, T), compact, functools.partial(compact, N))
+        return tuple(call(once=False))
+    index, T, t_next = call(once=True)
+    return tuple(_encode_left_call(x, t_next, index, T, scales, config, interpret,
+                                   _tile(N, block), gpu_backend))
 
 
 def encode(x, config: HNLQConfig, *, interpret=None, block: int = 256,

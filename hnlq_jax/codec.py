@@ -270,21 +270,12 @@ def _search(st: _Search, config: HNLQConfig, scales, z) -> _Search:
                           digits=s.digits.at[:, idx].set(sub.digits, mode="drop"),
                           T=s.T.at[idx].set(sub.T, mode="drop"))
 
-    return by_share_left(st.active, st, compact, loop)
-
-
-def by_share_left(active, operand, compact, rest):
-    """The rest of an overload search by the share of blocks still active (``active [n]``
-    bool) after a first attempt: ``operand`` as it is where none are, ``compact(cap,
-    operand)`` with the smaller buffer of ``cap`` = n/4 or n/2 that holds them, else
-    ``rest(operand)``. One switch rather than nested conds: each conditional boundary costs
-    copies on XLA:CPU. (The XLA search and the encode kernel's second pass.)"""
-    n = active.shape[0]
-    count = jnp.sum(active)
+    count = jnp.sum(st.active)
+    # One switch rather than nested conds: each conditional boundary costs copies on XLA:CPU.
     branch = jnp.where(count == 0, 0, 1 + (count > n // 4).astype(jnp.int32)
                        + (count > n // 2))
-    return jax.lax.switch(branch, [lambda o: o, functools.partial(compact, n // 4),
-                                   functools.partial(compact, n // 2), rest], operand)
+    return jax.lax.switch(branch, [lambda s: s, functools.partial(compact, n // 4),
+                                   functools.partial(compact, n // 2), loop], st)
 
 
 def active_index(mask, cap: int):

@@ -32,7 +32,9 @@ measured):
    passes) in wall clock a call with 20 calls queued, beside its device time (a host sync in
    the call would show as the difference).
 6. **torch**: ``QuantizedLinear`` on CUDA tensors beside ``F.linear`` in bfloat16, and the
-   bridge's cost per call at batch 1 (wall clock), split into its parts.
+   bridge's cost per call at batch 1 (wall clock), split into its parts (the JAX call synced
+   and with 20 queued: dispatch apart from the wait), and the layer's host time by function
+   under cProfile (:func:`host_profile`: what the parts leave out).
 
 and, between 3 and 4, **ncu**: Nsight Compute's sections for one ``gemv`` launch into
 ``results/gpu_ncu.txt`` (what bounds the kernel).
@@ -527,8 +529,30 @@ def torch_path(small):
                 "F.linear_s": _torch_wall(lambda: F.linear(x, lin.weight)),
                 "to_jax_s": _torch_wall(lambda: to_jax(x)),
                 "jax_call_s": _torch_wall(lambda: jitted(xj, codes).block_until_ready()),
-                "to_torch_s": _torch_wall(lambda: to_torch(y))})
+                "jax_queued_s": _queued_wall(lambda: jitted(xj, codes)),
+                "to_torch_s": _torch_wall(lambda: to_torch(y)),
+                "host_profile": host_profile(lambda: q(x))})
     return rows
+
+
+def host_profile(f, calls: int = 50, top: int = 12) -> list[dict]:
+    """Where ``f``'s host time goes: the ``top`` functions by their own time under cProfile
+    over ``calls`` calls (builtins too: a DLPack import or a stream handshake shows by name),
+    each with its calls, own and cumulative microseconds a call of ``f``. cProfile inflates
+    Python-heavy functions; the order, not the sum, is the finding."""
+    import cProfile
+    import pstats
+    f()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        f()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (prim calls, calls, own, cum, _)}
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{pathlib.Path(file).name}:{line}({name})" if line else name,
+             "calls": n / calls, "own_us": own / calls * 1e6, "cumulative_us": cum / calls * 1e6}
+            for (file, line, name), (_, n, own, cum, _) in ranked]
 
 
 def profile_target():
@@ -653,13 +677,23 @@ def markdown(out) -> str:
         lines.append("")
     if out.get("torch"):
         lines += ["| torch, batch 1 (wall clock per call) | QuantizedLinear | F.linear bf16 | "
-                  "to_jax(x) | jitted hq.matmul | to_torch(y) |", "|---|---|---|---|---|---|"]
+                  "to_jax(x) | jitted hq.matmul | the same, 20 queued | to_torch(y) |",
+                  "|---|---|---|---|---|---|---|"]
         for r in out["torch"]:
             parts = " | ".join(f"{r[k] * 1e6:.0f} µs" if k in r else "n/a"
-                               for k in ("to_jax_s", "jax_call_s", "to_torch_s"))
+                               for k in ("to_jax_s", "jax_call_s", "jax_queued_s",
+                                         "to_torch_s"))
             lines.append(f"| {r['lattice']} {r['n']}² | {r['quantized_s'] * 1e6:.0f} µs | "
                          f"{r['F.linear_s'] * 1e6:.0f} µs | {parts} |")
         lines.append("")
+        first = out["torch"][0]
+        if first.get("host_profile"):
+            lines += [f"Where `QuantizedLinear`'s host time goes ({first['lattice']}, cProfile "
+                      "over 50 calls, µs a call):", "",
+                      "| function | calls | own | cumulative |", "|---|---|---|---|"]
+            lines += [f"| `{p['function']}` | {p['calls']:g} | {p['own_us']:.1f} | "
+                      f"{p['cumulative_us']:.1f} |" for p in first["host_profile"]]
+            lines.append("")
     tests = out.get("tests")
     if tests:
         lines += [f"`pytest {' '.join(tests['targets'])}` natively: {tests['summary'][-1]}", ""]

@@ -1,10 +1,12 @@
 """Shared test set-up: 8 fake CPU devices (before any JAX op), a persistent compilation cache,
 bounded memory maps, golden files, hypothesis, compile counting."""
 
+import importlib
 import importlib.util
 import os
 import pathlib
 import socket
+import sys
 
 # One persistent XLA compilation cache for a test run: its xdist workers and the subprocesses
 # the tests start (inheriting these variables) compile the same encoders and kernels again and
@@ -48,6 +50,16 @@ settings.register_profile(
     "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("ci")
+
+
+def experiment(name):
+    """The module of the script ``experiments/<name>.py`` (the scripts import each other by
+    their names, so their folder is on the path while it loads)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "experiments"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 def load_golden(name):

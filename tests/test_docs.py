@@ -13,6 +13,7 @@ import sys
 import types
 
 import pytest
+from conftest import experiment
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 FENCE = re.compile(r"^```python( fragment)?\n(.*?)^```", re.S | re.M)
@@ -89,11 +90,7 @@ def test_docs_tables_are_their_scripts_reports(tmp_path):
 
 def test_write_between_markers_refuses_duplicated_markers(tmp_path):
     """A page holding a table's markers twice is an error, not a silent update of one copy."""
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        from report import write_between_markers
-    finally:
-        sys.path.pop(0)
+    write_between_markers = experiment("report").write_between_markers
     page = tmp_path / "page.md"
     page.write_text("<!-- t:begin -->\nold\n<!-- t:end -->\n")
     write_between_markers(page, "t", "new")

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import golden_config, load_golden
+from conftest import experiment, golden_config, load_golden
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.extend.core import ClosedJaxpr, Jaxpr
@@ -688,22 +688,13 @@ def test_lowers_for_cuda_mosaic_gpu(monkeypatch):
     assert "custom_call @mosaic_gpu" in text
 
 
-def _gpu_check():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.pop(0)
-    return gpu_check
-
-
 def test_gpu_check_picks_the_faster_backend():
     """The sweep names a Mosaic GPU kernel the backend only where its winner beat what
     hq.matmul would run instead (or that had none): up to 8 rows, Mosaic's gemv against
     Triton's and the tensor-core kernel against both; beyond, the tensor-core kernel against
     Triton's decode_matmul. The report still finds each winner's time (the entry with a
     backend is Triton's tiles)."""
-    gpu_check = _gpu_check()
+    gpu_check = experiment("gpu_check")
     tri = dict(block_n=16, block_k=256, num_warps=4, num_stages=1, waves=4)
     mos = dict(block_n=64, block_w=32, stages=4, waves=4, resident=2)
     t = {("gemv", 1): 50, ("gemv_mosaic", 1): 20, ("decode_matmul_mosaic", 1): 30,
@@ -733,7 +724,7 @@ def test_gpu_check_picks_the_faster_backend():
 def test_gpu_check_merges_winners_per_batch_class():
     """A sweep's winners replace the table's entries class by class: a quick run (batch 16
     only) keeps a full run's batch-64 class, other lattices and other ops."""
-    gpu_check = _gpu_check()
+    gpu_check = experiment("gpu_check")
     table = {"decode_matmul": {"D4": {"batch<=16": {"block_n": 32},
                                       "batch<=64": {"block_n": 64, "backend": "mosaic_gpu"}},
                                "E8": {"batch<=16": {"block_n": 16}}},
@@ -755,7 +746,7 @@ def test_gpu_check_sweep_table_and_report_run(monkeypatch):
     kernels where this jax has them): the quick sweep with each op's first candidate, the
     backend choice, the product table with the winners, the report. Every candidate runs
     and matches the float32 product (a lease is too short to find gpu_check's own bugs)."""
-    gpu_check = _gpu_check()
+    gpu_check = experiment("gpu_check")
     real = gpu_check.sweep_candidates
     monkeypatch.setattr(gpu_check, "sweep_candidates",
                         lambda *a, **k: (real(*a, **k)[0][:1], []))
@@ -780,7 +771,7 @@ def test_gpu_check_sweep_table_and_report_run(monkeypatch):
 def test_gpu_check_watchdog_fires_once_for_an_overrun():
     """A guarded step past its limit calls on_expiry with its label (once: the run ends
     there), an outer limit bounding an inner one; steps in time do not."""
-    gpu_check = _gpu_check()
+    gpu_check = experiment("gpu_check")
     fired = []
     dog = gpu_check.Watchdog(fired.append)
     with dog.guard("part", 30):
@@ -802,7 +793,7 @@ def test_gpu_check_stops_at_a_broken_device_context(monkeypatch):
     """A candidate whose error shows a broken CUDA context ends the sweep (nothing after it
     runs in that process), its rows in the caller's dict as they come; a fault in the native
     tests, or --no-mosaic, leaves the Mosaic GPU kernels out of the sweep."""
-    gpu_check = _gpu_check()
+    gpu_check = experiment("gpu_check")
     calls = []
 
     def timed(fn, x, ws, peak, nbytes, ref=None, iterations=10):
@@ -841,7 +832,7 @@ def test_gpu_check_stops_at_a_broken_device_context(monkeypatch):
 def test_gpu_check_tests_report_a_fault_or_hang(monkeypatch, script, fault):
     """The native tests' process: a crash's sign or a run past the limit is a fault (the sweep
     then leaves the Mosaic GPU kernels out); a run that only ends the budget is not."""
-    gpu_check = _gpu_check()
+    gpu_check = experiment("gpu_check")
     monkeypatch.setattr(gpu_check, "pytest_command", lambda *t: [sys.executable, "-c", script])
     r = gpu_check.run_tests(["t"], gpu_check.Clock(3600), limit=1)
     assert r["fault"] == fault
@@ -852,7 +843,7 @@ def test_gpu_check_tests_report_a_fault_or_hang(monkeypatch, script, fault):
 def test_gpu_check_command_parses():
     """experiments/gpu_check.py runs this file through pytest: its command line must parse
     with the project's pytest options (collection only here)."""
-    cmd = _gpu_check().pytest_command("tests/test_kernels.py::test_gpu_check_command_parses")
+    cmd = experiment("gpu_check").pytest_command("tests/test_kernels.py::test_gpu_check_command_parses")
     r = subprocess.run(cmd + ["--collect-only", "-q"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

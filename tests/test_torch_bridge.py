@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import experiment
 
 import hnlq_jax as hq
 import torch_bridge as tb
@@ -419,3 +420,20 @@ def test_lut_products_bit_for_bit():
         tb.lut.dot(tA, tb.encode(torch.zeros(3, 5, 5, 4), cfg.replace(beta=0.1)))
     with pytest.raises(TypeError, match="torch_bridge.Codes"):
         tb.lut.matmul(cA, tB)
+
+
+def test_gpu_check_times_the_bridge_and_profiles_it():
+    """gpu_check's torch part at the smoke size (CPU tensors): both layers timed beside
+    F.linear with the bridge's parts, and the first layer's host time profiled down to the
+    bridge's own functions, all in the report (a lease is too short to find its bugs)."""
+    gpu_check = experiment("gpu_check")
+    rows = gpu_check.torch_path(True)
+    assert [r["lattice"] for r in rows] == list(gpu_check.CONFIGS)
+    keys = ("quantized_s", "F.linear_s", "to_jax_s", "jax_call_s", "jax_queued_s", "to_torch_s")
+    assert all(0 < r[k] < 1 for r in rows for k in keys)
+    profile = rows[0]["host_profile"]
+    assert len(profile) == 12 and profile == sorted(profile, key=lambda p: -p["own_us"])
+    assert any("codes_matmul" in p["function"] for p in profile)
+    md = gpu_check.markdown({"environment": dict(device="cpu", backend="cpu", jax="0",
+                                                 python="3"), "torch": rows})
+    assert "| D4 256² |" in md and "| E8 256² |" in md and "host time goes (D4" in md

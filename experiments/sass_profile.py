@@ -12,6 +12,10 @@ q=4 M=2). A memory-bound kernel must stay under the GPU's issue rate: an H100 is
 33·10^12 thread instructions a second against 3.35·10^12 bytes of HBM, so ~10 instructions a
 byte of codes (5/8 byte a weight: ~6 a weight) is where a kernel stops being memory-bound.
 
+It also lists the kernels each compiled call launches (the kernel and the XLA operations
+around it: x's planes, the split-K sums), and those of ``hq.matmul(..., "pallas")`` (Triton's
+kernels today) at batch 1-64: at a GEMV's 10-50 us, each launch's microsecond or two counts.
+
 Needs (not the project's dependencies: a GPU toolchain on a CPU machine):
 ``pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
 nvidia-cuda-nvdisasm``, and a ``ptxas`` of CUDA >= 13 (jaxlib's LLVM writes PTX 9.0):
@@ -84,7 +88,8 @@ VARIANTS = [("D4", 4, 2, 20, False, "gemv", 2, {}),
 
 
 def _compile(kernel: str, cfg, n: int, batch: int, params: dict):
-    """A deviceless compile of one kernel call for the H100; its launch parameters."""
+    """A deviceless compile of one kernel call for the H100: its launch parameters and the
+    compiled program."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.topologies import get_topology_desc
@@ -99,17 +104,35 @@ def _compile(kernel: str, cfg, n: int, batch: int, params: dict):
                          codes)
     x = jax.ShapeDtypeStruct((batch, n), jnp.bfloat16, sharding=sharding)
     fn = getattr(mosaic_gpu, kernel)
-    jax.jit(lambda x, c: fn(x, c, jnp.bfloat16, interpret=False, **params)).trace(
+    compiled = jax.jit(lambda x, c: fn(x, c, jnp.bfloat16, interpret=False, **params)).trace(
         x, codes).lower().compile()
-    return {**mosaic_gpu.launch_params(kernel, cfg, n, n // cfg.d, batch), **params}
+    return {**mosaic_gpu.launch_params(kernel, cfg, n, n // cfg.d, batch), **params}, compiled
+
+
+# What the compiled program's entry holds without launching anything
+_NO_LAUNCH = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
+
+
+def launches(compiled) -> list:
+    """The kernels a compiled program launches, in order: its entry computation's instructions
+    that run on the device (fusions, custom calls such as the Mosaic GPU kernel, copies), as
+    ``name: shape``. Each costs a launch and at least a microsecond or two of device time
+    however little it computes."""
+    text = compiled.as_text()
+    out = []
+    for line in text[text.index("\nENTRY"):].splitlines()[1:]:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? ([a-z-]+)\(", line)
+        if m and m.group(3) not in _NO_LAUNCH:
+            out.append(f"{m.group(1)}: {m.group(2)}")
+    return out
 
 
 def compile_case(kernel: str, batch: int, params: dict, dump: pathlib.Path):
     """Compiles one case at 8192^2 (run in a fresh process: Mosaic GPU reads its dump
     settings once); the PTX lands in ``dump``."""
     import hnlq_jax as hq
-    t = _compile(kernel, hq.HNLQConfig("D4", 4, 2), N, batch, params)
-    (dump / "params.json").write_text(json.dumps(t))
+    t, compiled = _compile(kernel, hq.HNLQConfig("D4", 4, 2), N, batch, params)
+    (dump / "params.json").write_text(json.dumps({**t, "launches": launches(compiled)}))
 
 
 def compile_variants() -> list:
@@ -127,6 +150,34 @@ def compile_variants() -> list:
         out.append({"config": f"{lattice} q={q} M={M} max_T={max_t}"
                     + (" dither" if dither else ""),
                     "kernel": kernel, "batch": batch, "params": params, "result": result})
+    return out
+
+
+def front_door_launches() -> list:
+    """The kernels a call of ``hq.matmul(x, codes, implementation="pallas")`` launches at
+    8192^2 (bfloat16 x, the tuning table's choices: Triton's kernels on an H100 today), D4
+    and E8 q=4 M=2, batch 1-64, from deviceless compiles."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import gpu_info  # jax's own table; no GPU to ask
+    from jax.experimental.topologies import get_topology_desc
+
+    import hnlq_jax as hq
+    gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    dev = get_topology_desc("h100", "cuda", target_config=H100, topology="1x1x1").devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    out = []
+    for lattice in ("D4", "E8"):
+        cfg = hq.HNLQConfig(lattice, 4, 2)
+        codes = jax.eval_shape(lambda: hq.encode_rows(jnp.zeros((N, N), jnp.float32), cfg))
+        codes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                            sharding=sharding), codes)
+        for batch in (1, 4, 16, 64):
+            x = jax.ShapeDtypeStruct((batch, N), jnp.bfloat16, sharding=sharding)
+            compiled = jax.jit(lambda x, c: hq.matmul(x, c, implementation="pallas",
+                                                      interpret=False)).trace(
+                x, codes).lower().compile()
+            out.append({"lattice": lattice, "batch": batch, "launches": launches(compiled)})
     return out
 
 
@@ -179,9 +230,10 @@ def analyse(dump: pathlib.Path, ptxas: str, nvdisasm: str) -> dict:
                           check=True).stdout
     ops = hot_loop(sass)
     t = json.loads((dump / "params.json").read_text())
+    calls = t.pop("launches")
     words = t["block_n"] * t["block_w"] // 128  # a warpgroup's 128 threads share the tile
     total = sum(ops.values())
-    return {"params": t, "registers": regs, "spill_bytes": sum(spills),
+    return {"params": t, "launches": calls, "registers": regs, "spill_bytes": sum(spills),
             "loop_instructions": total, "words_per_thread": words,
             "per_word": total / words, "per_weight": total / words / 8,
             "mix": dict(ops.most_common(12))}
@@ -192,11 +244,11 @@ def markdown(out: dict) -> str:
     for r in out["rows"]:
         t = {k: v for k, v in r["params"].items() if k not in ("splits", "programs")}
         mix = ", ".join(f"{k} {v}" for k, v in list(r["mix"].items())[:6])
-        rows.append([r["kernel"], r["batch"], f"`{t}`", r["registers"], r["spill_bytes"],
-                     r["loop_instructions"], f"{r['per_word']:.1f}",
-                     f"{r['per_weight']:.2f}", mix])
-    table = markdown_table(["kernel", "rows of x", "launch parameters", "registers",
-                            "spilled bytes", "step loop (instructions a thread)",
+        rows.append([r["kernel"], r["batch"], f"`{t}`", len(r.get("launches", [])) or "n/a",
+                     r["registers"], r["spill_bytes"], r["loop_instructions"],
+                     f"{r['per_word']:.1f}", f"{r['per_weight']:.2f}", mix])
+    table = markdown_table(["kernel", "rows of x", "launch parameters", "kernels a call",
+                            "registers", "spilled bytes", "step loop (instructions a thread)",
                             "a word (8 weights)", "a weight", "most frequent"], rows)
     bad = [v for v in out["variants"] if v["result"] != "ok"]
     checked = (f"The other variants of the kernels' code ({len(out['variants'])}: 8-bit T, "
@@ -206,8 +258,15 @@ def markdown(out: dict) -> str:
                + ("all assembled." if not bad else
                   "failed: " + "; ".join(f"{v['config']} {v['kernel']} {v['batch']} rows: "
                                           f"`{v['result'][:120]}`" for v in bad) + "."))
-    return (f"{out['target']}, jax {out['jax']}, weight {out['n']}², D4 q=4 M=2 "
+    text = (f"{out['target']}, jax {out['jax']}, weight {out['n']}², D4 q=4 M=2 "
             "(`experiments/sass_profile.py`):\n\n" + table + "\n\n" + checked)
+    if out.get("front_door"):
+        doors = [[r["lattice"], r["batch"], len(r["launches"]),
+                  ", ".join(f"`{k}`" for k in r["launches"])] for r in out["front_door"]]
+        text += ("\n\nThe kernels a call of `hq.matmul(x, codes, implementation=\"pallas\")` "
+                 f"launches at {out['n']}² (bfloat16 x; the tuning table's kernels):\n\n"
+                 + markdown_table(["lattice", "rows of x", "kernels", "launches"], doors))
+    return text
 
 
 def main(argv=None):
@@ -227,7 +286,8 @@ def main(argv=None):
         compile_case(kernel, batch, params, pathlib.Path(dump))
         return 0
     if args.variants:
-        pathlib.Path(args.variants).write_text(json.dumps(compile_variants()))
+        pathlib.Path(args.variants).write_text(json.dumps(
+            {"variants": compile_variants(), "front_door": front_door_launches()}))
         return 0
     if not args.nvdisasm:
         sys.exit("sass_profile: no nvdisasm (pip install nvidia-cuda-nvdisasm; --nvdisasm)")
@@ -251,10 +311,10 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as d:
         subprocess.run([sys.executable, __file__, "--variants", f"{d}/v.json"], env=env,
                        check=True, capture_output=True)
-        variants = json.loads(pathlib.Path(f"{d}/v.json").read_text())
+        child = json.loads(pathlib.Path(f"{d}/v.json").read_text())
     import jax
     out = {"jax": jax.__version__, "target": "H100 (sm_90a), compiled without a device",
-           "n": N, "rows": rows, "variants": variants}
+           "n": N, "rows": rows, **child}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sass_profile.json").write_text(json.dumps(out, indent=1))
     write_between_markers(DOCS / "kernels.md", "sass_profile", markdown(out))

@@ -5,7 +5,9 @@
 * the dtype decoded weights are held and products summed in (:func:`wide_dtype`);
 * the straight-through estimator (forward: the quantized value; backward: the incoming
   gradient, optionally masked);
-* a mean of squares that does not depend on the program it runs in (:func:`mean_square`).
+* a mean of squares that does not depend on the program it runs in (:func:`mean_square`);
+* a product by a power of two, and the binary exponent, that fuse (:func:`times_pow2`,
+  :func:`exponent`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,34 @@ import numpy as np
 from hnlq_jax.config import HNLQConfig, pow2_table
 
 __all__ = ["mean_square", "pow2", "overload_scale", "level_weights", "straight_through",
-           "wide_dtype"]
+           "times_pow2", "exponent", "wide_dtype"]
 
 
 def pow2(config: HNLQConfig, dtype) -> jax.Array:
     """``[max_T + 1]`` table ``2^(alpha t)`` in ``dtype`` (the reference's float64 values)."""
     return jnp.asarray(pow2_table(config.alpha, config.max_T), dtype)
+
+
+def times_pow2(x, e):
+    """``x 2^e`` for float32 ``x`` and int32 ``e`` (``|e| <= 252``, broadcast) as two products by
+    exact powers of two, ``2^floor(e/2)`` then ``2^ceil(e/2)`` from their bits: correctly
+    rounded, as ``jnp.ldexp``, wherever ``x`` and ``x 2^floor(e/2)`` are not subnormal; inf,
+    NaN and 0 pass through. On a GPU it fuses into the operations around it, where ``jnp.ldexp``'s
+    ``frexp`` and ``pow`` make kernels of their own."""
+    a = e >> 1
+
+    def exact(k):  # 2^k, |k| <= 126: the exponent field alone
+        return jax.lax.bitcast_convert_type((k + 127).astype(jnp.int32) << 23, jnp.float32)
+
+    return x * exact(a) * exact(e - a)
+
+
+def exponent(x):
+    """``frexp``'s exponent of float32 ``x >= 0`` (``x = m 2^e``, ``m`` in ``[1/2, 1)``), from its
+    bits; ``-125`` for 0 and subnormals (whose ``2^e`` it overstates). Like :func:`times_pow2`,
+    a few integer operations that fuse, where ``jnp.frexp`` makes a kernel of its own."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.maximum((bits >> 23) & 255, 1) - 126
 
 
 def overload_scale(u, config: HNLQConfig, table):

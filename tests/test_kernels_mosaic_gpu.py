@@ -70,6 +70,9 @@ BF16_ATOL = 4e-3
 BIG_T = hq.HNLQConfig("D4", 4, 2, beta=0.35, alpha=1.0, max_T=14)  # 2^(alpha T) up to 2^14
 
 
+# The interpreter's wgmma is a NumPy matmul, which warns where inf meets a zero weight (the
+# device gives the NaN silently)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("kernel", ["gemv", "decode_matmul"])
 def test_nonfinite_x_rows(kernel):
     """A row of x with an inf or a NaN gives a row of y with no finite value, as in the Triton
@@ -150,8 +153,8 @@ def test_decode_matmul_planes_fill_float16(cfg):
     assert np.all((big >= 2**14) & (big < 2**15)), big
     assert np.all(np.asarray(xk, np.float32)[:, 4:] == 0)  # the zero row and the padding
     g = mg._word_view(cfg)[0]
-    xt, off = hq.kernels.pallas.gemv_activations(x.astype(jnp.bfloat16), cfg, nb, parts=g)
-    want = np.max(np.abs(np.asarray(xt)[..., :4, :]), axis=(0, 1, 3))
+    xt = hq.kernels.pallas.gemv_activations(x.astype(jnp.bfloat16), cfg, nb, parts=g)
+    want = np.max(np.abs(np.asarray(xt)[:, :cfg.d, :4, :]), axis=(0, 1, 3))
     np.testing.assert_allclose(big * 2.0 ** np.asarray(e)[:4], want, rtol=2**-11)
 
 

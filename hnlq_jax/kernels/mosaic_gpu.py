@@ -59,6 +59,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from hnlq_jax import _numerics
 from hnlq_jax.codes import Codes, check_activations, index_dtype, t_bits
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.kernels import pallas as _pallas
@@ -307,17 +308,17 @@ def _codes_specs(bn: int, bw: int, i, first) -> list:
     return [plgpu.BlockSpec((bn, bw), lambda k: (i, first + k))] * 2
 
 
-def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, pow_smem,
+def _kernel(w_gmem, t_gmem, xt_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, pow_smem,
             barrier, *, config: HNLQConfig, g: int, bn: int, bw: int, steps: int,
             stages: int, interpret: bool):
     _load_tables(tab_gmem, pow_gmem, tab_smem, pow_smem, barrier)
-    d, bb = xt_gmem.shape[1], xt_gmem.shape[2]
+    d, bb = config.d, xt_gmem.shape[2]
 
-    def step(_, w_smem, t_smem, xt_smem, off_smem, acc):
+    def step(_, w_smem, t_smem, xt_smem, acc):
         w = plgpu.layout_cast(w_smem[...], _LAYOUT)  # [bn, bw] index words
         tw = plgpu.layout_cast(t_smem[...], _LAYOUT).astype(jnp.uint32)
         acc = list(acc)
-        for p in range(g):  # block p of each word; the fields' bias is folded into off
+        for p in range(g):  # block p of each word; the fields' bias is in the offsets
             coords, scale = _block(w, tw, p, tab_smem, pow_smem, config=config,
                                    interpret=interpret)
             for b in range(bb):
@@ -325,7 +326,7 @@ def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_s
                 for c in range(d):
                     prod = coords[c] * xt_smem[p, c, b, :][None, :]
                     v = prod if v is None else v + prod
-                acc[b] = acc[b] + scale * (v - off_smem[p, b, :][None, :])
+                acc[b] = acc[b] + scale * (v - xt_smem[p, d, b, :][None, :])
         return tuple(acc)
 
     # Persistent programs: each loads the tables once, then takes work items (a row tile and
@@ -338,10 +339,9 @@ def _kernel(w_gmem, t_gmem, xt_gmem, off_gmem, tab_gmem, pow_gmem, o_gmem, tab_s
         acc = plgpu.emit_pipeline(
             step, grid=(steps,),
             in_specs=_codes_specs(bn, bw, i, first) + [
-                plgpu.BlockSpec((g, d, bb, bw), lambda k: (0, 0, 0, first + k)),
-                plgpu.BlockSpec((g, bb, bw), lambda k: (0, 0, first + k))],
+                plgpu.BlockSpec((g, d + 1, bb, bw), lambda k: (0, 0, 0, first + k))],
             max_concurrent_steps=stages, init_carry=(zero,) * bb,
-        )(w_gmem, t_gmem, xt_gmem, off_gmem)
+        )(w_gmem, t_gmem, xt_gmem)
         for b in range(bb):
             o_gmem.at[s, b][pl.ds(i * bn, bn)] = jnp.sum(acc[b], axis=1)
 
@@ -802,7 +802,7 @@ def _finish(out, x, codes: Codes, out_dtype, exponent=None):
     row) and the row scale."""
     y = jnp.sum(out, axis=0)[:x.shape[0]]
     if exponent is not None:
-        y = jnp.ldexp(y, exponent[:, None])
+        y = _numerics.times_pow2(y, exponent[:, None])
     if codes.scale is not None:
         y = y * codes.scale.astype(jnp.float32)[None, :]
     return y.astype(out_dtype)
@@ -813,15 +813,15 @@ def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, pro
     config = codes.config
     n, nb = codes.blocks_shape
     g = _word_view(config)[0]
-    # block g w + p of x as plane p at word w
-    xt, off = _pallas.gemv_activations(x, config, nb, packed=True, parts=g)
+    # block g w + p of x in part p at word w
+    xt = _pallas.gemv_activations(x, config, nb, packed=True, parts=g)
     bb = xt.shape[2]
     splits = nb // g // bw // steps
     kernel = functools.partial(_kernel, config=config, g=g, bn=bn, bw=bw, steps=steps,
                                stages=stages, interpret=interpret)
     w, tf, tab, pow_tab = _operands(codes)
     out = _launch(kernel, (splits, bb, n), programs, (tab, pow_tab), [], interpret)(
-        w, tf, xt, off, tab, pow_tab)
+        w, tf, xt, tab, pow_tab)
     return _finish(out, x, codes, out_dtype)
 
 
@@ -841,18 +841,19 @@ def _mma_planes(x, config: HNLQConfig, nb: int, bb: int, bw: int) -> tuple:
     back (:func:`_mma_exponent`)."""
     g = _word_view(config)[0]
     B = x.shape[0]
-    # [g, d, bb, words], [g, bb, words]: beta C^T x, the dither's offsets
-    xt, off = _pallas.gemv_activations(jnp.pad(x, ((0, bb - B), (0, 0))), config, nb, parts=g)
+    # [g, d + 1, bb, words]: beta C^T x, the dither's offsets
+    xt = _pallas.gemv_activations(jnp.pad(x, ((0, bb - B), (0, 0))), config, nb, parts=g)
+    d = config.d
     planes = []
     for kind, p, c in _pairs(config):
         if kind == "coords":
             planes += [xt[p, c], xt[p, c + 1]]
-        else:  # the dither's planes: -off (zeros past the last block)
-            planes += [-off[p], jnp.zeros_like(off[p]) if c is None else -off[c]]
+        else:  # the dither's planes: -offsets (zeros past the last block)
+            planes += [-xt[p, d], jnp.zeros_like(xt[p, d]) if c is None else -xt[c, d]]
     X = jnp.stack(planes)  # [2 U, bb, words]
     big = jnp.max(jnp.where(jnp.isfinite(X), jnp.abs(X), 0), axis=(0, 2))
-    e = jnp.frexp(big)[1] - 15
-    X = jnp.ldexp(X, -e[None, :, None]).astype(jnp.float16)
+    e = _numerics.exponent(big) - 15
+    X = _numerics.times_pow2(X, -e[None, :, None]).astype(jnp.float16)
     # [(u, e'), bb, (step, word)] -> [(step, K of the step's words), bb]
     xk = _k_major(X.reshape(len(planes) // 2, 2, -1, bw))  # [(bb, step), K]
     xk = xk.reshape(bb, -1, xk.shape[-1]).transpose(1, 2, 0).reshape(-1, bb)

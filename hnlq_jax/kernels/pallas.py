@@ -812,7 +812,7 @@ def _pair_columns(a, parts: int) -> list:
     return [col.reshape(bn, c // parts) for col in cols]
 
 
-def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
+def _gemv_kernel(xt_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
                  nbp: int, bk: int, steps: int, scaled: bool, mode: str, exact: bool,
                  pairs: bool, interpret: bool):
     s_ref = refs[0] if scaled else None
@@ -824,9 +824,9 @@ def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: 
     q_rows = config.q**config.d
     weights = _numerics.level_weights(config)
 
-    def block_sums(ks, u, k0, x_at, off):
+    def block_sums(ks, u, k0, x_at):
         """``[bb, bn]``: the blocks' inner products with x, times ``2^(alpha T)``, summed;
-        ``x_at(j)``: x's plane ``j`` at the blocks (``[bb, c]``), ``off`` its offsets."""
+        ``x_at(j)``: x's plane ``j`` at the blocks (``[bb, c]``; plane ``d``: the offsets)."""
         if mode == "lut":  # the block's inner products, gathered from x's tables
             at = (_iota(bb)[:, None, None] * nbp + (k0 + _iota(bk))[None, None, :]) * q_rows
             v = None
@@ -847,14 +847,13 @@ def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: 
         s = ptab_ref[u]
         if _index_can_overflow(config):
             s = jnp.where(valid_blocks(ks, u, config), s, jnp.nan)
-        return jnp.sum(s[None, :, :] * (v - off[:, None, :]), axis=2)
+        return jnp.sum(s[None, :, :] * (v - x_at(config.d)[:, None, :]), axis=2)
 
     def tile(t, acc):
         k0 = pl.multiple_of(first + t * bk, bk)
         if not pairs:
             ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb, exact)
-            return acc + block_sums(ks, u, k0, lambda j: xt_ref[j, :, pl.ds(k0, bk)],
-                                    off_ref[:, pl.ds(k0, bk)])
+            return acc + block_sums(ks, u, k0, lambda j: xt_ref[j, :, pl.ds(k0, bk)])
         # Even and odd blocks apart: the tile's index bytes and T bytes in whole-row loads
         # (no byte-strided or gathered loads), split in registers; x comes in the same halves.
         h = bk // 2
@@ -868,8 +867,7 @@ def _gemv_kernel(xt_ref, off_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: 
             us = [c.astype(jnp.int32) for c in _pair_columns(t_ref[:, pl.ds(k0, bk)], 2)]
         for p in range(2):
             ks = [c.astype(jnp.uint32) for c in cols[p * config.M:(p + 1) * config.M]]
-            acc = acc + block_sums(ks, us[p], k0, lambda j, p=p: xt_ref[p, j, :, pl.ds(k2, h)],
-                                   off_ref[p, :, pl.ds(k2, h)])
+            acc = acc + block_sums(ks, us[p], k0, lambda j, p=p: xt_ref[p, j, :, pl.ds(k2, h)])
         return acc
 
     acc = jax.lax.fori_loop(0, steps, tile, jnp.zeros((bb, bn), jnp.float32))
@@ -1062,14 +1060,15 @@ def _small_tile(block: int, what: str) -> int:
 
 def gemv_activations(x, config: HNLQConfig, nbp: int, packed: bool = False,
                      parts: int | None = None):
-    """``(xt [d, bb, nbp], off [bb, nbp])`` in float32: ``xt = beta C^T x`` per block (``C``:
-    P to Cartesian coordinates), ``off = beta x . z`` (the dither) plus, with ``packed``, the
-    packed fields' bias ``bias sum_j xt_j`` (:func:`packed_codebook`), zero-padded to ``bb`` rows
-    (a power of two) and ``nbp`` blocks.
+    """x's planes, float32 ``[d + 1, bb, nbp]``: planes ``j < d`` are ``beta C^T x`` per block
+    (``C``: P to Cartesian coordinates), plane ``d`` the offsets ``beta x . z`` (the dither)
+    plus, with ``packed``, the packed fields' bias ``bias sum_j (beta C^T x)_j``
+    (:func:`packed_codebook`); x's rows zero-padded to ``bb`` (a power of two) and its blocks
+    to ``nbp``. One array: XLA computes it in one kernel.
 
-    ``parts``: the blocks interleaved ``parts`` ways, block ``parts w + p`` as plane ``p`` at
-    ``w``: ``xt [parts, d, bb, nbp / parts]``, ``off [parts, bb, nbp / parts]`` (kernels that
-    read several blocks from one word of the codes)."""
+    ``parts``: the blocks interleaved ``parts`` ways, block ``parts w + p`` in part ``p`` at
+    ``w``: ``[parts, d + 1, bb, nbp / parts]`` (kernels that read several blocks from one word
+    of the codes)."""
     B, k = x.shape
     d = config.d
     bb = _pow2_at_least(B)
@@ -1077,19 +1076,30 @@ def gemv_activations(x, config: HNLQConfig, nbp: int, packed: bool = False,
     C = np.stack([np.asarray(config.lat.cart_from_P(list(e)), np.float64)
                   for e in np.eye(d)], axis=1)  # column i: the Cartesian point of P = e_i
     beta = np.float32(config.beta)
-    xt = jnp.einsum("bld,di->ibl", xb, jnp.asarray(C * config.beta, jnp.float32),
-                    precision=_HIGHEST)
+    xt = _constant_products(xb, (C * config.beta).astype(np.float32))
     off = jnp.zeros((bb, nbp), jnp.float32)
     if config.dither is not None:
-        off = off + beta * jnp.einsum("bld,d->bl", xb, jnp.asarray(config.dither_array,
-                                                                   jnp.float32),
-                                      precision=_HIGHEST)
+        dither = np.asarray(config.dither_array, np.float32)[:, None]
+        off = off + beta * _constant_products(xb, dither)[0]
     if packed:
-        off = off + np.float32(packed_bias(config, 0)) * jnp.sum(xt, axis=0)
+        off = off + np.float32(packed_bias(config, 0)) * functools.reduce(jnp.add, xt)
+    planes = jnp.stack(xt + [off])
     if parts is not None:
-        xt = xt.reshape(d, bb, nbp // parts, parts).transpose(3, 0, 1, 2)
-        off = off.reshape(bb, nbp // parts, parts).transpose(2, 0, 1)
-    return xt, off
+        planes = planes.reshape(d + 1, bb, nbp // parts, parts).transpose(3, 0, 1, 2)
+    return planes
+
+
+def _constant_products(x, m: np.ndarray) -> list:
+    """``x [..., d]`` times a constant ``m [d, e]`` as e arrays ``[...]``, each a float32 sum of
+    products in order of ``j``, the zero entries of ``m`` left out. A dot would be a kernel of
+    its own on a GPU (XLA's GEMM of a [d, e] constant); elementwise, XLA fuses it with the
+    padding and transposes around it into one kernel a call."""
+    cols = []
+    for i in range(m.shape[1]):
+        terms = [x[..., j] * m[j, i] for j in range(m.shape[0]) if m[j, i] != 0]
+        cols.append(functools.reduce(jnp.add, terms) if terms else
+                    jnp.zeros(x.shape[:-1], x.dtype))
+    return cols
 
 
 def overload_table(config: HNLQConfig):
@@ -1110,7 +1120,7 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
     exact = n % bn == 0 and nbp == nb
     pairs = pairs and _pairs_fit(config, nb, exact, mode == "lut")
     # with pairs, x's even and odd blocks apart, [2, ...]
-    xt, off = gemv_activations(x, config, nbp, mode == "packed", 2 if pairs else None)
+    xt = gemv_activations(x, config, nbp, mode == "packed", 2 if pairs else None)
     bb = xt.shape[-2]  # x's rows padded to a power of two
     extra, extra_specs = [], []
     if codes.scale is not None:
@@ -1137,7 +1147,7 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
                           scaled=codes.scale is not None, mode=mode, exact=exact, pairs=pairs,
                           interpret=interpret),
         grid=(pl.cdiv(n, bn), splits),
-        in_specs=[_whole(xt), _whole(off),
+        in_specs=[_whole(xt),
                   pl.BlockSpec((bn, nb, config.M), lambda i, s: (i, 0, 0)),
                   t_spec] + extra_specs + [_whole(ptab)],
         out_specs=(pl.BlockSpec((1, bb, bn), lambda i, s: (s, 0, i)) if split else
@@ -1146,7 +1156,7 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
                                        jnp.float32 if split else out_dtype),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-    )(xt, off, codes.index, tfield, *extra, ptab)
+    )(xt, codes.index, tfield, *extra, ptab)
     if split:
         out = jnp.sum(out, axis=0)
     return out[:x.shape[0]].astype(out_dtype)

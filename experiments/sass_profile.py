@@ -121,9 +121,18 @@ def launches(compiled) -> list:
     text = compiled.as_text()
     out = []
     for line in text[text.index("\nENTRY"):].splitlines()[1:]:
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+?)(?:\{[^}]*\})? ([a-z-]+)\(", line)
-        if m and m.group(3) not in _NO_LAUNCH:
-            out.append(f"{m.group(1)}: {m.group(2)}")
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*)", line)
+        if not m:
+            continue
+        rest, depth = m.group(2), 0
+        for i, ch in enumerate(rest):  # the shape (a tuple's has spaces), then the opcode
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if ch == " " and depth == 0:
+                break
+        shape = re.sub(r"\{[^}]*\}", "", rest[:i])  # layouts dropped
+        opcode = re.match(r"([a-z-]+)\(", rest[i + 1:])
+        if opcode and opcode.group(1) not in _NO_LAUNCH:
+            out.append(f"{m.group(1)}: {shape}")
     return out
 
 

@@ -26,7 +26,8 @@ measured):
    weight-only product with group-128 bfloat16 scales (int4 -> convert -> scale -> dot, fused
    by XLA: what a JAX user would pick instead) and decode-then-dot (``"xla"``), bfloat16
    activations, 4096^2, 8192^2 and 28672 x 8192 (an LLM MLP's up-projection), batch 1, 4, 16,
-   64.
+   64; and of each fused call, the main kernel's time and the rest's (x's planes, the
+   split-K sums).
 5. **codec**: encode and decode of N D4 vectors, bytes in + out over device time (the front
    doors, and the kernels at 1024 and 4096 blocks per program); and an encode of N/64 (two
    passes) in wall clock a call with 20 calls queued, beside its device time (a host sync in
@@ -205,8 +206,10 @@ def _x(b, k, seed=1):
 def _timed(fn, x, ws, peak, nbytes, ref=None, iterations=10):
     """Device time of ``fn(x, w)`` over the copies ``ws``; with ``ref``, also the relative
     difference of the first call's result from it (the timed program's own output)."""
-    t, how, y = device_time(fn, x, ws, iterations=iterations)
+    t, how, y, kernels = device_time(fn, x, ws, iterations=iterations)
     row = {"seconds": t, "method": how, "GBps": nbytes / t / 1e9}
+    if kernels:  # on the device: what each kernel of a call takes (the glue around the main one)
+        row["kernels"] = kernels
     if peak:
         row["pct_peak"] = 100 * nbytes / t / peak
     if ref is not None:
@@ -649,6 +652,18 @@ def markdown(out) -> str:
                   "difference of a fused product from the float32 product of the decoded "
                   f"weights: {worst:.1e}.",
                   ""]
+        split = [(r, lat) for r in mm for lat in CONFIGS if r[lat]["fused"].get("kernels")]
+        if split:  # the glue: what runs on the device besides the product's main kernel
+            lines += ["Where a fused call's device time goes (CUPTI, per call):", "",
+                      "| weight | batch | lattice | kernels | longest | the others |",
+                      "|---|---|---|---|---|---|"]
+            for r, lat in split:
+                ks = r[lat]["fused"]["kernels"]
+                name, top = max(ks.items(), key=lambda kv: kv[1])
+                lines.append(f"| {r['n']} x {r['k']} | {r['batch']} | {lat} | {len(ks)} | "
+                             f"`{name[:40]}` {top * 1e6:.1f} µs | "
+                             f"{(sum(ks.values()) - top) * 1e6:.1f} µs |")
+            lines.append("")
     sw = out.get("sweep")
     if sw:
         best = sw["best"]

@@ -1,4 +1,5 @@
-"""Wall-clock timing of jitted calls, shared by the command line and the benchmarks."""
+"""Timing of jitted calls (wall clock; device time on a GPU), shared by the command line and
+the benchmarks."""
 
 from __future__ import annotations
 
@@ -40,16 +41,32 @@ def device_time(fn, x, operands, *, iterations: int = 10):
     dispatch and gaps included.
 
     Returns:
-      ``(seconds per call, "cupti" or "wall", fn(x, operands[0]))``.
+      ``(seconds per call, "cupti" or "wall", fn(x, operands[0]), kernels)``: ``kernels``
+      the seconds per call of each kernel by name (:func:`per_kernel`; ``None`` without
+      CUPTI).
     """
     prog = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
     if jax.default_backend() == "gpu":
         try:
             from jax.experimental.mosaic.gpu import profiler
-            out, ms = profiler.measure(prog, iterations=iterations)(x, operands)
+            out, runs = profiler.measure(prog, aggregate=False, iterations=iterations)(
+                x, operands)
         except (ImportError, RuntimeError):
-            ms = None
-        if ms:
-            return float(np.median(ms)) / 1e3 / len(operands), "cupti", out[0]
+            runs = None
+        if runs:
+            runs = [runs] if iterations == 1 else runs  # one run: its list itself
+            t, kernels = per_kernel(runs, len(operands))
+            return t, "cupti", out[0], kernels
     t = best_time(prog, x, operands, repeat=iterations) / len(operands)
-    return t, "wall", prog(x, operands)[0]
+    return t, "wall", prog(x, operands)[0], None
+
+
+def per_kernel(runs: list, calls: int) -> tuple:
+    """``(seconds per call, {kernel name: seconds per call})`` from CUPTI's kernel timings of
+    each run (``[[(name, milliseconds), ...], ...]``, a run making ``calls`` calls): the median
+    run's total, and each name's median over the runs of its summed durations."""
+    totals = [sum(ms for _, ms in run) for run in runs]
+    names = dict.fromkeys(name for run in runs for name, _ in run)  # first-launch order
+    kernels = {name: float(np.median([sum(ms for n, ms in run if n == name) for run in runs]))
+               / 1e3 / calls for name in names}
+    return float(np.median(totals)) / 1e3 / calls, kernels

@@ -792,6 +792,10 @@ def test_gpu_check_sweep_table_and_report_run(monkeypatch):
     env = dict(device="cpu", backend="cpu", jax=jax.__version__, python="3")
     md = gpu_check.markdown({"environment": env, "sweep": sw, "matmul": rows})
     assert "| 256 x 256 | 16 |" in md and "0 failed to run" in md
+    assert "device time goes" not in md  # wall clock on the CPU: no split by kernel
+    rows[0]["D4"]["fused"]["kernels"] = {"loop_fusion": 1e-6, "gemv": 4e-5, "sum": 2e-6}
+    md = gpu_check.markdown({"environment": env, "matmul": rows})
+    assert "| 256 x 256 | 1 | D4 | 3 | `gemv` 40.0 µs | 3.0 µs |" in md
 
 
 def test_gpu_check_watchdog_fires_once_for_an_overrun():

@@ -1,0 +1,33 @@
+"""hnlq_jax.timing: device time per call and its split by kernel."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hnlq_jax import timing
+
+
+def test_per_kernel_splits_runs_by_name():
+    """Per call: the median run's total over the calls, and each kernel name's median summed
+    duration (a name launched once a call, by each of 2 calls), in first-launch order."""
+    runs = [[("fold", 0.002), ("gemv", 0.040), ("fold", 0.002), ("gemv", 0.044),
+             ("sum", 0.001)],
+            [("fold", 0.004), ("gemv", 0.050), ("fold", 0.004), ("gemv", 0.050),
+             ("sum", 0.003)],
+            [("fold", 0.002), ("gemv", 0.042), ("fold", 0.002), ("gemv", 0.042),
+             ("sum", 0.001)]]
+    t, kernels = timing.per_kernel(runs, calls=2)
+    assert t == pytest.approx(0.089 / 2 / 1e3)  # the totals 0.089, 0.111, 0.089
+    assert list(kernels) == ["fold", "gemv", "sum"]
+    assert kernels["fold"] == pytest.approx(0.004 / 2 / 1e3)
+    assert kernels["gemv"] == pytest.approx(0.084 / 2 / 1e3)
+    assert kernels["sum"] == pytest.approx(0.001 / 2 / 1e3)
+
+
+def test_device_time_without_cupti_is_wall_clock():
+    """On the CPU: the program's wall clock over the copies, its first output, no split."""
+    ws = [jnp.full((4, 4), float(i)) for i in range(3)]
+    t, how, y, kernels = timing.device_time(lambda x, w: x @ w, jnp.ones((1, 4)), ws,
+                                            iterations=2)
+    assert how == "wall" and kernels is None and 0 < t < 1
+    np.testing.assert_array_equal(y, np.zeros((1, 4)))

@@ -1,5 +1,6 @@
 """hnlq_jax.timing: device time per call and its split by kernel."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,10 +25,22 @@ def test_per_kernel_splits_runs_by_name():
     assert kernels["sum"] == pytest.approx(0.001 / 2 / 1e3)
 
 
-def test_device_time_without_cupti_is_wall_clock():
-    """On the CPU: the program's wall clock over the copies, its first output, no split."""
+def test_device_time_without_cupti_is_wall_clock(monkeypatch):
+    """Off a GPU: the program's wall clock over the copies, its first output, no split."""
+    monkeypatch.setattr(timing.jax, "default_backend", lambda: "cpu")  # a GPU machine too
     ws = [jnp.full((4, 4), float(i)) for i in range(3)]
     t, how, y, kernels = timing.device_time(lambda x, w: x @ w, jnp.ones((1, 4)), ws,
                                             iterations=2)
     assert how == "wall" and kernels is None and 0 < t < 1
     np.testing.assert_array_equal(y, np.zeros((1, 4)))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="CUPTI times a GPU's kernels")
+def test_device_time_on_a_gpu_is_cuptis_sum_by_kernel():
+    """On a GPU (gpu_check's native tests): CUPTI's time, the kernels' shares summing to it."""
+    ws = [jnp.full((256, 256), float(i)) for i in range(4)]
+    t, how, y, kernels = timing.device_time(lambda x, w: jnp.tanh(x @ w) + 1, jnp.ones((8, 256)),
+                                            ws, iterations=3)
+    assert how == "cupti" and kernels and 0 < t < 1e-2
+    assert sum(kernels.values()) == pytest.approx(t, rel=0.2)
+    np.testing.assert_allclose(y, np.ones((8, 256)))

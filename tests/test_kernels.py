@@ -466,17 +466,20 @@ def mock_gemv():
 
 
 def test_packed_codebook():
-    """Each packed entry holds the codebook row plus the bias; the levels' fields add without
-    carries up to the largest M that fits, and no table is claimed beyond it."""
-    for lattice, M_max in (("D4", 3), ("E8", 2)):
+    """Each packed entry, one word, holds the codebook row plus the bias in byte fields (E8:
+    4-bit fields, as the CPU's table); the levels' fields add without carries up to the
+    largest M that fits, and no table is claimed beyond it."""
+    for lattice, M_max, bits in (("D4", 3, 8), ("E8", 2, 4)):
         table, c = K.pallas.packed_codebook(hq.HNLQConfig(lattice, 4, M_max))
         r = codec.codebook_table(lattice, 4)
         rows, d = r.shape
-        words = table.reshape(-1, rows).T  # [rows, words]
-        fields = np.stack([(words[:, j // 4] >> (8 * (j % 4))) & 255 for j in range(d)], 1)
+        assert table.shape == (rows,) and table.dtype == np.uint32
+        fields = np.stack([(table >> (bits * j)) & ((1 << bits) - 1) for j in range(d)], 1)
         np.testing.assert_array_equal(fields.astype(np.int64) - c, r)
         assert (r.max() + c) * sum(4**m for m in range(M_max)) <= 255
         assert K.pallas.packed_codebook(hq.HNLQConfig(lattice, 4, M_max + 1)) is None
+    np.testing.assert_array_equal(K.pallas.packed_codebook(hq.HNLQConfig("E8", 4, 2))[0],
+                                  codec.packed_codebook("E8", 4)[0])
 
 
 def test_launch_params_and_errors(monkeypatch):

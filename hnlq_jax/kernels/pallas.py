@@ -33,8 +33,9 @@ kernel Mosaic GPU also lowers,
 reads planar copies (Mosaic GPU has no gathers and wants contiguous rows).
 
 **The codebook** ``r(k)`` (integer P coordinates) is a kernel input where it fits: packed
-(:func:`packed_codebook`: byte fields, one uint32 word an entry, two for E8; a level is one
-gather and the levels add as integers; D4 q = 4: 1 KiB, E8 q = 4: 512 KiB), else as int32
+(:func:`packed_codebook`: one uint32 word an entry, byte fields, or for E8 4-bit fields split
+into two words of bytes; a level is one gather and the levels add as integers; D4 q = 4: 1 KiB,
+E8 q = 4: 256 KiB), else as int32
 ``[d, q^d]`` up to 64 KiB (one gather a coordinate). Beyond both the kernel computes ``r``
 from the index digits (:func:`~hnlq_jax.codec.level_sum` with ``use_table=False``:
 ``G b - q Q_L(G b / q)``). All paths are exact and give identical values; ``use_table=``
@@ -210,17 +211,20 @@ def _codebook_input(config: HNLQConfig):
 
 
 def packed_codebook(config: HNLQConfig):
-    """The codebook as packed 8-bit fields, or ``None`` where they would not hold ``P``.
+    """The codebook as packed fields, or ``None`` where they would not hold ``P``.
 
-    Field ``j`` of entry ``k`` (word ``j // 4``, bits ``8 (j % 4)``) holds ``r_j(k) + c``, with
-    ``c = -min r``. The levels' words then add as integers, ``sum_m q^m word(k_m)``, each field
-    giving ``P_j + c sum_m q^m`` with no carry into the next, when
-    ``(max r - min r) sum_m q^m <= 255`` (``q = 4``: D4 up to ``M = 3``, E8 up to ``M = 2``): one
-    gather a level and block (two for E8) instead of ``d``.
+    Byte fields for ``d <= 4``: field ``j`` of entry ``k`` (bits ``8 j``) holds ``r_j(k) + c``,
+    with ``c = -min r``. The levels' words then add as integers, ``sum_m q^m word(k_m)``, each
+    field giving ``P_j + c sum_m q^m`` with no carry into the next, when
+    ``(max r - min r) sum_m q^m <= 255`` (``q = 4``: D4 up to ``M = 3``). For ``d = 8``
+    (E8 q = 4 up to ``M = 2``, where ``max r - min r = 15``), 4-bit fields, coordinate ``j`` at
+    bits ``4 j``: two masks split a word into two words of byte fields (coordinates ``2 i``
+    and ``2 i + 1`` in byte ``i`` of each), which add as above. One gather a level and block
+    instead of ``d``.
 
     Returns:
-      ``(table, c)``: uint32 ``[words q^d]`` (word ``w`` of entry ``k`` at ``w q^d + k``) and
-      the bias ``c``; ``None`` for larger codebooks (``q^d > 2^16``) or ranges.
+      ``(table, c)``: uint32 ``[q^d]``, a word an entry, and the bias ``c``; ``None`` for
+      larger codebooks (``q^d > 2^16``) or ranges.
     """
     return _packed_codebook(config.lattice, config.q, config.M)
 
@@ -232,12 +236,11 @@ def _packed_codebook(lattice: str, q: int, M: int):
     c = -int(r.min())
     if rows > _TABLE_ROWS_MAX or (int(r.max()) + c) * sum(q**m for m in range(M)) > 255:
         return None
-    words = -(-d // 4)
-    fields = np.zeros((rows, words * 4), np.uint64)
-    fields[:, :d] = r + c
-    shifts = np.uint64(8) * np.arange(4, dtype=np.uint64)
-    table = (fields.reshape(rows, words, 4) << shifts).sum(axis=2).astype(np.uint32)
-    return table.T.reshape(-1), c
+    bits = 8 if d <= 4 else 4  # E8: 4-bit fields, where they hold r
+    if d > 8 or int(r.max()) + c >= 1 << bits:
+        return None
+    shifts = np.uint64(bits) * np.arange(d, dtype=np.uint64)
+    return ((r + c).astype(np.uint64) << shifts).sum(axis=1).astype(np.uint32), c
 
 
 def _index_can_overflow(config: HNLQConfig) -> bool:
@@ -256,17 +259,20 @@ def _codebook_row(k, config: HNLQConfig):
 def _packed_fields(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
     """The ``d`` fields (uint32) of ``sum_{m >= first} q^m word(k_m)``: ``P_j`` plus the bias
     ``c sum_{m >= first} q^m`` (:func:`packed_codebook`)."""
-    rows = config.q**config.d
     weights = _numerics.level_weights(config)
-    fields = []
-    for w in range(-(-config.d // 4)):
-        word = None
-        for m in range(first, config.M):
-            g = tab_ref[w * rows + _codebook_row(ks[m], config)] * jnp.uint32(weights[m])
-            word = g if word is None else word + g
-        fields += [(word >> jnp.uint32(8 * j)) & jnp.uint32(255)
-                   for j in range(min(4, config.d - 4 * w))]
-    return fields
+    # the words of byte fields a level's entry gives: itself, or a 4-bit entry's two halves
+    halves = (0,) if config.d <= 4 else (0, 4)
+    words = [None] * len(halves)
+    for m in range(first, config.M):
+        entry = tab_ref[_codebook_row(ks[m], config)]
+        for h, shift in enumerate(halves):
+            part = entry if config.d <= 4 else (entry >> jnp.uint32(shift)) & jnp.uint32(
+                0x0F0F0F0F)
+            part = part * jnp.uint32(weights[m])
+            words[h] = part if words[h] is None else words[h] + part
+    # coordinate j: byte j of the word, or byte j // 2 of half j % 2
+    return [(words[j % len(halves)] >> jnp.uint32(8 * (j // len(halves)))) & jnp.uint32(255)
+            for j in range(config.d)]
 
 
 def packed_bias(config: HNLQConfig, first: int) -> int:
@@ -897,7 +903,7 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
     no decoded weight; each weight block's lattice point meets the activations in registers.
 
     Per weight block the kernel gathers one packed codebook word a level
-    (:func:`packed_codebook`; two for E8), adds the levels as integers, turns the byte fields
+    (:func:`packed_codebook`), adds the levels as integers, turns the byte fields
     into floats and takes their inner product with the block's activations; ``beta``, the
     lattice's basis, the dither and the fields' bias are folded into the activations once per
     call, ``2^(alpha T)`` multiplies the block's inner product and the row scale the row's sum.

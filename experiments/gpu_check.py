@@ -306,9 +306,10 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
 # "gemv_mosaic" and "decode_matmul_mosaic" (kernels.mosaic_gpu's, for the codebooks they hold)
 # compete with Triton's "gemv" and "decode_matmul": where one wins, the table's entry of the
 # Triton op names it ("backend", pick_backends) and hq.matmul takes it.
-# The tensor-core kernel also competes with both gemvs at 8 rows (and 1 in the full run).
+# The tensor-core kernels also compete with both gemvs at 8 rows (Mosaic GPU's also at 1 in
+# the full run).
 QUICK_SWEEP = (("gemv", 1), ("gemv", 8), ("gemv_mosaic", 1), ("gemv_mosaic", 8),
-               ("decode_matmul_mosaic", 8), ("decode_matmul", 16),
+               ("decode_matmul", 8), ("decode_matmul_mosaic", 8), ("decode_matmul", 16),
                ("decode_matmul_mosaic", 16))
 SWEEP = QUICK_SWEEP + (("decode_matmul_mosaic", 1), ("decode_matmul", 64),
                        ("decode_matmul_mosaic", 64))
@@ -328,7 +329,7 @@ def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None):
     generation = kernels.pallas.gpu_generation(jax.devices()[0]) or "sm90"
     guard = guard or (lambda *_: contextlib.nullcontext())
     limit = float("inf") if small else CANDIDATE_LIMIT  # (interpret mode takes its time)
-    rows, best, winners = [], {}, {}
+    rows, best = [], {}
     out = {} if out is None else out
     out.update(n=n, rows=rows, best=best)
     if skip_mosaic:
@@ -378,7 +379,7 @@ def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None):
                     rows.append(row)
                     if device_fault(row.get("error", "")):
                         out["fault"] = row["error"]
-                        pick_backends(best, winners)
+                        pick_backends(best, winners_of(rows))
                         return out
                     if "seconds" in row and row["rel_diff"] < 1e-2 and (  # bf16 output
                             winner is None or row["seconds"] < winner["seconds"]):
@@ -386,32 +387,48 @@ def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None):
             if winner:
                 best.setdefault(op, {}).setdefault(lattice, {})[f"batch<={batch}"] = \
                     winner["entry"]
-                winners[op, lattice, batch] = winner
-    pick_backends(best, winners)
+    pick_backends(best, winners_of(rows))
     return out
 
 
+def winners_of(rows: list) -> dict:
+    """``{(op, lattice, batch): row}``: the fastest of the sweep's rows that ran and match the
+    float32 product (to 1 %: bfloat16 outputs)."""
+    winners = {}
+    for r in rows:
+        key = (r["op"], r["lattice"], r["batch"])
+        if "seconds" in r and r.get("rel_diff", 0) < 1e-2 and (
+                key not in winners or r["seconds"] < winners[key]["seconds"]):
+            winners[key] = r
+    return winners
+
+
 def pick_backends(best: dict, winners: dict):
-    """Names in ``best`` the backend of each lattice and batch class where a Mosaic GPU
-    kernel's winner beat what ``hq.matmul`` would run instead (or that had none): up to
-    ``GEMV_ROWS`` rows the ``gemv`` entry says ``"mosaic_gpu"`` (Mosaic GPU's gemv beat Triton's)
-    or ``"mosaic_gpu_mma"`` (the tensor-core kernel beat both gemvs); beyond, the
-    ``decode_matmul`` entry says ``"mosaic_gpu"`` (it beat Triton's decode_matmul).
-    ``winners``: ``{(op, lattice, batch): row}``, the rows' ``seconds``."""
+    """Names in ``best`` the backend of each lattice and batch class where another kernel's
+    winner beat what ``hq.matmul`` would run instead (or that had none): up to ``GEMV_ROWS``
+    rows the ``gemv`` entry says ``"mosaic_gpu"`` (Mosaic GPU's gemv beat Triton's),
+    ``"mosaic_gpu_mma"`` (Mosaic GPU's tensor-core kernel beat both gemvs) or ``"triton_mma"``
+    (Triton's ``decode_matmul``, which pads x to 16 rows: timed at the batch, else its time
+    at 16 rows); beyond, the ``decode_matmul`` entry says ``"mosaic_gpu"`` (it beat
+    Triton's decode_matmul). ``winners``: ``{(op, lattice, batch): row}``
+    (:func:`winners_of`), the rows' ``seconds``."""
     def seconds(op, lattice, batch):
         row = winners.get((op, lattice, batch))
+        if row is None and op == "decode_matmul" and batch <= 16:  # the same padded rows
+            row = winners.get((op, lattice, 16))
         return row["seconds"] if row else float("inf")
 
     for lattice, batch in sorted({(lat, b) for _, lat, b in winners}):
         mma = seconds("decode_matmul_mosaic", lattice, batch)
         if batch <= kernels.GEMV_ROWS:
             entry = "gemv"
-            mosaic = {"mosaic_gpu": seconds("gemv_mosaic", lattice, batch),
-                      "mosaic_gpu_mma": mma}
+            others = {"mosaic_gpu": seconds("gemv_mosaic", lattice, batch),
+                      "mosaic_gpu_mma": mma,
+                      "triton_mma": seconds("decode_matmul", lattice, batch)}
         else:  # beyond gemv's rows the tensor-core kernel is the entry's own Mosaic GPU one
-            entry, mosaic = "decode_matmul", {"mosaic_gpu": mma}
-        fastest = min(mosaic, key=mosaic.get)
-        if mosaic[fastest] < seconds(entry, lattice, batch):
+            entry, others = "decode_matmul", {"mosaic_gpu": mma}
+        fastest = min(others, key=others.get)
+        if others[fastest] < seconds(entry, lattice, batch):
             by_class = best.setdefault(entry, {}).setdefault(lattice, {})
             cls = f"batch<={batch}"
             by_class[cls] = {**by_class.get(cls, {}), "backend": fastest}
@@ -792,6 +809,8 @@ def main(argv=None):
             p.error("--report writes the full run's table into docs/gpu.md; a quick run's is "
                     "results/gpu_check_quick.md")
         out = report.load_results("gpu_check_quick" if args.quick else "gpu_check")
+        if out.get("sweep"):  # the backends as this version picks them from the run's times
+            pick_backends(out["sweep"]["best"], winners_of(out["sweep"]["rows"]))
         if args.write_tiles:
             write_tiles(out["sweep"]["best"], out["environment"]["generation"],
                         ROOT / "hnlq_jax" / "kernels" / "gpu_tiles.py")

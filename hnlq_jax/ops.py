@@ -434,7 +434,8 @@ def _matmul(x, codes, impl, interpret):
     if mosaic:
         kernel = getattr(kernels.mosaic_gpu, mosaic)
         return kernel(x, codes, out_dtype, interpret=interpret)
-    if rows <= kernels.GEMV_ROWS and narrow:
+    if (rows <= kernels.GEMV_ROWS and narrow
+            and not kernels.pallas.few_rows_on_tensor_cores(codes, rows, x.dtype)):
         return kernels.gemv(x, codes, out_dtype, interpret=interpret)
     return kernels.decode_matmul(x, codes, compute, out_dtype, interpret=interpret)
 
@@ -474,7 +475,8 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
       implementation: ``None``, ``"xla"`` (decode, then ``dot``), ``"pallas"`` (fused
         kernels, the dense weight never in memory: ``kernels.gemv`` for up to
         ``kernels.GEMV_ROWS`` rows of x, float32 products of the unrounded decoded weights
-        whatever x's dtype; ``kernels.decode_matmul`` beyond), ``"lut"`` (x's
+        whatever x's dtype; ``kernels.decode_matmul`` beyond, and for those rows of bfloat16
+        x where the GPU's tuning table found the tensor cores faster), ``"lut"`` (x's
         one-sided tables gathered by the codes' indices) or ``"native"`` (the native CPU
         kernel: decodes weight tiles in cache next to the product, or from
         ``kernels.cpu.GEMM_ROWS`` rows of x the whole weight once before a float GEMM; float32

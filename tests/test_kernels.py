@@ -453,6 +453,34 @@ def test_gemv_failed_blocks_bias_and_front_door():
     assert calls == [2]
 
 
+def test_matmul_takes_tensor_cores_for_few_rows_where_the_table_says(monkeypatch):
+    """Where the tuning table's gemv entry says "triton_mma", hq.matmul takes Triton's
+    decode_matmul for 2-8 rows of bfloat16 x (its product, as from 9 rows on), and gemv for
+    float32 x, for another batch class, and where the entry says nothing."""
+    codes = _weights(D4, 32, 128)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((4, 128)), jnp.bfloat16)
+    monkeypatch.setattr(K.pallas, "gpu_target", lambda: ("cpu", 132))
+    monkeypatch.setattr(gpu_tiles, "TILES", {"cpu": {"gemv": {"D4": {
+        "batch<=1": {}, "batch<=8": {"backend": "triton_mma"}}}}})
+    dm_calls, real_dm = [], K.decode_matmul
+
+    def dm_spy(x, *args, **kwargs):
+        dm_calls.append(int(np.prod(x.shape[:-1])))
+        return real_dm(x, *args, **kwargs)
+
+    monkeypatch.setattr(K, "decode_matmul", dm_spy)
+    fresh = lambda: jax.jit(lambda x, c: hq.matmul(x, c, **PALLAS))  # the table: at tracing
+    with mock_gemv() as gemv_calls:
+        y = fresh()(x, codes)
+        fresh()(x.astype(jnp.float32), codes)
+        fresh()(x[:1], codes)
+    assert dm_calls == [4] and gemv_calls == [4, 1]
+    np.testing.assert_array_equal(y, K.decode_matmul(x, codes, jnp.bfloat16, jnp.bfloat16))
+    assert K.pallas.few_rows_on_tensor_cores(codes, 8, jnp.bfloat16)
+    assert not K.pallas.few_rows_on_tensor_cores(codes, 8, jnp.float16)
+    assert not K.pallas.few_rows_on_tensor_cores(codes, 9, jnp.bfloat16)
+
+
 @contextlib.contextmanager
 def mock_gemv():
     """Records the rows of x each kernels.gemv call gets (the kernel still runs)."""
@@ -734,14 +762,23 @@ def test_gpu_check_picks_the_faster_backend():
     rows = [dict(op=op, lattice="D4", batch=b, entry=mos if "mosaic" in op else tri,
                  seconds=us * 1e-6) for (op, b), us in t.items()]
     rows.append(dict(op="decode_matmul_mosaic", lattice="E8", batch=16, entry=mos, seconds=1.0))
-    best = {"gemv": {"D4": {f"batch<={b}": dict(tri) for b in (1, 4, 8)}},
+    # Triton's decode_matmul at up to 8 rows: Z2 from its time at 16 (x padded to 16 rows
+    # either way), A2 from its own time at 8 (at 16 it would lose); slower rows do not count
+    for lat, op, b, us in (("Z2", "gemv", 8, 200), ("Z2", "decode_matmul", 16, 80),
+                           ("A2", "gemv", 8, 100), ("A2", "decode_matmul", 8, 90),
+                           ("A2", "decode_matmul", 8, 95), ("A2", "decode_matmul", 16, 200)):
+        rows.append(dict(op=op, lattice=lat, batch=b, entry=tri, seconds=us * 1e-6))
+    best = {"gemv": {"D4": {f"batch<={b}": dict(tri) for b in (1, 4, 8)},
+                     "Z2": {"batch<=8": dict(tri)}, "A2": {"batch<=8": dict(tri)}},
             "gemv_mosaic": {"D4": {"batch<=1": dict(mos), "batch<=8": dict(mos)}},
             "decode_matmul": {"D4": {"batch<=16": dict(tri), "batch<=64": dict(tri)}}}
-    gpu_check.pick_backends(best, {(r["op"], r["lattice"], r["batch"]): r for r in rows})
+    gpu_check.pick_backends(best, gpu_check.winners_of(rows))
     assert best["gemv"]["D4"] == {"batch<=1": dict(tri, backend="mosaic_gpu"),
                                   "batch<=4": dict(tri, backend="mosaic_gpu_mma"),
-                                  "batch<=8": tri}
-    assert best["decode_matmul"] == {
+                                  "batch<=8": tri}  # (Triton's decode_matmul: 70 at 16)
+    assert best["gemv"]["Z2"] == best["gemv"]["A2"] == {
+        "batch<=8": dict(tri, backend="triton_mma")}
+    assert {lat: best["decode_matmul"][lat] for lat in ("D4", "E8")} == {
         "D4": {"batch<=16": dict(tri, backend="mosaic_gpu"), "batch<=64": tri},
         "E8": {"batch<=16": {"backend": "mosaic_gpu"}}}  # Triton had no winner there
     env = dict(device="H100", backend="gpu", jax="0", python="3", generation="sm90")

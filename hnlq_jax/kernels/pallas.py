@@ -84,6 +84,7 @@ __all__ = [
     "decode",
     "decode_matmul",
     "encode",
+    "few_rows_on_tensor_cores",
     "gemv",
     "gpu_generation",
     "GEMV_ROWS",
@@ -1012,6 +1013,18 @@ def gpu_target() -> tuple:
     if not gpus:
         return "sm90", 132
     return gpu_generation(gpus[0]), getattr(gpus[0], "core_count", 132)
+
+
+def few_rows_on_tensor_cores(codes: Codes, batch: int, dtype) -> bool:
+    """Whether :func:`hnlq_jax.matmul`'s kernels take :func:`decode_matmul` (tensor cores) for
+    ``batch`` rows of x where :func:`gemv` would run: at most :data:`GEMV_ROWS` rows of
+    bfloat16 x (a bfloat16 product, as from 9 rows on; what the sweep times), and the tuning
+    table's ``gemv`` entry for the GPU's generation, lattice and batch class says
+    ``"backend": "triton_mma"`` (the sweep found it faster than the gemvs)."""
+    if batch > GEMV_ROWS or jnp.dtype(dtype) != jnp.bfloat16:
+        return False
+    entry = tuning_entry("gemv", codes.config, batch, gpu_target()[0])
+    return entry.get("backend") == "triton_mma"
 
 
 def launch_entry(op: str, config: HNLQConfig, batch: int, entry: dict | None = None) -> tuple:

@@ -16,9 +16,9 @@ measured):
    waves) of ``kernels.gemv`` (Triton) and ``kernels.mosaic_gpu.gemv`` (Mosaic GPU, the
    codebooks it holds: D4) at batch 1 and 8 and of ``kernels.decode_matmul`` and
    ``kernels.mosaic_gpu.decode_matmul`` (tensor cores) at batch 16 and 64 (``--quick``: 16),
-   the latter also at 1 and 8 against both gemvs (``--quick``: 8), for D4 q=4 M=2 and E8 q=4
-   M=2 at 8192^2; the fastest kernel becomes the batch class's ``"backend"``
-   (:func:`pick_backends`); the winners go into
+   the latter also at 1 and 8 against both gemvs (``--quick``: 8) and the former at 8, for
+   D4 q=4 M=2 and E8 q=4 M=2 at 8192^2; the fastest kernel becomes the batch class's
+   ``"backend"`` (:func:`pick_backends`); the winners go into
    ``hnlq_jax/kernels/gpu_tiles.py`` (``--write-tiles`` after the run) and into this run's
    table.
 4. **matmul**: ``hq.matmul(x, codes, implementation="pallas")`` (``gemv`` up to 8 rows,

@@ -165,13 +165,16 @@ def _lookup(b: list, config: HNLQConfig) -> list:
 
 
 @functools.lru_cache(maxsize=None)
-def packed_codebook(lattice: str, q: int):
+def packed_codebook(lattice: str, q: int, bits: int | None = None):
     """``(words [q^d] uint32, bits, low)``: codebook row k as ``sum_i (r_i - low) 2^(bits i)``,
-    or ``None`` where d coordinates of ``bits`` bits do not fit 32."""
+    ``bits`` the fewest that hold ``max r - low`` unless given (the GPU kernels take bytes or
+    nibbles), or ``None`` where d coordinates of ``bits`` bits do not fit 32 or do not hold
+    the coordinates."""
     table = codebook_table(lattice, q).astype(np.int64)
     low = int(table.min())
-    bits = max(1, int(table.max() - low).bit_length())
-    if bits * table.shape[1] > 32:
+    least = max(1, int(table.max() - low).bit_length())
+    bits = least if bits is None else bits
+    if bits * table.shape[1] > 32 or bits < least:
         return None
     words = np.sum((table - low) << (bits * np.arange(table.shape[1])), axis=1)
     return words.astype(np.uint32), bits, low

@@ -526,3 +526,16 @@ def test_packed_codebook_holds_the_codebook(lattice, q, bits):
     assert b == bits and words.dtype == np.uint32 and low == table.min()
     unpacked = (words[:, None].astype(np.int64) >> (b * np.arange(table.shape[1]))) % 2**b + low
     np.testing.assert_array_equal(unpacked, table)
+
+
+@pytest.mark.parametrize("lattice, q, bits", [("D4", 4, 8), ("E8", 2, 4), ("E8", 4, 4)])
+def test_packed_codebook_with_given_bits(lattice, q, bits):
+    """Fields of a given width (the GPU kernels' bytes and nibbles) unpack to the codebook;
+    too narrow a field, or d fields past 32 bits, give no table."""
+    words, b, low = packed_codebook(lattice, q, bits)
+    table = codebook_table(lattice, q)
+    assert b == bits and low == table.min()
+    unpacked = (words[:, None].astype(np.int64) >> (b * np.arange(table.shape[1]))) % 2**b + low
+    np.testing.assert_array_equal(unpacked, table)
+    assert packed_codebook(lattice, q, int(table.max() - low).bit_length() - 1) is None
+    assert packed_codebook(lattice, q, 32 // table.shape[1] + 1) is None

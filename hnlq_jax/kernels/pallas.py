@@ -237,11 +237,8 @@ def _packed_codebook(lattice: str, q: int, M: int):
     c = -int(r.min())
     if rows > _TABLE_ROWS_MAX or (int(r.max()) + c) * sum(q**m for m in range(M)) > 255:
         return None
-    bits = 8 if d <= 4 else 4  # E8: 4-bit fields, where they hold r
-    if d > 8 or int(r.max()) + c >= 1 << bits:
-        return None
-    shifts = np.uint64(bits) * np.arange(d, dtype=np.uint64)
-    return ((r + c).astype(np.uint64) << shifts).sum(axis=1).astype(np.uint32), c
+    packed = codec.packed_codebook(lattice, q, 8 if d <= 4 else 4)  # E8: 4-bit fields
+    return None if packed is None else (packed[0], c)
 
 
 def _index_can_overflow(config: HNLQConfig) -> bool:

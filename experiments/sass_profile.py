@@ -87,15 +87,14 @@ VARIANTS = [("D4", 4, 2, 20, False, "gemv", 2, {}),
             ("Z2", 8, 2, 14, False, "decode_matmul", 64, {"a_registers": False})]
 
 
-def _compile(kernel: str, cfg, n: int, batch: int, params: dict):
-    """A deviceless compile of one kernel call for the H100: its launch parameters and the
-    compiled program."""
+def _compiled(fn, cfg, n: int, batch: int):
+    """``fn(x, codes)`` compiled for an H100 without a device: bfloat16 x ``[batch, n]``, the
+    row codes of an ``n x n`` weight."""
     import jax
     import jax.numpy as jnp
     from jax.experimental.topologies import get_topology_desc
 
     import hnlq_jax as hq
-    from hnlq_jax.kernels import mosaic_gpu
 
     dev = get_topology_desc("h100", "cuda", target_config=H100, topology="1x1x1").devices[0]
     sharding = jax.sharding.SingleDeviceSharding(dev)
@@ -103,9 +102,19 @@ def _compile(kernel: str, cfg, n: int, batch: int, params: dict):
     codes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                          codes)
     x = jax.ShapeDtypeStruct((batch, n), jnp.bfloat16, sharding=sharding)
+    return jax.jit(fn).trace(x, codes).lower().compile()
+
+
+def _compile(kernel: str, cfg, n: int, batch: int, params: dict):
+    """A deviceless compile of one kernel call for the H100: its launch parameters and the
+    compiled program."""
+    import jax.numpy as jnp
+
+    from hnlq_jax.kernels import mosaic_gpu
+
     fn = getattr(mosaic_gpu, kernel)
-    compiled = jax.jit(lambda x, c: fn(x, c, jnp.bfloat16, interpret=False, **params)).trace(
-        x, codes).lower().compile()
+    compiled = _compiled(lambda x, c: fn(x, c, jnp.bfloat16, interpret=False, **params), cfg, n,
+                         batch)
     return {**mosaic_gpu.launch_params(kernel, cfg, n, n // cfg.d, batch), **params}, compiled
 
 
@@ -166,28 +175,17 @@ def front_door_launches() -> list:
     """The kernels a call of ``hq.matmul(x, codes, implementation="pallas")`` launches at
     8192^2 (bfloat16 x, the tuning table's choices: Triton's kernels on an H100 today), D4
     and E8 q=4 M=2, batch 1-64, from deviceless compiles."""
-    import jax
-    import jax.numpy as jnp
     from jax._src.pallas.triton import gpu_info  # jax's own table; no GPU to ask
-    from jax.experimental.topologies import get_topology_desc
 
     import hnlq_jax as hq
     gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    dev = get_topology_desc("h100", "cuda", target_config=H100, topology="1x1x1").devices[0]
-    sharding = jax.sharding.SingleDeviceSharding(dev)
-    out = []
-    for lattice in ("D4", "E8"):
-        cfg = hq.HNLQConfig(lattice, 4, 2)
-        codes = jax.eval_shape(lambda: hq.encode_rows(jnp.zeros((N, N), jnp.float32), cfg))
-        codes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                            sharding=sharding), codes)
-        for batch in (1, 4, 16, 64):
-            x = jax.ShapeDtypeStruct((batch, N), jnp.bfloat16, sharding=sharding)
-            compiled = jax.jit(lambda x, c: hq.matmul(x, c, implementation="pallas",
-                                                      interpret=False)).trace(
-                x, codes).lower().compile()
-            out.append({"lattice": lattice, "batch": batch, "launches": launches(compiled)})
-    return out
+
+    def fused(x, c):
+        return hq.matmul(x, c, implementation="pallas", interpret=False)
+
+    return [{"lattice": lattice, "batch": batch,
+             "launches": launches(_compiled(fused, hq.HNLQConfig(lattice, 4, 2), N, batch))}
+            for lattice in ("D4", "E8") for batch in (1, 4, 16, 64)]
 
 
 def _loops(sass: str) -> list:

@@ -253,7 +253,7 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
                      generation: str = "sm90"):
     """Phase A: rows and blocks per program (4 warps, 1 stage); phase B varies the rest around
     A's winner (the keys it names replace the winner's). ``quick``: ``gemv``'s tuning-table
-    entry with its blocks one by one and in pairs, and tiles of pairs."""
+    entry with its codes read as words and block by block, and tiles of words."""
     if op == "gemv_mosaic":  # kernels.mosaic_gpu.gemv: rows a program, words a step, stages
         if quick:  # and about one work item a program (each item fills its own pipeline)
             entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
@@ -280,12 +280,12 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
     if quick:  # the entry's launch parameters (its backend is what the sweep decides)
         entry = {k: v for k, v in kernels.pallas.tuning_entry(
             op, CONFIGS[lattice], batch, generation).items() if k != "backend"}
-        if op == "decode_matmul":
-            return [entry], []
-        a = [dict(entry, pairs=False), dict(entry, pairs=True)]
-        if batch == 1:
-            a += [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=4, pairs=True)
-                  for bn in (8, 16, 32) for bk in (256, 512)]
+        if op == "decode_matmul":  # the codes as words (the default) and block by block
+            return [entry, dict(entry, words=False)], []
+        a = [dict(entry, words=True), dict(entry, words=False)]
+        if batch == 1:  # (128 blocks a step: 64 registers a thread, 256: 140)
+            a += [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=4, words=True)
+                  for bn in (8, 16, 32) for bk in (128, 256)]
         return a, []
     if op == "decode_matmul":  # its dot wants tiles >= 16; batch 16 fills one row tile
         a = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=2)
@@ -299,7 +299,7 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
               for bn in (64, 128, 256) for bk in (16, 32)]
     b = [dict(num_warps=2), dict(num_warps=8), dict(num_stages=2), dict(waves=1),
          dict(waves=8)] if batch == 1 else []
-    return a, b + [dict(pairs=True)]  # the tile's even and odd blocks apart
+    return a, b + [dict(words=False)]  # the codes block by block, not as words
 
 
 # (op, batch): what the sweep times; the batch names the tuning table's class ("batch<=B").
@@ -358,9 +358,9 @@ def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None):
                                                              batch, entry)
                     else:
                         t = kernels.pallas.launch_params(op, cfg, n, n // cfg.d, batch, entry)
-                    if entry.get("pairs") and not kernels.pallas.reads_pairs(cfg, n,
-                                                                             n // cfg.d, t):
-                        continue  # the tiles do not let gemv read pairs: the entry without
+                    if cand.get("words") and not kernels.pallas.reads_words(cfg, n // cfg.d,
+                                                                            t):
+                        continue  # words asked for, which the tiles do not allow: a repeat
                     if op in _MOSAIC:
                         fn = functools.partial(getattr(kernels.mosaic_gpu, _MOSAIC[op]),
                                                out_dtype=jnp.bfloat16, **t)
@@ -784,7 +784,7 @@ def main(argv=None):
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help="a second look in a short lease: gemv's sweep around the tuning table "
-                        "(pairs or not; Triton's and Mosaic GPU's), decode_matmul's at batch "
+                        "(words or not; Triton's and Mosaic GPU's), decode_matmul's at batch "
                         "16 (both), the product table at 8192² batch 1, 4 and 16, the "
                         "tests, the codec's bandwidth by block size, the torch path; into "
                         "results/gpu_check_quick.*")

@@ -26,6 +26,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 import hnlq_jax as hq
 from hnlq_jax import codec
 from hnlq_jax import kernels as K
+from hnlq_jax.codes import t_bits
 from hnlq_jax.kernels import gpu_tiles
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -284,6 +285,32 @@ def test_matmul_digits_small_tiles_and_dtypes():
                                hq.matmul(xb, codes, **XLA).astype(np.float32), rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("cfg", [D4, CONFIGS[1], hq.HNLQConfig("A2", 4, 1, beta=0.3),
+                                 hq.HNLQConfig("Z2", 4, 4, beta=0.2)],
+                         ids=["D4", "E8", "M1", "M4"])
+def test_decode_matmul_reads_words(cfg):
+    """The tensor-core kernel with the codes read as words (2, 1 + a stride, 4 and 1 blocks a
+    word): the reference's decoded weights bit for bit (one-hot rows), a full x's sums, and
+    the word views are what the kernel reads."""
+    parts = K.pallas.word_view(cfg)[1]
+    codes = _weights(cfg, 32, 64 * cfg.d)
+    f = functools.partial(K.decode_matmul, codes=codes, compute_dtype=jnp.float32,
+                          out_dtype=jnp.float32, block_n=16, block_k=16 * parts, splits=2)
+    eye = jnp.eye(64 * cfg.d, dtype=jnp.float32)
+    assert f"u32[32,{64 // K.pallas.word_view(cfg)[0]}]" in str(jax.make_jaxpr(f)(eye))
+    np.testing.assert_array_equal(f(eye), hq.matmul(eye, codes, **XLA))
+    x = np.random.default_rng(8).standard_normal((5, 64 * cfg.d)).astype(np.float32)
+    ref = _decoded_product(x, codes)
+    np.testing.assert_allclose(f(jnp.asarray(x)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    # 3 shares past the blocks (masked), and past the rows
+    for ragged in (codes, _weights(cfg, 21, 64 * cfg.d)):
+        np.testing.assert_array_equal(f(eye, codes=ragged, splits=3),
+                                      hq.matmul(eye, ragged, **XLA))
+    # with 8 blocks a part the dot would be too narrow: the blocks one by one
+    narrow = functools.partial(f, block_k=8 * parts, splits=1)
+    assert "u32[32," not in str(jax.make_jaxpr(narrow)(eye))
+
+
 def _equations(jaxpr: Jaxpr):
     """Every equation of a jaxpr and its sub-jaxprs, outside Pallas kernel bodies."""
     for eqn in jaxpr.eqns:
@@ -298,11 +325,14 @@ def _equations(jaxpr: Jaxpr):
                     yield from _equations(sub)
 
 
-@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
-def test_matmul_reads_codes_in_place(scaled):
-    """No transpose or copy of a code array: the kernel takes index and T field as stored."""
-    codes = _weights(D4, 24, 63, rows=True) if scaled else \
-        _weights(D4, 24, 64, rows=False).with_rows(n=64)
+@pytest.mark.parametrize("case", ["scaled", "unscaled", "odd"])
+def test_matmul_reads_codes_in_place(case):
+    """No transpose or copy of a code array: the kernel takes their word views (D4: two
+    blocks a word), reinterpreted, not copied, or where a row ends in half a T byte (an odd
+    number of blocks) the index and T field as stored."""
+    codes = {"scaled": lambda: _weights(D4, 24, 63, rows=True),
+             "unscaled": lambda: _weights(D4, 24, 64, rows=False).with_rows(n=64),
+             "odd": lambda: _weights(D4, 24, 60, rows=True)}[case]()
     x = jnp.zeros((3, codes.shape[-1]), jnp.float32)
     jaxpr = jax.make_jaxpr(jax.jit(lambda x, c: hq.matmul(x, c, **PALLAS)))(x, codes)
     eqns = list(_equations(jaxpr.jaxpr))
@@ -315,6 +345,11 @@ def test_matmul_reads_codes_in_place(scaled):
     calls = [e for e in eqns if e.primitive.name == "pallas_call"]
     assert len(calls) == 1
     ins = {(tuple(v.aval.shape), v.aval.dtype) for v in calls[0].invars}
+    nb = codes.blocks_shape[1]
+    if nb % 2 == 0:  # 2 blocks a word: index uint32 [24, nb / 2], T a byte for the two
+        assert {((24, nb // 2), jnp.dtype(jnp.uint32)), ((24, nb // 2), jnp.dtype(jnp.uint8))} \
+            <= ins
+        return
     assert (codes.index.shape, codes.index.dtype) in ins
     assert ((codes.tfield.size,), codes.tfield.dtype) in ins  # unpacked in the kernel
 
@@ -326,6 +361,21 @@ def _decoded_product(x, codes):
     """x @ W_hat^T in float64 on the host, from the reference's decoded, scaled weights."""
     w = np.asarray(hq.matmul(jnp.eye(codes.n, dtype=jnp.float32), codes, **XLA))
     return np.asarray(x, np.float64) @ w.astype(np.float64)
+
+
+@given(a=st.integers(0, 2**32 - 1), b=st.integers(0, 2**32 - 1),
+       picks=st.lists(st.integers(0, 7), min_size=4, max_size=4))
+def test_prmt_picks_bytes_of_b_then_a(a, b, picks):
+    """The interpret-mode prmt (what the CPU tests run where the GPU kernels have the
+    instruction): byte i of the result is byte picks[i] of a (0-3) or b (4-7); the magic
+    selector gives the float 2^23 + byte i of b."""
+    selector = sum(k << 4 * i for i, k in enumerate(picks))
+    got = int(K.pallas.prmt(jnp.uint32(a), jnp.uint32(b), selector))
+    src = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+    assert got == int.from_bytes(bytes(src[k] for k in picks), "little")
+    for i in range(4):
+        magic = K.pallas.prmt(jnp.uint32(0x4B000000), jnp.uint32(b), K.pallas.magic_selector(i))
+        assert float(jax.lax.bitcast_convert_type(magic, jnp.float32)) == 2**23 + src[4 + i]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
@@ -378,17 +428,18 @@ def test_gemv_matches_decoded_weights(cfg, method):
         assert got.shape == (batch, n) and got.dtype == jnp.float32
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     # tiles that cover the weight exactly (no masks or clamps in the kernel), the blocks one by
-    # one and in even/odd pairs (M = 3 and the LUT method take the blocks one by one)
+    # one and as words (M = 3 and the LUT method take the blocks one by one)
     exact = _weights(cfg, 32, 64 * cfg.d)
     x = rng.standard_normal((2, 64 * cfg.d)).astype(np.float32)
     ref = _decoded_product(x, exact)
-    for pairs in (False, True):
+    for words in (False, True):
         f = functools.partial(K.gemv, codes=exact, out_dtype=jnp.float32, block_n=8,
-                              block_k=16, splits=2, pairs=pairs, **how)
+                              block_k=16, splits=2, words=words, **how)
         np.testing.assert_allclose(f(jnp.asarray(x)), ref, rtol=1e-5,
                                    atol=1e-5 * np.abs(ref).max())
-        split = "split[" in str(jax.make_jaxpr(f)(x))  # the tile's columns split in registers
-        assert split == (pairs and method != "lut" and cfg.M in (1, 2, 4)), (pairs, method)
+        view = K.pallas.word_view(cfg)  # the kernel reads the index as words [32, 64 / g]
+        as_words = view is not None and f"u32[32,{64 // view[0]}]" in str(jax.make_jaxpr(f)(x))
+        assert as_words == (words and method != "lut" and view is not None), (words, method)
     # bfloat16 in and out: the float32 sum rounded once
     x = x[:, :k]
     xb = jnp.asarray(x, jnp.bfloat16)
@@ -400,17 +451,27 @@ def test_gemv_matches_decoded_weights(cfg, method):
 
 
 @pytest.mark.parametrize("cfg", [hq.HNLQConfig("A2", 4, 1, beta=0.3),
-                                 hq.HNLQConfig("Z2", 4, 4, beta=0.2)], ids=["M1", "M4"])
-def test_gemv_pairs_split_into_2M_columns(cfg):
-    """Pairs of blocks with 1 and 4 levels: a tile's index bytes split into 2 and 8 columns
-    (the configs above take 4), against the decoded weights."""
-    codes = _weights(cfg, 16, 64 * cfg.d)
-    x = np.random.default_rng(7).standard_normal((3, 64 * cfg.d)).astype(np.float32)
-    f = functools.partial(K.gemv, codes=codes, out_dtype=jnp.float32, block_n=8, block_k=16,
-                          splits=2, pairs=True)
-    assert "split[" in str(jax.make_jaxpr(f)(x))
-    ref = _decoded_product(x, codes)
-    np.testing.assert_allclose(f(jnp.asarray(x)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+                                 hq.HNLQConfig("Z2", 4, 4, beta=0.2, max_T=20),
+                                 hq.HNLQConfig("Z2", 4, 4, beta=0.2)], ids=["M1", "M4", "M4-T4"])
+def test_gemv_words_of_4_1_and_half_blocks(cfg):
+    """Words of 4 blocks (one level of index bytes, T in 16 bits), of 1 block (4 levels; 8-bit
+    T) and of 1 block whose T byte holds two (two index words a T byte, read at a stride of
+    2): the same products as block by block, batch 1 (the kernel's 2-d tiles) and 3, tiles
+    that cover the weight and tiles past its rows and blocks (a failed-looking T of 0 there
+    would make the rows NaN)."""
+    view = K.pallas.word_view(cfg)
+    assert view[0] == {1: 4, 4: 1}[cfg.M] and view[1] == max(view[0], 8 // t_bits(cfg))
+    # 16 rows in tiles of 8, 2 shares of 64 blocks; 13 rows and 3 shares: the edges masked
+    for n, splits in ((16, 2), (13, 3)):
+        codes = _weights(cfg, n, 64 * cfg.d)
+        for batch in (1, 3):
+            x = np.random.default_rng(7).standard_normal((batch, 64 * cfg.d)).astype(np.float32)
+            f = functools.partial(K.gemv, codes=codes, out_dtype=jnp.float32, block_n=8,
+                                  block_k=16, splits=splits, words=True)
+            assert f"u32[{n},{64 // view[0]}]" in str(jax.make_jaxpr(f)(x))
+            ref = _decoded_product(x, codes)
+            np.testing.assert_allclose(f(jnp.asarray(x)), ref, rtol=1e-5,
+                                       atol=1e-5 * np.abs(ref).max())
 
 
 def test_products_of_nonfinite_x_rows():
@@ -439,7 +500,7 @@ def test_gemv_failed_blocks_bias_and_front_door():
     bad = hq.Codes(bad.index.at[7, 2, 1].set(200), bad.tfield, WIDE_T, scale=bad.scale,
                    n=bad.n)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 64)), jnp.float32)
-    for how in [*_GEMV_METHODS.values(), dict(pairs=True, block_k=16, splits=1)]:
+    for how in [*_GEMV_METHODS.values(), dict(words=True, block_k=16, splits=1)]:
         y = np.asarray(jax.jit(lambda x, c, how=how: K.gemv(  # jit: the codes are not
             x, c, jnp.float32, block_n=4, **how))(x, bad))  # checked, as in a model
         assert np.isnan(y[:, [3, 7]]).all() and np.isfinite(np.delete(y, [3, 7], 1)).all()
@@ -523,24 +584,24 @@ def test_launch_params_and_errors(monkeypatch):
         "batch<=1": dict(block_n=8, block_k=32, num_warps=2, num_stages=2, waves=1),
         "batch<=8": dict(block_n=32, block_k=64, num_warps=8, num_stages=1, waves=1)}}}})
     one = params("gemv", cfg, 8192, 1024, 1)
-    assert one == dict(block_n=8, block_k=32, num_warps=2, num_stages=2, splits=1)
+    assert one == dict(block_n=8, block_k=32, num_warps=2, num_stages=2, words=True, splits=1)
     assert params("gemv", cfg, 1024, 1024, 4)["block_n"] == 32
     assert params("gemv", cfg, 1024, 1024, 4)["splits"] == 5  # ceil(132 / 32)
     assert params("gemv", hq.HNLQConfig("E8", 4, 2), 64, 64, 1)["block_n"] == 16
     assert params("decode_matmul", cfg, 64, 64, 16)["block_n"] == 32  # no entry: defaults
-    # pairs only where the tiles cover the weight exactly (8192^2 D4: 2048 blocks a row)
-    t = dict(block_n=16, block_k=256, num_warps=4, num_stages=1, pairs=True)
-    assert K.pallas.reads_pairs(cfg, 8192, 2048, dict(t, splits=2))
-    assert not K.pallas.reads_pairs(cfg, 8192, 2048, dict(t, splits=3))  # 3 x 3 x 256 > 2048
-    assert not K.pallas.reads_pairs(cfg, 8200, 2048, dict(t, splits=2))  # a ragged row tile
-    assert not K.pallas.reads_pairs(cfg, 8192, 2048, dict(t, splits=2, lut_tables=True))
-    assert not K.pallas.reads_pairs(cfg, 8192, 2048, dict(t, splits=2, pairs=False))
-    assert not K.pallas.reads_pairs(hq.HNLQConfig("A2", 3, 3), 8192, 2048, dict(t, splits=2))
+    # words where the T elements divide the rows (D4: 2 blocks a T byte), ragged shares too
+    t = dict(block_n=16, block_k=256, num_warps=4, num_stages=1, words=True)
+    assert K.pallas.reads_words(cfg, 2048, dict(t, splits=2))
+    assert K.pallas.reads_words(cfg, 2048, dict(t, splits=3))  # 3 x 3 x 256 > 2048: masked
+    assert not K.pallas.reads_words(cfg, 2047, dict(t, splits=2))  # half a T byte at the end
+    assert not K.pallas.reads_words(cfg, 2048, dict(t, splits=2, lut_tables=True))
+    assert not K.pallas.reads_words(cfg, 2048, dict(t, splits=2, words=False))
+    assert not K.pallas.reads_words(hq.HNLQConfig("A2", 3, 3), 2048, dict(t, splits=2))
     codes = _weights(D4, 8, 64)
     x = jnp.ones((K.GEMV_ROWS + 1, 64))
     with pytest.raises(ValueError, match="at most 8 rows of x, got 9"):
         K.gemv(x, codes, jnp.float32)
-    for bad in (dict(pairs="yes"), dict(lut_tables=1)):
+    for bad in (dict(words="yes"), dict(lut_tables=1)):
         with pytest.raises(TypeError, match=f"{next(iter(bad))} must be a bool"):
             K.gemv(x[:1], codes, jnp.float32, **bad)
     for bad in (dict(splits=0), dict(num_warps=1.5), dict(block_n=6), dict(block_k=8)):
@@ -680,8 +741,8 @@ def _lowering_cases(cfg, all_ops):
                                                  block_k=16, **gpu),
                              (jnp.zeros((2, 64 * cfg.d)), hq.encode_rows(
                                  jnp.ones((32, 64 * cfg.d)), cfg))),
-        "gemv_pairs": (lambda x, c: K.gemv(x, c, jnp.float32, block_n=16, block_k=32,
-                                           pairs=True, **gpu),
+        "gemv_words": (lambda x, c: K.gemv(x, c, jnp.float32, block_n=16, block_k=32,
+                                           words=True, **gpu),
                        (jnp.zeros((1, 64 * cfg.d)), hq.encode_rows(
                            jnp.ones((32, 64 * cfg.d)), cfg))),
         # 3 shares of one step: tables of a length no power of two

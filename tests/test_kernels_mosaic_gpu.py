@@ -152,7 +152,7 @@ def test_decode_matmul_planes_fill_float16(cfg):
     big = np.max(np.abs(np.asarray(xk, np.float32)), axis=0)[:4]
     assert np.all((big >= 2**14) & (big < 2**15)), big
     assert np.all(np.asarray(xk, np.float32)[:, 4:] == 0)  # the zero row and the padding
-    g = mg._word_view(cfg)[0]
+    g = K.pallas.word_view(cfg)[0]
     xt = hq.kernels.pallas.gemv_activations(x.astype(jnp.bfloat16), cfg, nb, parts=g)
     want = np.max(np.abs(np.asarray(xt)[:, :cfg.d, :4, :]), axis=(0, 1, 3))
     np.testing.assert_allclose(big * 2.0 ** np.asarray(e)[:4], want, rtol=2**-11)

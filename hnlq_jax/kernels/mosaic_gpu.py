@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from hnlq_jax import _numerics
-from hnlq_jax.codes import Codes, check_activations, index_dtype, t_bits
+from hnlq_jax.codes import Codes, check_activations, t_bits
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.kernels import pallas as _pallas
 
@@ -83,18 +83,6 @@ def available() -> bool:
     return jax.__version_info__ >= (0, 11) and hasattr(plgpu, "InterpretGPUParams")
 
 
-def _word_view(config: HNLQConfig) -> tuple | None:
-    """``(g, t_dtype)``: blocks a uint32 index word and the dtype of the T field's view with
-    one element an index word; ``None`` where the codes have no such view."""
-    isz = np.dtype(index_dtype(config)).itemsize
-    if 4 % (config.M * isz):
-        return None
-    g = 4 // (config.M * isz)
-    bits = g * t_bits(config)
-    return (g, {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bits]) if bits in (8, 16, 32) \
-        else None
-
-
 def unsupported(config: HNLQConfig, op: str = "gemv") -> str | None:
     """Why ``op`` (:func:`gemv` or :func:`decode_matmul`) has no kernel for ``config``
     (``None`` where it has one)."""
@@ -106,9 +94,10 @@ def unsupported(config: HNLQConfig, op: str = "gemv") -> str | None:
     if packed is None or config.d > 4 or config.q**config.d > _TABLE_ROWS_MAX:
         return ("the packed codebook must be one word an entry with at most "
                 f"{_TABLE_ROWS_MAX} entries (q^d = {config.q**config.d})")
-    if _word_view(config) is None:
+    view = _pallas.word_view(config)
+    if view is None or view[0] != view[1]:
         return (f"M = {config.M} index bytes a block and {t_bits(config)}-bit T have no "
-                "uint32 word view")
+                "uint32 word view whose words match the T field's elements")
     if op == "decode_matmul" and _mma_exponent(config) > 14:
         return (f"2^(alpha max_T) = 2^{config.alpha * config.max_T:.3g} is past the float16 "
                 "range of the tensor cores' operands (at most 2^22)")
@@ -120,7 +109,7 @@ def supported_shape(config: HNLQConfig, n: int, nb: int, t: dict) -> bool:
     kernel has no edge masks; such weights take the Triton kernel)."""
     if unsupported(config):
         return False
-    g = _word_view(config)[0]
+    g = _pallas.word_view(config)[0]
     return (n > 0 and nb > 0 and n % t["block_n"] == 0 and nb % g == 0
             and (nb // g) % t["block_w"] == 0)
 
@@ -178,12 +167,7 @@ def _prmt(a, b, selector: int, interpret: bool = False):
     ``inline_mgpu``), or, ``interpret``, of uint32 arrays (the same selector, emulated: the
     interpret-mode tests then pin the selectors the kernels use)."""
     if interpret:
-        out = jnp.zeros(jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)), jnp.uint32)
-        for i in range(4):
-            k = (selector >> 4 * i) & 7
-            byte = ((a if k < 4 else b) >> jnp.uint32(8 * (k % 4))) & jnp.uint32(255)
-            out = out | (byte << jnp.uint32(8 * i))
-        return out
+        return _pallas.prmt(a, b, selector)
     from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
     from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
     return llvm.inline_asm(ir.IntegerType.get_signless(32), [a, b],
@@ -238,7 +222,7 @@ def _magic_byte(word, c: int, interpret: bool):
     # The constant first (bytes 0-3: 00 00 00 4B), the word's bytes 4-7: result bytes the
     # word's byte c, 00, 00, 4B. (With the constant second and the selector an immediate,
     # ptxas rebuilt the selector in a register every time.)
-    selector = 0x3104 + c
+    selector = _pallas.magic_selector(c)
     if interpret:
         return _prmt(jnp.uint32(_MAGIC), word, selector, True)
     from jax._src.lib.mlir import ir  # noqa: PLC0415 (MLIR only where the kernel compiles)
@@ -365,7 +349,7 @@ def _pairs(config: HNLQConfig) -> tuple:
     ``("coords", p, c)``, coordinates ``c`` and ``c + 1`` of block ``p`` (``d`` is even), then,
     with a dither, ``("scales", p, p + 1)``, the dither's planes of blocks ``p`` and ``p + 1``
     (their ``2^(alpha T)``; ``p + 1`` past the last block is ``None``: zeros)."""
-    g = _word_view(config)[0]
+    g = _pallas.word_view(config)[0]
     pairs = [("coords", p, c) for p in range(g) for c in range(0, config.d, 2)]
     if config.dither is not None:
         pairs += [("scales", p, p + 1 if p + 1 < g else None) for p in range(0, g, 2)]
@@ -549,7 +533,7 @@ def _prepare(op: str, x, codes: Codes, fn: str, given: dict) -> tuple:
     if given.get("programs") is None:  # the caller's tiles may need more shared memory
         t["programs"] = min(t["programs"],
                             _resident_cap(op, t, config, B) * _pallas.gpu_target()[1])
-    tiles = nb // _word_view(config)[0] // t["block_w"]
+    tiles = nb // _pallas.word_view(config)[0] // t["block_w"]
     t["steps"] = _steps(tiles, t["splits"])
     t["programs"] = min(t["programs"], n // t["block_n"] * (tiles // t["steps"]))
     return codes, x.reshape(B, x.shape[-1]), lead, t
@@ -665,7 +649,7 @@ def _smem_bytes(op: str, t: dict, config: HNLQConfig, batch: int) -> int:
     """Shared memory of a program: the two lane-replicated tables and ``stages`` pipeline
     buffers (index words, T view, x's planes; :func:`decode_matmul`'s planes through shared
     memory)."""
-    g, t_dtype = _word_view(config)
+    g, _, t_dtype = _pallas.word_view(config)
     tables = 4 * (_TABLE_ROWS_MAX * _CODEBOOK_ROW_WORDS + _LANES * (1 << t_bits(config)))
     bn, bw = t["block_n"], t["block_w"]
     codes = bn * bw * (4 + np.dtype(t_dtype).itemsize)
@@ -730,7 +714,7 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
                          f"got {op!r}")
     t, sms = _pallas.launch_entry(_OPS[op], config, batch, entry)
     waves = t.pop("waves")
-    view = _word_view(config)
+    view = _pallas.word_view(config)
     if view is not None and nb % view[0] == 0:  # tiles halved until they cover the weight
         for name, size, least in (("block_n", n, 64), ("block_w", nb // view[0], 16)):
             while t[name] > least and t[name] % (2 * least) == 0 and size % t[name]:
@@ -765,12 +749,7 @@ def _operands(codes: Codes, f16: bool = False) -> tuple:
     overload table as float32, or with ``f16`` as float16 ``2^(alpha T - e_A)`` in both
     halves of a word: :func:`decode_matmul`'s)."""
     config = codes.config
-    n, nb = codes.blocks_shape
-    g, t_dtype = _word_view(config)
-    w = jax.lax.bitcast_convert_type(codes.index.reshape(n, nb // g, -1), jnp.uint32)
-    tf = codes.tfield.reshape(n, -1)
-    if t_dtype != jnp.uint8:
-        tf = jax.lax.bitcast_convert_type(tf.reshape(n, nb // g, -1), t_dtype)
+    w, tf = _pallas.code_words(codes)
     # padded to every value an index byte holds (zeros: corrupt indices are masked), so that
     # no gather reads past the table
     table = _pallas.packed_codebook(config)[0]
@@ -812,7 +791,7 @@ def _finish(out, x, codes: Codes, out_dtype, exponent=None):
 def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, programs):
     config = codes.config
     n, nb = codes.blocks_shape
-    g = _word_view(config)[0]
+    g = _pallas.word_view(config)[0]
     # block g w + p of x in part p at word w
     xt = _pallas.gemv_activations(x, config, nb, packed=True, parts=g)
     bb = xt.shape[2]
@@ -839,7 +818,7 @@ def _mma_planes(x, config: HNLQConfig, nb: int, bb: int, bw: int) -> tuple:
     its planes keep 11 bits down to 2^-28 of its largest (docs/kernels.md, "Precision").
     Returns them and ``e + e_A`` for x's rows, the exponents that scale the product
     back (:func:`_mma_exponent`)."""
-    g = _word_view(config)[0]
+    g = _pallas.word_view(config)[0]
     B = x.shape[0]
     # [g, d + 1, bb, words]: beta C^T x, the dither's offsets
     xt = _pallas.gemv_activations(jnp.pad(x, ((0, bb - B), (0, 0))), config, nb, parts=g)
@@ -865,7 +844,7 @@ def _mma_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, prog
               a_registers):
     config = codes.config
     n, nb = codes.blocks_shape
-    g = _word_view(config)[0]
+    g = _pallas.word_view(config)[0]
     cw = _chunk_words(config, bw, x.shape[0])
     xk, e = _mma_planes(x, config, nb, _mma_rows(x.shape[0]), bw)
     splits = nb // g // bw // steps

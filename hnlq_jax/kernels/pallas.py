@@ -254,9 +254,89 @@ def _codebook_row(k, config: HNLQConfig):
     return k.astype(jnp.int32)
 
 
-def _packed_fields(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
+# float(0x4B000000 | b) is 2^23 + b exactly for a byte b: a byte to float without a conversion
+# instruction (Hopper's integer-to-float convert runs at a quarter of the FMA rate).
+_MAGIC = 0x4B000000
+_TWO23 = float(2**23)
+
+
+def word_view(config: HNLQConfig) -> tuple | None:
+    """``(g, parts, t_dtype)``: the weight blocks whose index items fill one uint32 word, the
+    blocks of one element of the T field's view (``parts = max(g, 8 / t_bits)``: a whole
+    number of bytes, a whole number of index words) and its dtype (``parts t_bits`` bits);
+    ``None`` where a block's index items do not divide a word (3 levels of bytes)."""
+    isz = np.dtype(index_dtype(config)).itemsize
+    if 4 % (config.M * isz):
+        return None
+    g = 4 // (config.M * isz)
+    parts = max(g, 8 // t_bits(config))
+    return g, parts, {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[parts * t_bits(config)]
+
+
+def code_words(codes: Codes) -> tuple:
+    """``codes``' index and T field as words, viewed, not copied (:func:`word_view`): index
+    uint32 ``[n, nb / g]`` (block ``p`` of a word in its items ``p M .. (p + 1) M - 1``,
+    little-endian), as ``[n, nb / parts, parts / g]`` where a T element's blocks take several
+    words, and T ``[n, nb / parts]`` (block ``p`` of an element in bits ``p t_bits``);
+    ``nb % parts == 0``."""
+    n, nb = codes.blocks_shape
+    g, parts, t_dtype = word_view(codes.config)
+    w = jax.lax.bitcast_convert_type(codes.index.reshape(n, nb // g, -1), jnp.uint32)
+    w = w.reshape(n, nb // parts, parts // g) if parts > g else w
+    tf = codes.tfield.reshape(n, -1)
+    if t_dtype != jnp.uint8:
+        tf = jax.lax.bitcast_convert_type(tf.reshape(n, nb // parts, -1), t_dtype)
+    return w, tf
+
+
+def prmt(a, b, selector: int):
+    """PTX ``prmt.b32`` (default mode) on uint32 arrays: byte ``i`` of the result is byte
+    ``(selector >> 4 i) & 7`` of ``b:a`` (0-3: ``a``'s, 4-7: ``b``'s). What interpret mode
+    runs where a kernel has the instruction, so that the CPU tests pin its selectors."""
+    out = jnp.zeros(jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)), jnp.uint32)
+    for i in range(4):
+        k = (selector >> 4 * i) & 7
+        byte = ((a if k < 4 else b) >> jnp.uint32(8 * (k % 4))) & jnp.uint32(255)
+        out = out | (byte << jnp.uint32(8 * i))
+    return out
+
+
+def magic_selector(i: int) -> int:
+    """The ``prmt`` selector of byte ``i`` of ``b`` under the magic exponent, with ``a`` the
+    constant :data:`_MAGIC` (bytes 00 00 00 4B): bytes ``b_i``, 00, 00, 4B."""
+    return 0x3104 + i
+
+
+def _magic_byte(word, i: int, interpret: bool):
+    """Byte ``i`` of ``word`` (uint32) as the float ``2^23 + byte``: one ``prmt`` where a
+    shift, a mask and an OR took two or three instructions."""
+    if interpret:
+        return jax.lax.bitcast_convert_type(prmt(jnp.uint32(_MAGIC), word, magic_selector(i)),
+                                            jnp.float32)
+    return pltriton.elementwise_inline_asm(
+        f"prmt.b32 $0, {_MAGIC}, $1, {magic_selector(i)};", args=[word], constraints="=f,r",
+        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.float32)])[0]
+
+
+def _fma(a, b, c, interpret: bool):
+    """``a b + c`` rounded once: Triton's lowering rounds each product and sum apart (no
+    contraction), two instructions where one does."""
+    a, b, c = jnp.broadcast_arrays(a, b, c)
+    if interpret:
+        return a * b + c
+    return pltriton.elementwise_inline_asm(
+        "fma.rn.f32 $0, $1, $2, $3;", args=[a, b, c], constraints="=f,f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+
+
+def _byte(word, i: int):
+    return (word >> jnp.uint32(8 * i)) & jnp.uint32(255)
+
+
+def _packed_fields(ks: list, tab_ref, config: HNLQConfig, first: int, byte=_byte) -> list:
     """The ``d`` fields (uint32) of ``sum_{m >= first} q^m word(k_m)``: ``P_j`` plus the bias
-    ``c sum_{m >= first} q^m`` (:func:`packed_codebook`)."""
+    ``c sum_{m >= first} q^m`` (:func:`packed_codebook`); ``byte(word, i)``: how a field is
+    taken from byte ``i`` of a word of fields."""
     weights = _numerics.level_weights(config)
     # the words of byte fields a level's entry gives: itself, or a 4-bit entry's two halves
     halves = (0,) if config.d <= 4 else (0, 4)
@@ -269,8 +349,7 @@ def _packed_fields(ks: list, tab_ref, config: HNLQConfig, first: int) -> list:
             part = part * jnp.uint32(weights[m])
             words[h] = part if words[h] is None else words[h] + part
     # coordinate j: byte j of the word, or byte j // 2 of half j % 2
-    return [(words[j % len(halves)] >> jnp.uint32(8 * (j // len(halves)))) & jnp.uint32(255)
-            for j in range(config.d)]
+    return [byte(words[j % len(halves)], j // len(halves)) for j in range(config.d)]
 
 
 def packed_bias(config: HNLQConfig, first: int) -> int:
@@ -346,9 +425,16 @@ def _decoded(ks: list, u, tab_ref, pow_ref, beta_ref, config: HNLQConfig, dtype,
     barriers there (Triton has no lowering for them and needs none).
     """
     dtype = jnp.dtype(dtype)
-    P = _lattice_point(ks, tab_ref, config, first)
     fence = jax.lax.optimization_barrier if interpret else (lambda v: v)
-    xhat = fence(config.lat.cart_from_P([c.astype(dtype) for c in P]))
+    if tab_ref is not None and packed_codebook(config) is not None and dtype == jnp.float32:
+        # P as floats from the fields under the magic exponent, less it and the bias: exact,
+        # a prmt and an add where an integer subtract and a conversion took the convert unit
+        base = np.float32(_TWO23 + packed_bias(config, first))
+        P = [f - base for f in _packed_fields(
+            ks, tab_ref, config, first, functools.partial(_magic_byte, interpret=interpret))]
+    else:
+        P = [c.astype(dtype) for c in _lattice_point(ks, tab_ref, config, first)]
+    xhat = fence(config.lat.cart_from_P(P))
     s = _numerics.overload_scale(u, config, pow_ref)
     z = config.dither_array
     scaled = fence([beta_ref[0] * (c - dtype.type(zj)) for c, zj in zip(xhat, z)])
@@ -669,6 +755,37 @@ def _weight_codes_tile(idx_ref, t_ref, rows, k0, bk: int, config: HNLQConfig, n:
     return ks, u
 
 
+def _word_codes_tiles(idx_ref, t_ref, e0, c: int, words: int, config: HNLQConfig,
+                      live=None) -> list:
+    """``[(ks, u)]`` of each part ``p < words`` of T elements ``e0 .. e0 + c`` of a tile's rows
+    (:func:`code_words`' views; part ``p``: blocks ``words e + p``), ``[bn, c]`` each.
+
+    A 32-bit load for the index items of ``g`` blocks and one of T for ``words`` blocks, where
+    reading the codes block by block takes a byte load a level and block (Triton spreads a
+    tile's blocks across its threads); each block's items and T are split off by shifts. An
+    element's ``words / g`` index words are the last axis of its view: one load each. Where
+    ``live`` (``[bn, c]``) is false (past the rows or blocks) a block reads index 0 and
+    ``T = 0``: a finite weight that meets x's zero padding (or a row that is not stored).
+    """
+    g, _, t_dtype = word_view(config)
+    per = words // g
+    iws = [_load(idx_ref.at[(slice(None), pl.ds(e0, c)) + ((_at(j),) if per > 1 else ())],
+                 live) for j in range(per)]
+    tb = t_bits(config)
+    t_at = t_ref.at[:, pl.ds(e0, c)]  # past the edges u = T + 1 = 1 in every field
+    tw = (pltriton.load(t_at) if live is None else pltriton.load(
+        t_at, mask=live, other=t_dtype(sum(1 << (p * tb) for p in range(words))))
+          ).astype(jnp.uint32)
+    item = 8 * np.dtype(index_dtype(config)).itemsize
+    tb = t_bits(config)
+    out = []
+    for p in range(words):
+        ks = [(iws[p // g] >> jnp.uint32(item * ((p % g) * config.M + m)))
+              & jnp.uint32(2**item - 1) for m in range(config.M)]
+        out.append((ks, ((tw >> jnp.uint32(p * tb)) & jnp.uint32(2**tb - 1)).astype(jnp.int32)))
+    return out
+
+
 def _tile_product(a, b, wide):
     """``a [bb, bk] @ b [bn, bk]^T`` in ``wide``. Float64 takes the products and a sum over k
     instead of a ``dot``: Triton's float64 dot gave wrong sums on an H200 (Triton 3.6: 70 % of a
@@ -681,7 +798,7 @@ def _tile_product(a, b, wide):
 
 def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
                           batch: int, bk: int, steps: int, compute, wide, scaled: bool,
-                          table: bool, exact: bool, interpret: bool):
+                          table: bool, exact: bool, words: int, interpret: bool):
     s_ref = refs[0] if scaled else None
     tab = refs[int(scaled)] if table else None
     pow_ref, beta_ref, o_ref = refs[-3:]
@@ -692,13 +809,22 @@ def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: i
 
     def tile(t, acc):
         k0 = pl.multiple_of(first + t * bk, bk)
-        ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb, exact)
-        w = _decoded(ks, u, tab, pow_ref, beta_ref, config, wide, interpret)
-        for j, wj in enumerate(w):
-            if scaled:  # the reference's rounding: the decoded weight times its row scale
-                wj = wj * s
-            acc = acc + _tile_product(x_ref[j, :, pl.ds(k0, bk)].astype(compute),
-                                      wj.astype(compute), wide)
+        if words:  # x's planes in the same parts as the words' blocks
+            c = bk // words
+            e0 = pl.multiple_of(first // words + t * c, c)
+            live = None if exact else ((rows < n)[:, None]
+                                       & (e0 + _iota(c) < nb // words)[None, :])
+            parts = [(ks, u, lambda j, p=p: x_ref[p, j, :, pl.ds(e0, c)]) for p, (ks, u) in
+                     enumerate(_word_codes_tiles(idx_ref, t_ref, e0, c, words, config, live))]
+        else:
+            ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb, exact)
+            parts = [(ks, u, lambda j: x_ref[j, :, pl.ds(k0, bk)])]
+        for ks, u, x_at in parts:
+            w = _decoded(ks, u, tab, pow_ref, beta_ref, config, wide, interpret)
+            for j, wj in enumerate(w):
+                if scaled:  # the reference's rounding: the decoded weight times its row scale
+                    wj = wj * s
+                acc = acc + _tile_product(x_at(j).astype(compute), wj.astype(compute), wide)
         return acc
 
     acc = jax.lax.fori_loop(0, steps, tile, jnp.zeros((bb, bn), wide))
@@ -711,7 +837,7 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
                   block_n: int | None = None, block_k: int | None = None,
                   splits: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, gpu_backend: str = "triton",
-                  use_table: bool | None = None):
+                  use_table: bool | None = None, words: bool | None = None):
     """``y = x @ W_hat^T`` with the weight read as codes: decoded tile by tile next to the
     ``dot``, the dense weight never in memory.
 
@@ -727,6 +853,7 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
         (powers of two >= 16). Up to 64 activation rows share a program.
       splits, num_warps, num_stages: as :func:`gemv`.
       use_table: see :func:`decode`.
+      words: as :func:`gemv`, where each part of a step still has 16 blocks for the ``dot``.
 
       Launch parameters left ``None`` come from the tuning table (:func:`launch_params`).
 
@@ -750,19 +877,20 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
     B = int(np.prod(lead, dtype=np.int64))
     t = _launch(launch_params("decode_matmul", config, n, nb, B), "kernels.decode_matmul",
                 block_n=block_n, block_k=block_k, splits=splits, num_warps=num_warps,
-                num_stages=num_stages)
+                num_stages=num_stages, words=words)
     bn, bk = _tile(n, t["block_n"], "block_n"), _tile(nb, t["block_k"], "block_k")
     if B == 0 or n == 0 or nb == 0:
         return jnp.zeros(lead + (n,), out_dtype)
     out = _decode_matmul_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(compute_dtype),
                               jnp.dtype(out_dtype), table, interpret_mode(interpret, x, codes),
-                              bn, bk, t["splits"], t["num_warps"], t["num_stages"])
+                              bn, bk, t["splits"], t["num_warps"], t["num_stages"],
+                              bool(t.get("words")))
     return out.reshape(lead + (n,))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10, 11))
 def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, bn, bk, splits,
-                        num_warps, num_stages):
+                        num_warps, num_stages, words):
     config = codes.config
     n, nb = codes.blocks_shape
     B, k = x.shape
@@ -770,8 +898,13 @@ def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, b
     bb = min(_BATCH_TILE, max(16, _pow2_at_least(B)))  # dot tiles are >= 16 on every side
     steps, splits, nbp = _split_k(nb, splits, bk)
     Bp = pl.cdiv(B, bb) * bb
-    # Activations only are re-laid out: coordinate planes [d, Bp, nbp], zero-padded.
-    xp = jnp.pad(x, ((0, Bp - B), (0, nbp * d - k))).reshape(Bp, nbp, d).transpose(2, 0, 1)
+    exact = n % bn == 0 and nbp == nb
+    words = _words_fit(config, nb, bk, False, least=16) if words else 0  # the dot's k >= 16
+    # Activations only are re-laid out: coordinate planes [d, Bp, nbp], zero-padded; with
+    # words, in parts as the words' blocks: [words, d, Bp, nbp / words]
+    xp = jnp.pad(x, ((0, Bp - B), (0, nbp * d - k)))
+    xp = (xp.reshape(Bp, nbp // words, words, d).transpose(2, 3, 0, 1) if words else
+          xp.reshape(Bp, nbp, d).transpose(2, 0, 1))
     wide = _numerics.wide_dtype(compute)  # decoded weight and accumulation
     pow2, beta = _tables(config, wide)
     scaled = codes.scale is not None
@@ -779,46 +912,38 @@ def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, b
         + ([_codebook_input(config)] if table else [])
     extra_specs = ([pl.BlockSpec((bn,), lambda b, i, s: (i,))] if scaled else []) \
         + ([_whole(extra[-1])] if table else [])
-    tfield = codes.tfield.reshape(-1)
+    if words:  # rows of words as tiles
+        index, tfield = code_words(codes)
+        i_spec, t_spec = (pl.BlockSpec((bn,) + a.shape[1:], lambda b, i, s, a=a: (i,) + (
+            0,) * (a.ndim - 1)) for a in (index, tfield))
+    else:  # the index by blocks, T gathered by address
+        index, tfield = codes.index, codes.tfield.reshape(-1)
+        i_spec, t_spec = pl.BlockSpec((bn, nb, M), lambda b, i, s: (i, 0, 0)), _whole(tfield)
     split = splits > 1
     out = pl.pallas_call(
         functools.partial(_decode_matmul_kernel, config=config, n=n, nb=nb, batch=B, bk=bk,
                           steps=steps, compute=compute, wide=wide, scaled=scaled, table=table,
-                          exact=n % bn == 0 and nbp == nb, interpret=interpret),
+                          exact=exact, words=words, interpret=interpret),
         grid=(Bp // bb, pl.cdiv(n, bn), splits),
-        in_specs=[pl.BlockSpec((d, bb, nbp), lambda b, i, s: (0, b, 0)),
-                  pl.BlockSpec((bn, nb, M), lambda b, i, s: (i, 0, 0)),
-                  _whole(tfield)] + extra_specs + [_whole(pow2), _whole(beta)],
+        in_specs=[pl.BlockSpec(xp.shape[:-3] + (d, bb, xp.shape[-1]),
+                               lambda b, i, s: (0,) * (xp.ndim - 2) + (b, 0)),
+                  i_spec, t_spec] + extra_specs + [_whole(pow2), _whole(beta)],
         out_specs=(pl.BlockSpec((1, bb, bn), lambda b, i, s: (s, b, i)) if split else
                    pl.BlockSpec((bb, bn), lambda b, i, s: (b, i))),
         out_shape=jax.ShapeDtypeStruct((splits, B, n) if split else (B, n),
                                        wide if split else out_dtype),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-    )(xp, codes.index, tfield, *extra, pow2, beta)
+    )(xp, index, tfield, *extra, pow2, beta)
     return jnp.sum(out, axis=0).astype(out_dtype) if split else out
 
 
 # ------------------------------------------------------------------------------------- gemv
 
 
-# float(0x4B000000 | b) is 2^23 + b exactly for a byte b: a byte to float without a conversion
-# instruction (Hopper's integer-to-float convert runs at a quarter of the FMA rate).
-_MAGIC = 0x4B000000
-_TWO23 = float(2**23)
-
-
-def _pair_columns(a, parts: int) -> list:
-    """The ``parts`` interleaved columns of a tile ``a [bn, c]``: ``a[:, j::parts]``, each
-    ``[bn, c / parts]`` (a reshape and splits in registers, no strided loads)."""
-    bn, c = a.shape
-    cols = jnp.split(a.reshape(bn, c // parts, parts), parts, axis=2)
-    return [col.reshape(bn, c // parts) for col in cols]
-
-
 def _gemv_kernel(xt_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
                  nbp: int, bk: int, steps: int, scaled: bool, mode: str, exact: bool,
-                 pairs: bool, interpret: bool):
+                 words: int, interpret: bool):
     s_ref = refs[0] if scaled else None
     tab_ref = refs[int(scaled)] if mode != "digits" else None
     ptab_ref, o_ref = refs[-2:]
@@ -828,53 +953,66 @@ def _gemv_kernel(xt_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: 
     q_rows = config.q**config.d
     weights = _numerics.level_weights(config)
 
-    def block_sums(ks, u, k0, x_at):
-        """``[bb, bn]``: the blocks' inner products with x, times ``2^(alpha T)``, summed;
-        ``x_at(j)``: x's plane ``j`` at the blocks (``[bb, c]``; plane ``d``: the offsets)."""
+    # Batch 1 takes [bn, c] tiles and x's planes as [c]: Triton loads those in the tile's
+    # layout, where [bb, bn, c] tiles took each plane through shared memory every step.
+    one = bb == 1
+    rows_x = _at(0) if one else slice(None)
+
+    def against(a):
+        """x's plane (``[bb, c]``, or ``[c]`` for batch 1) against a tile ``[.., bn, c]``."""
+        return a[None, :] if one else a[:, None, :]
+
+    def block_sums(acc, ks, u, k0, x_at):
+        """``acc`` plus the blocks' inner products with x times ``2^(alpha T)``, ``[bb, bn, c]``
+        (batch 1: ``[bn, c]``); ``x_at(j)``: x's plane ``j`` at the blocks (plane ``d``: the
+        dither's offsets)."""
         if mode == "lut":  # the block's inner products, gathered from x's tables
-            at = (_iota(bb)[:, None, None] * nbp + (k0 + _iota(bk))[None, None, :]) * q_rows
+            at = ((0 if one else _iota(bb)[:, None, None] * nbp)
+                  + (k0 + _iota(bk))[None, :]) * q_rows
             v = None
             for m, k in enumerate(ks):
-                g = tab_ref[at + _codebook_row(k, config)[None]] * np.float32(weights[m])
+                row = _codebook_row(k, config)
+                g = tab_ref[at + (row if one else row[None])] * np.float32(weights[m])
                 v = g if v is None else v + g
         else:
-            if mode == "packed":  # P_j + bias as floats; the bias is in off
-                coords = [jax.lax.bitcast_convert_type(f | jnp.uint32(_MAGIC), jnp.float32)
-                          - _TWO23 for f in _packed_fields(ks, tab_ref, config, 0)]
+            if mode == "packed":  # P_j: the fields under the magic exponent, less it and the bias
+                base = np.float32(_TWO23 + packed_bias(config, 0))
+                coords = [f - base for f in _packed_fields(
+                    ks, tab_ref, config, 0, functools.partial(_magic_byte, interpret=interpret))]
             else:
                 coords = [c.astype(jnp.float32) for c in _lattice_point(ks, tab_ref, config, 0)]
             v = None
-            for j, c in enumerate(coords):  # [bb, bn, c]: the block's inner products
-                p = x_at(j)[:, None, :] * c[None, :, :]
-                v = p if v is None else v + p
+            for j, c in enumerate(coords):  # the block's inner product
+                xj, c = against(x_at(j)), c if one else c[None]
+                v = xj * c if v is None else _fma(xj, c, v, interpret)
+        if config.dither is not None:
+            v = v - against(x_at(config.d))
         # 2^(alpha T) by u = T + 1; NaN for u = 0 (a failed block) and past max_T
         s = ptab_ref[u]
         if _index_can_overflow(config):
             s = jnp.where(valid_blocks(ks, u, config), s, jnp.nan)
-        return jnp.sum(s[None, :, :] * (v - x_at(config.d)[:, None, :]), axis=2)
+        return _fma(s if one else s[None], v, acc, interpret)
 
     def tile(t, acc):
+        # acc [bb, bn, c]: each tile column's sum over the steps, added up after the loop (a
+        # sum over the tile each step costs cross-lane shuffles every step)
         k0 = pl.multiple_of(first + t * bk, bk)
-        if not pairs:
+        if not words:
             ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb, exact)
-            return acc + block_sums(ks, u, k0, lambda j: xt_ref[j, :, pl.ds(k0, bk)])
-        # Even and odd blocks apart: the tile's index bytes and T bytes in whole-row loads
-        # (no byte-strided or gathered loads), split in registers; x comes in the same halves.
-        h = bk // 2
-        k2 = pl.multiple_of(first // 2 + t * h, h)
-        cols = _pair_columns(idx_ref[:, pl.ds(k0, bk), :].reshape(bn, bk * config.M),
-                             2 * config.M)
-        if t_bits(config) == 4:  # block 2i in the low nibble of byte i, 2i + 1 in the high
-            tb = t_ref[:, pl.ds(k2, h)].astype(jnp.int32)
-            us = [tb & 15, tb >> 4]
-        else:
-            us = [c.astype(jnp.int32) for c in _pair_columns(t_ref[:, pl.ds(k0, bk)], 2)]
-        for p in range(2):
-            ks = [c.astype(jnp.uint32) for c in cols[p * config.M:(p + 1) * config.M]]
-            acc = acc + block_sums(ks, us[p], k0, lambda j, p=p: xt_ref[p, j, :, pl.ds(k2, h)])
+            return block_sums(acc, ks, u, k0, lambda j: xt_ref[j, rows_x, pl.ds(k0, bk)])
+        # x's planes in the same parts as the words' blocks (gemv_activations)
+        c = bk // words
+        e0 = pl.multiple_of(first // words + t * c, c)
+        live = None if exact else (rows < n)[:, None] & (e0 + _iota(c) < nb // words)[None, :]
+        for p, (ks, u) in enumerate(_word_codes_tiles(idx_ref, t_ref, e0, c, words, config,
+                                                      live)):
+            acc = block_sums(acc, ks, u, k0, lambda j, p=p: xt_ref[p, j, rows_x, pl.ds(e0, c)])
         return acc
 
-    acc = jax.lax.fori_loop(0, steps, tile, jnp.zeros((bb, bn), jnp.float32))
+    acc = jax.lax.fori_loop(0, steps, tile, jnp.zeros(
+        ((bn,) if one else (bb, bn)) + (bk // max(words, 1),), jnp.float32))
+    acc = jnp.sum(acc, axis=-1)
+    acc = acc[None] if one else acc
     live = None if exact else rows < n
     if scaled:
         acc = acc * _load(s_ref, live)[None, :]
@@ -896,15 +1034,17 @@ def _gemv_mode(config: HNLQConfig, use_table, lut_tables, fn: str) -> str:
 def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = None,
          block_k: int | None = None, splits: int | None = None, num_warps: int | None = None,
          num_stages: int | None = None, use_table=None, lut_tables: bool | None = None,
-         pairs: bool | None = None):
+         words: bool | None = None):
     """``y = x @ W_hat^T`` for a few rows of ``x`` (at most :data:`GEMV_ROWS`): no ``dot``,
     no decoded weight; each weight block's lattice point meets the activations in registers.
 
     Per weight block the kernel gathers one packed codebook word a level
-    (:func:`packed_codebook`), adds the levels as integers, turns the byte fields
-    into floats and takes their inner product with the block's activations; ``beta``, the
-    lattice's basis, the dither and the fields' bias are folded into the activations once per
-    call, ``2^(alpha T)`` multiplies the block's inner product and the row scale the row's sum.
+    (:func:`packed_codebook`), adds the levels as integers, turns each byte field into the
+    float ``2^23 + field`` (one ``prmt``) less ``2^23`` and the fields' bias (exact: ``P``) and
+    takes the inner product with the block's activations in fused multiply-adds; ``beta``, the
+    lattice's basis and the dither are folded into the activations once per call, ``2^(alpha
+    T)`` multiplies the block's inner product and the row scale the row's sum. Each tile column
+    keeps its own sum over the steps, added up once after the loop.
     Codebooks the packed table cannot hold take the int32 table or the index digits
     (``use_table``, as :func:`decode`).
 
@@ -922,9 +1062,11 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
         ``lut.MAX_ONE_SIDED`` entries): per call, each row of x gets a table of its blocks'
         inner products with the whole codebook (:func:`hnlq_jax.lut.one_sided`, 1 KiB a block
         for D4 q=4), and a weight block costs one gather a level, no decoding.
-      pairs: read a tile's even and odd blocks apart, its index and T bytes in whole-row loads
-        split in registers (not byte by byte; the same sums), where the tiles cover the weight
-        exactly, ``nb`` is even and ``lut_tables`` is off; elsewhere the blocks one by one.
+      words: read the index and T as words of several blocks (:func:`code_words`: one 32-bit
+        load for 2 blocks of D4 q=4 M=2, not a byte load a level and block), each word's
+        blocks split off by shifts in registers (the same sums), where the codes have a word
+        view whose T elements divide the rows and the steps and ``lut_tables`` is off;
+        elsewhere the blocks one by one.
 
       Arguments left ``None`` come from the tuning table for the GPU in use
       (:func:`launch_params`).
@@ -949,7 +1091,7 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
                          "decode_matmul")
     t = _launch(launch_params("gemv", config, n, nb, B), "kernels.gemv", block_n=block_n,
                 block_k=block_k, splits=splits, num_warps=num_warps, num_stages=num_stages,
-                use_table=use_table, lut_tables=lut_tables, pairs=pairs)
+                use_table=use_table, lut_tables=lut_tables, words=words)
     mode = _gemv_mode(config, t.get("use_table"), t.get("lut_tables"), "kernels.gemv")
     bn = _small_tile(t["block_n"], "block_n")
     bk = _tile(nb, t["block_k"], "block_k")
@@ -957,7 +1099,7 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
         return jnp.zeros(lead + (n,), out_dtype)
     out = _gemv_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(out_dtype), mode,
                      interpret_mode(interpret, x, codes), bn, bk, t["splits"], t["num_warps"],
-                     t["num_stages"], bool(t.get("pairs")))
+                     t["num_stages"], bool(t.get("words")))
     return out.reshape(lead + (n,))
 
 
@@ -969,18 +1111,22 @@ def _split_k(nb: int, splits: int, bk: int) -> tuple:
     return steps, splits, splits * steps * bk
 
 
-def _pairs_fit(config: HNLQConfig, nb: int, exact: bool, lut_tables: bool) -> bool:
-    # Triton splits a tile into a power of two of parts: 2M of them
-    return exact and nb % 2 == 0 and not lut_tables and config.M & (config.M - 1) == 0
+def _words_fit(config: HNLQConfig, nb: int, bk: int, lut_tables: bool, least: int = 1) -> int:
+    """The blocks of a T element :func:`gemv`'s ``words`` reads (:func:`word_view`), or 0:
+    the blocks one by one (also where a part of a step would have fewer than ``least``)."""
+    view = word_view(config)
+    fit = (view and nb % view[1] == 0 and bk % view[1] == 0 and bk // view[1] >= least
+           and not lut_tables)
+    return view[1] if fit else 0
 
 
-def reads_pairs(config: HNLQConfig, n: int, nb: int, t: dict) -> bool:
+def reads_words(config: HNLQConfig, nb: int, t: dict) -> bool:
     """Whether :func:`gemv` with launch parameters ``t`` (as :func:`launch_params` gives them,
-    ``pairs`` among them) reads a weight with blocks ``[n, nb]`` in pairs: asked to, with tiles
-    that cover the weight exactly, ``nb`` even, ``M`` a power of two and not the LUT method."""
+    ``words`` among them) reads a weight of ``nb`` blocks a row as words: asked to, codes with
+    a word view (:func:`word_view`) whose elements divide the rows and the steps, and not the
+    LUT method."""
     bk = _tile(nb, t["block_k"], "block_k")
-    exact = n % t["block_n"] == 0 and _split_k(nb, t["splits"], bk)[2] == nb
-    return bool(t.get("pairs")) and _pairs_fit(config, nb, exact, bool(t.get("lut_tables")))
+    return bool(t.get("words")) and bool(_words_fit(config, nb, bk, bool(t.get("lut_tables"))))
 
 
 def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
@@ -1057,7 +1203,7 @@ def _launch(t: dict, fn: str, **given) -> dict:
     for name in ("splits", "num_warps", "num_stages"):
         if not isinstance(t[name], int) or t[name] < 1:
             raise ValueError(f"{fn}: {name} must be a positive int, got {t[name]!r}")
-    for name in ("pairs", "lut_tables"):
+    for name in ("words", "lut_tables"):
         if not isinstance(t.get(name, False), bool):
             raise TypeError(f"{fn}: {name} must be a bool, got {t[name]!r}")
     return t
@@ -1129,14 +1275,14 @@ def overload_table(config: HNLQConfig):
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))
 def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_warps,
-               num_stages, pairs):
+               num_stages, words):
     config = codes.config
     n, nb = codes.blocks_shape
     steps, splits, nbp = _split_k(nb, splits, bk)
     exact = n % bn == 0 and nbp == nb
-    pairs = pairs and _pairs_fit(config, nb, exact, mode == "lut")
-    # with pairs, x's even and odd blocks apart, [2, ...]
-    xt = gemv_activations(x, config, nbp, mode == "packed", 2 if pairs else None)
+    words = _words_fit(config, nb, bk, mode == "lut") if words else 0
+    # with words of g blocks, x's planes in g parts: [g, ...]
+    xt = gemv_activations(x, config, nbp, parts=words or None)
     bb = xt.shape[-2]  # x's rows padded to a power of two
     extra, extra_specs = [], []
     if codes.scale is not None:
@@ -1151,28 +1297,28 @@ def _gemv_call(x, codes: Codes, out_dtype, mode, interpret, bn, bk, splits, num_
     if mode != "digits":
         extra_specs.append(_whole(extra[-1]))
     ptab = overload_table(config)
-    if pairs:  # the T field's rows as tiles
-        tfield = codes.tfield.reshape(n, -1)
-        t_spec = pl.BlockSpec((bn, tfield.shape[1]), lambda i, s: (i, 0))
-    else:  # gathered by address
-        tfield = codes.tfield.reshape(-1)
-        t_spec = _whole(tfield)
+    if words:  # rows of words as tiles
+        index, tfield = code_words(codes)
+        i_spec, t_spec = (pl.BlockSpec((bn,) + a.shape[1:], lambda i, s, a=a: (i,) + (0,) * (
+            a.ndim - 1)) for a in (index, tfield))
+    else:  # the index by blocks, T gathered by address
+        index, tfield = codes.index, codes.tfield.reshape(-1)
+        i_spec, t_spec = pl.BlockSpec((bn, nb, config.M), lambda i, s: (i, 0, 0)), \
+            _whole(tfield)
     split = splits > 1
     out = pl.pallas_call(
         functools.partial(_gemv_kernel, config=config, n=n, nb=nb, nbp=nbp, bk=bk, steps=steps,
-                          scaled=codes.scale is not None, mode=mode, exact=exact, pairs=pairs,
+                          scaled=codes.scale is not None, mode=mode, exact=exact, words=words,
                           interpret=interpret),
         grid=(pl.cdiv(n, bn), splits),
-        in_specs=[_whole(xt),
-                  pl.BlockSpec((bn, nb, config.M), lambda i, s: (i, 0, 0)),
-                  t_spec] + extra_specs + [_whole(ptab)],
+        in_specs=[_whole(xt), i_spec, t_spec] + extra_specs + [_whole(ptab)],
         out_specs=(pl.BlockSpec((1, bb, bn), lambda i, s: (s, 0, i)) if split else
                    pl.BlockSpec((bb, bn), lambda i, s: (0, i))),
         out_shape=jax.ShapeDtypeStruct((splits, bb, n) if split else (bb, n),
                                        jnp.float32 if split else out_dtype),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-    )(xt, codes.index, tfield, *extra, ptab)
+    )(xt, index, tfield, *extra, ptab)
     if split:
         out = jnp.sum(out, axis=0)
     return out[:x.shape[0]].astype(out_dtype)

@@ -1,5 +1,5 @@
-"""The Mosaic GPU kernels' machine code, without a GPU: registers, spills and instructions a
-weight, from a deviceless compile for an H100.
+"""The GPU kernels' machine code, without a GPU: registers, spills and instructions a weight,
+from a deviceless compile for an H100.
 
 A GPU lease is short; what the kernels cost in instructions is a property of their code, and
 the code can be compiled without one. Each case compiles ``kernels.mosaic_gpu.gemv`` or
@@ -12,14 +12,20 @@ q=4 M=2). A memory-bound kernel must stay under the GPU's issue rate: an H100 is
 33·10^12 thread instructions a second against 3.35·10^12 bytes of HBM, so ~10 instructions a
 byte of codes (5/8 byte a weight: ~6 a weight) is where a kernel stops being memory-bound.
 
+Triton's ``gemv`` and ``decode_matmul`` (what ``hq.matmul`` runs on an H100 today) are read
+the same way from the binaries in XLA's serialized executable (:func:`cubins`; ``cuobjdump``
+for their registers; :data:`TRITON_CASES`): the H100 timed the gemv at 11.9 instructions a
+weight (51.7 us, 128 registers) before the words, the sums kept per tile column, the fused
+multiply-adds and the ``prmt`` fields.
+
 It also lists the kernels each compiled call launches (the kernel and the XLA operations
 around it: x's planes, the split-K sums), and those of ``hq.matmul(..., "pallas")`` (Triton's
 kernels today) at batch 1-64: at a GEMV's 10-50 us, each launch's microsecond or two counts.
 
 Needs (not the project's dependencies: a GPU toolchain on a CPU machine):
 ``pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
-nvidia-cuda-nvdisasm``, and a ``ptxas`` of CUDA >= 13 (jaxlib's LLVM writes PTX 9.0):
-``--ptxas``, ``--nvdisasm`` or both on ``PATH``.
+nvidia-cuda-nvdisasm``, and a ``ptxas`` and ``cuobjdump`` of CUDA >= 13 (jaxlib's LLVM
+writes PTX 9.0): ``--ptxas``, ``--nvdisasm``, ``--cuobjdump`` or on ``PATH``.
 
 Writes ``results/sass_profile.json`` and the table in ``docs/kernels.md``.
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import pathlib
@@ -70,6 +77,14 @@ CASES = [("gemv", 1, {}), ("gemv", 8, {}),
          ("decode_matmul", 16, {"block_n": 128}), ("decode_matmul", 16, {"block_w": 64}),
          ("decode_matmul", 64, {"a_registers": False, "stages": 3})]
 
+# Triton's kernels (what hq.matmul runs on an H100 today) at 8192^2: (kernel, lattice, rows
+# of x, launch parameters over the tuning table's): the entry block by block and as words,
+# and gemv at 128 blocks a step
+TRITON_CASES = [("gemv", "D4", 1, {"words": False}), ("gemv", "D4", 1, {}),
+                ("gemv", "D4", 1, {"block_n": 16, "block_k": 128}),
+                ("gemv", "E8", 1, {"words": False}), ("gemv", "E8", 1, {}),
+                ("decode_matmul", "D4", 16, {"words": False}), ("decode_matmul", "D4", 16, {}),
+                ("decode_matmul", "E8", 16, {})]
 
 # Every other variant the kernels' code takes (T views, corrupt-index masks, the dither's
 # planes, other codebooks, one block a word, A's two paths), compiled at 1024^2 to check that
@@ -188,6 +203,128 @@ def front_door_launches() -> list:
             for lattice in ("D4", "E8") for batch in (1, 4, 16, 64)]
 
 
+def _varint(b: bytes, i: int) -> tuple:
+    v = shift = 0
+    while True:
+        c = b[i]
+        i += 1
+        v |= (c & 0x7F) << shift
+        shift += 7
+        if c < 0x80:
+            return v, i
+
+
+def _unsnappy(b: bytes, i: int) -> bytes:
+    """The raw snappy stream at ``b[i:]`` (its length, then literals and back references)."""
+    n, i = _varint(b, i)
+    out = bytearray()
+    while len(out) < n:
+        tag = b[i]
+        i += 1
+        if tag & 3 == 0:  # a literal of tag >> 2 + 1 bytes, or the length in 1-4 more bytes
+            size = tag >> 2
+            if size >= 60:
+                size, i = int.from_bytes(b[i:i + size - 59], "little"), i + size - 59
+            out += b[i:i + size + 1]
+            i += size + 1
+            continue
+        if tag & 3 == 1:
+            size, back, i = 4 + ((tag >> 2) & 7), ((tag >> 5) << 8) | b[i], i + 1
+        else:
+            w = 2 if tag & 3 == 2 else 4
+            size, back, i = (tag >> 2) + 1, int.from_bytes(b[i:i + w], "little"), i + w
+        if not 0 < back <= len(out):
+            raise ValueError("not a snappy stream")
+        for _ in range(size):
+            out.append(out[-back])
+    return bytes(out)
+
+
+# The first bytes of a Riegeli file (its first block header)
+_RIEGELI = bytes.fromhex("83af70d10d884a3f")
+
+
+def _inner_stream(b: bytes) -> bytes:
+    """The record in the Riegeli file in ``b``, snappy-compressed: the file's 24-byte block
+    headers at each 64 KiB taken out, then the first snappy stream (its length written twice:
+    Riegeli's, then the stream's own)."""
+    f = b.find(_RIEGELI)
+    if f >= 0:
+        b = b[:f] + b[f:f + 65536] + b"".join(b[a + 24:a + 65536]
+                                               for a in range(f + 65536, len(b), 65536))
+    for i in range(len(b) - 16):
+        n, j = _varint(b, i)
+        if n > 1024 and j - i > 1 and b[j:2 * j - i] == b[i:j]:
+            try:
+                return _unsnappy(b, j)
+            except IndexError:
+                raise ValueError("not a snappy stream: it runs past the bytes") from None
+    raise ValueError("no snappy stream found")
+
+
+def cubins(compiled) -> list:
+    """The CUDA binaries (ELF images) of a compiled program: XLA's serialized executable holds
+    them as a Riegeli record of snappy-compressed bytes, twice over (the executable, then its
+    binaries). Found by taking the format apart: no API gives them without a device."""
+    inner = _inner_stream(_inner_stream(compiled.runtime_executable().serialize()))
+    starts = [m.start() for m in re.finditer(rb"\x7fELF", inner)] + [len(inner)]
+    return [inner[a:b] for a, b in zip(starts, starts[1:])]
+
+
+def compile_triton(dump: pathlib.Path) -> list:
+    """:data:`TRITON_CASES` compiled for the H100 (jax's GPU table answering for the device):
+    each case's launch parameters and launches, its kernels' binaries in ``dump``."""
+    import jax.numpy as jnp
+
+    import hnlq_jax as hq
+    from hnlq_jax import kernels
+    out = []
+    for i, (kernel, lattice, batch, params) in enumerate(TRITON_CASES):
+        cfg = hq.HNLQConfig(lattice, 4, 2)
+        fn = functools.partial(kernels.gemv, out_dtype=jnp.bfloat16) if kernel == "gemv" else \
+            functools.partial(kernels.decode_matmul, compute_dtype=jnp.bfloat16,
+                              out_dtype=jnp.bfloat16)
+        compiled = _compiled(lambda x, c, fn=fn, params=params: fn(
+            x, c, interpret=False, **params), cfg, N, batch)
+        t = kernels.pallas.launch_params(kernel, cfg, N, N // cfg.d, batch, {
+            **kernels.pallas.tuning_entry(kernel, cfg, batch, "sm90"), **params})
+        t["words"] = kernels.pallas.reads_words(cfg, N // cfg.d, t)
+        files = []
+        for j, elf in enumerate(cubins(compiled)):
+            files.append(str(dump / f"triton{i}_{j}.cubin"))
+            pathlib.Path(files[-1]).write_bytes(elf)
+        out.append({"kernel": kernel, "lattice": lattice, "batch": batch, "params": t,
+                    "launches": launches(compiled), "cubins": files})
+    return out
+
+
+def analyse_triton(case: dict, cuobjdump: str, nvdisasm: str) -> dict:
+    """The case's kernel among its binaries: registers and local (spilled) bytes from
+    ``cuobjdump``, the hot loop from ``nvdisasm``; a thread's weights a step are the tile's
+    (``block_n x block_k`` blocks of d) over its ``32 num_warps`` threads."""
+    name = f"_{case['kernel']}_kernel"
+    for path in case["cubins"]:
+        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True,
+                               text=True).stdout
+        m = re.search(rf"Function {name}:\s*REG:(\d+) STACK:\d+ SHARED:\d+ LOCAL:(\d+)",
+                      usage)
+        if m:
+            break
+    else:
+        raise RuntimeError(f"no {name} among the binaries")
+    sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
+                          check=True).stdout
+    ops = hot_loop(sass)
+    t = case["params"]
+    d = 8 if case["lattice"] == "E8" else 4
+    weights = t["block_n"] * t["block_k"] * d / (32 * t["num_warps"])
+    total = sum(ops.values())
+    return {"params": t, "launches": case["launches"], "registers": int(m.group(1)),
+            "spill_bytes": int(m.group(2)), "loop_instructions": total,
+            "per_word": 8 * total / weights, "per_weight": total / weights,
+            "mix": dict(ops.most_common(12))}
+
+
 def _loops(sass: str) -> list:
     """``(start, end)`` line ranges of the loops (a branch back to an earlier label) and the
     instructions ``[(line, text)]``."""
@@ -280,6 +417,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas")
     p.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
+    p.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
     p.add_argument("--case", help=argparse.SUPPRESS)  # one case, in a child process
     p.add_argument("--variants", help=argparse.SUPPRESS)  # VARIANTS, in a child process
     add_report_flag(p)
@@ -293,8 +431,10 @@ def main(argv=None):
         compile_case(kernel, batch, params, pathlib.Path(dump))
         return 0
     if args.variants:
-        pathlib.Path(args.variants).write_text(json.dumps(
-            {"variants": compile_variants(), "front_door": front_door_launches()}))
+        dump = pathlib.Path(args.variants)
+        (dump / "v.json").write_text(json.dumps(
+            {"variants": compile_variants(), "front_door": front_door_launches(),
+             "triton": compile_triton(dump)}))  # (after front_door: Triton's GPU table)
         return 0
     if not args.nvdisasm:
         sys.exit("sass_profile: no nvdisasm (pip install nvidia-cuda-nvdisasm; --nvdisasm)")
@@ -316,9 +456,13 @@ def main(argv=None):
     env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as d:
-        subprocess.run([sys.executable, __file__, "--variants", f"{d}/v.json"], env=env,
-                       check=True, capture_output=True)
+        subprocess.run([sys.executable, __file__, "--variants", d], env=env, check=True,
+                       capture_output=True)
         child = json.loads(pathlib.Path(f"{d}/v.json").read_text())
+        for case in child.pop("triton"):
+            rows.append({"kernel": f"{case['kernel']} (Triton, {case['lattice']})",
+                         "batch": case["batch"],
+                         **analyse_triton(case, args.cuobjdump, args.nvdisasm)})
     import jax
     out = {"jax": jax.__version__, "target": "H100 (sm_90a), compiled without a device",
            "n": N, "rows": rows, **child}

@@ -969,6 +969,36 @@ def test_gpu_check_tests_report_a_fault_or_hang(monkeypatch, script, fault):
         assert r["returncode"] == 0 and r["summary"] == ["3 passed"]
 
 
+def test_sass_profile_unpacks_riegeli_and_snappy():
+    """sass_profile's reading of a serialized executable: a Riegeli file (24-byte block
+    headers every 64 KiB, here inside the record) holding a snappy stream whose length is
+    written twice; the stream's literals and back references (1- and 2-byte offsets) come
+    back as they were written."""
+    sp = experiment("sass_profile")
+    data = np.random.default_rng(0).integers(0, 256, 70_000, dtype=np.uint8).tobytes()
+
+    def varint(n):
+        out = b""
+        while n >= 0x80:
+            out, n = out + bytes([n & 0x7F | 0x80]), n >> 7
+        return out + bytes([n])
+    # a literal of the random bytes (its length in 4 bytes), then copies of 7 bytes from 300
+    # back (2-byte offset) and of 5 from 6 back (1-byte offset)
+    want = data + data[-300:-293] + (data + data[-300:-293])[-6:-1]
+    size = varint(len(want))
+    stream = (size + bytes([63 << 2]) + (len(data) - 1).to_bytes(4, "little") + data
+              + bytes([(7 - 1) << 2 | 2]) + (300).to_bytes(2, "little")
+              + bytes([(5 - 4) << 2 | 1, 6]))
+    logical = bytes(sp._RIEGELI) + bytes(56) + b"\x0a" + size + stream
+    blocked = logical[:65536] + b"".join(bytes(24) + logical[a:a + 65512]
+                                         for a in range(65536, len(logical), 65512))
+    assert sp._inner_stream(b"header" + blocked) == want
+    with pytest.raises(ValueError, match="snappy"):
+        sp._inner_stream(b"header" + logical[:-2] + bytes([(5 - 4) << 2 | 1, 0]))  # back 0
+    with pytest.raises(ValueError, match="runs past"):
+        sp._inner_stream(b"header" + logical[:70_000])
+
+
 def test_gpu_check_command_parses():
     """experiments/gpu_check.py runs this file through pytest: its command line must parse
     with the project's pytest options (collection only here)."""

@@ -325,6 +325,23 @@ def analyse_triton(case: dict, cuobjdump: str, nvdisasm: str) -> dict:
             "mix": dict(ops.most_common(12))}
 
 
+def encode_launches() -> list:
+    """The kernels ``hq.encode(x, config, implementation="pallas")`` launches under ``jit``
+    for 10^8 D4 blocks (float32), from a deviceless compile (after
+    :func:`front_door_launches`, which answers Triton's question for the GPU)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.topologies import get_topology_desc
+
+    import hnlq_jax as hq
+    dev = get_topology_desc("h100", "cuda", target_config=H100, topology="1x1x1").devices[0]
+    x = jax.ShapeDtypeStruct((10**8, 4), jnp.float32,
+                             sharding=jax.sharding.SingleDeviceSharding(dev))
+    cfg = hq.HNLQConfig("D4", 4, 2)
+    return launches(jax.jit(lambda x: hq.encode(x, cfg, implementation="pallas",
+                                                interpret=False)).trace(x).lower().compile())
+
+
 def _loops(sass: str) -> list:
     """``(start, end)`` line ranges of the loops (a branch back to an earlier label) and the
     instructions ``[(line, text)]``."""
@@ -410,6 +427,10 @@ def markdown(out: dict) -> str:
         text += ("\n\nThe kernels a call of `hq.matmul(x, codes, implementation=\"pallas\")` "
                  f"launches at {out['n']}² (bfloat16 x; the tuning table's kernels):\n\n"
                  + markdown_table(["lattice", "rows of x", "kernels", "launches"], doors))
+    if out.get("encode"):
+        text += ("\n\nThe kernels `hq.encode(x, config, implementation=\"pallas\")` launches "
+                 f"under `jit` for 10⁸ D4 blocks: {len(out['encode'])} ("
+                 + ", ".join(f"`{k}`" for k in out["encode"]) + ").")
     return text
 
 
@@ -434,7 +455,8 @@ def main(argv=None):
         dump = pathlib.Path(args.variants)
         (dump / "v.json").write_text(json.dumps(
             {"variants": compile_variants(), "front_door": front_door_launches(),
-             "triton": compile_triton(dump)}))  # (after front_door: Triton's GPU table)
+             "encode": encode_launches(),  # (after front_door: Triton's GPU table)
+             "triton": compile_triton(dump)}))
         return 0
     if not args.nvdisasm:
         sys.exit("sass_profile: no nvdisasm (pip install nvidia-cuda-nvdisasm; --nvdisasm)")

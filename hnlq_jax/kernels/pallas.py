@@ -480,13 +480,20 @@ def _search(x: list, t, active, scale_ref, *, config: HNLQConfig, once: bool) ->
     return t, active, T, codec.index_from_digits(list(digits), config)
 
 
-def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *next_ref, config: HNLQConfig, thresholds,
-                   unit, n: int):
+def _encode_kernel(x_ref, scale_ref, *refs, config: HNLQConfig, thresholds, unit, n: int):
     """Algorithm 1 on a tile of blocks from each block's first step (the reference's lower
-    bound from its norm). With ``next_ref``: one attempt, and ``next_ref`` gets the step a
-    block tries next (``-1``: done)."""
+    bound from its norm): ``refs`` the outputs ``idx_ref, T_ref``. With a zeroed count (an
+    input aliased to the first output: ``_, count_ref, idx_ref, T_ref, left_ref, next_ref``):
+    one attempt, and the
+    blocks it leaves unresolved are listed, each tile's at slots it takes from the count
+    with one atomic add (tiles in any order: a block's codes depend on its own data only):
+    ``left_ref`` their rows, ``next_ref`` the steps they try next."""
+    once = len(refs) == 6
+    _, count_ref, idx_ref, T_ref, left_ref, next_ref = refs if once else (None, None, *refs,
+                                                                           None, None)
     bn = T_ref.shape[0]
-    live = pl.program_id(0) * bn + _iota(bn) < n
+    rows = pl.program_id(0) * bn + _iota(bn)
+    live = rows < n
     x = [_load(x_ref.at[:, _at(j)], live) for j in range(config.d)]
     dtype = x[0].dtype
     finite = jnp.isfinite(x[0])
@@ -499,21 +506,27 @@ def _encode_kernel(x_ref, scale_ref, idx_ref, T_ref, *next_ref, config: HNLQConf
     for th in thresholds:
         t = t + (dtype.type(th) < norm).astype(jnp.int32)
     t, active, T, index = _search(x, t, finite & (t <= config.max_T), scale_ref, config=config,
-                                  once=bool(next_ref))
+                                  once=once)
     for m, k in enumerate(index):
         pltriton.store(idx_ref.at[:, _at(m)], k.astype(idx_ref.dtype), mask=live)
     pltriton.store(T_ref, T, mask=live)
-    if next_ref:
-        pltriton.store(next_ref[0], jnp.where(active, t, -1), mask=live)
+    if once:  # the tile's unresolved blocks at consecutive slots from its share of the count
+        left = active & live
+        a = left.astype(jnp.int32)
+        base = pltriton.atomic_add(count_ref, _at(0), jnp.sum(a))
+        slots = base + jnp.cumsum(a) - a
+        pltriton.store(left_ref.at[slots], rows, mask=left)
+        pltriton.store(next_ref.at[slots], t, mask=left)
 
 
-def _encode_left_kernel(count_ref, left_ref, x_ref, t_ref, scale_ref, _index, _T, idx_ref,
+def _encode_left_kernel(count_ref, left_ref, next_ref, x_ref, scale_ref, _index, _T, idx_ref,
                         T_ref, *, config: HNLQConfig, bn: int, programs: int):
     """The overload loop over the blocks a first attempt left unresolved (``left``: their
-    rows, the first ``count`` of them), ``bn`` at a time, program ``p`` taking tiles ``p``,
-    ``p + programs``, ... while there are any: each block's columns of x and next step
-    gathered by its row, its codes stored at its row (elsewhere the outputs keep the first
-    attempt's codes: they alias them). The count is read here, on the device: no host sync."""
+    rows, the first ``count`` of them; ``next``: their next steps), ``bn`` at a time, program
+    ``p`` taking tiles ``p``, ``p + programs``, ... while there are any: each block's columns
+    of x gathered by its row, its codes stored at its row (elsewhere the outputs keep the
+    first attempt's codes: they alias them). The count is read here, on the device: no host
+    sync."""
     count = count_ref[0]
     n = left_ref.shape[0]
     first = pl.program_id(0) * bn
@@ -522,9 +535,10 @@ def _encode_left_kernel(count_ref, left_ref, x_ref, t_ref, scale_ref, _index, _T
     def tile(k, carry):
         slots = first + k * stride + _iota(bn)
         live = slots < count
-        rows = _load(left_ref.at[jnp.minimum(slots, n - 1)], live)
+        at = jnp.minimum(slots, n - 1)
+        rows = _load(left_ref.at[at], live)
         x = [_load(x_ref.at[rows, _at(j)], live) for j in range(config.d)]
-        t = _load(t_ref.at[rows], live)
+        t = _load(next_ref.at[at], live)
         _, _, T, index = _search(x, t, live, scale_ref, config=config, once=False)
         for m, k_m in enumerate(index):
             pltriton.store(idx_ref.at[rows, _at(m)], k_m.astype(idx_ref.dtype), mask=live)
@@ -537,35 +551,37 @@ def _encode_left_kernel(count_ref, left_ref, x_ref, t_ref, scale_ref, _index, _T
 
 def _encode_call(x, scales, config: HNLQConfig, thresholds, unit, interpret, block: int,
                  gpu_backend, once: bool):
-    """One kernel pass over blocks ``x [N, d]``: ``(index, T)``, and with ``once`` (one
-    attempt) the steps still to try."""
+    """One kernel pass over blocks ``x [N, d]``: ``(index, T)``; with ``once`` (one attempt)
+    ``(count, index, T, left, next)``, the blocks left unresolved listed (the first
+    ``count`` of ``left`` and ``next``: :func:`_encode_kernel`)."""
     N, d = x.shape
     bn = _tile(N, block)
-    tiles = pl.BlockSpec((bn,), lambda i: (i,))
     vec = jax.ShapeDtypeStruct((N,), jnp.int32)
+    count = [jnp.zeros((1,), jnp.int32)] if once else []  # the atomic adds' start
     return pl.pallas_call(
         functools.partial(_encode_kernel, config=config, thresholds=thresholds, unit=unit, n=N),
         grid=(pl.cdiv(N, bn),),
         in_specs=[pl.BlockSpec((bn, d), lambda i: (i, 0)),
-                  pl.BlockSpec(scales.shape, lambda i: (0,))],
-        out_specs=[pl.BlockSpec((bn, config.M), lambda i: (i, 0)), tiles] + [tiles] * once,
-        out_shape=[jax.ShapeDtypeStruct((N, config.M), index_dtype(config)), vec]
-        + [vec] * once,
+                  pl.BlockSpec(scales.shape, lambda i: (0,))] + [_whole(c) for c in count],
+        out_specs=[_whole(c) for c in count]
+        + [pl.BlockSpec((bn, config.M), lambda i: (i, 0)), pl.BlockSpec((bn,), lambda i: (i,))]
+        + [_whole(vec)] * 2 * once,
+        out_shape=[jax.ShapeDtypeStruct((1,), jnp.int32)] * once
+        + [jax.ShapeDtypeStruct((N, config.M), index_dtype(config)), vec] + [vec] * 2 * once,
+        input_output_aliases={2: 0} if once else {},
         interpret=interpret,
         compiler_params=_compiler_params(gpu_backend, "encode"),
-    )(x, scales)
+    )(x, scales, *count)
 
 
-def _encode_left_call(x, t_next, index, T, scales, config: HNLQConfig, interpret, block: int,
-                      gpu_backend):
-    """The second pass over the blocks whose ``t_next >= 0``, into ``index`` and ``T``."""
+def _encode_left_call(x, count, left, t_next, index, T, scales, config: HNLQConfig, interpret,
+                      block: int, gpu_backend):
+    """The second pass over the ``count`` blocks listed in ``left`` (rows) and ``t_next``
+    (their next steps), into ``index`` and ``T``."""
     N = x.shape[0]
-    active = t_next >= 0
-    count = jnp.sum(active, dtype=jnp.int32)[None]
-    left = codec.active_index(active, N)  # their rows first, N after them
     # persistent programs: a few a multiprocessor, fewer for small inputs
     programs = min(pl.cdiv(N, block), 8 * gpu_target()[1])
-    operands = (count, left, x, t_next, scales, index, T)
+    operands = (count, left, t_next, x, scales, index, T)
     return pl.pallas_call(
         functools.partial(_encode_left_kernel, config=config, bn=block, programs=programs),
         grid=(programs,),
@@ -582,7 +598,8 @@ def _encode_left_call(x, t_next, index, T, scales, config: HNLQConfig, interpret
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _encode_pallas(x, config, interpret, block, gpu_backend):
     """One attempt over every block, then the overload loop over the blocks still unresolved
-    (a quarter to a half for Gaussian data), their rows gathered by the kernel: a tile's loop
+    (a quarter to a half for Gaussian data), listed by the first kernel (an atomic count,
+    no XLA pass over N) and their rows gathered by the second: a tile's loop
     runs as long as its slowest block (about 4 attempts for 256 blocks where a block needs
     1.3 on average), so looping over all N did about 3x the work. No conditional: the count
     left stays on the device (an XLA conditional on a GPU copies its branch to the host, a
@@ -598,8 +615,8 @@ def _encode_pallas(x, config, interpret, block, gpu_backend):
                              interpret, block, gpu_backend)
     if N <= 4 * block:
         return tuple(call(once=False))
-    index, T, t_next = call(once=True)
-    return tuple(_encode_left_call(x, t_next, index, T, scales, config, interpret,
+    count, index, T, left, t_next = call(once=True)
+    return tuple(_encode_left_call(x, count, left, t_next, index, T, scales, config, interpret,
                                    _tile(N, block), gpu_backend))
 
 

@@ -772,18 +772,19 @@ def _weight_codes_tile(idx_ref, t_ref, rows, k0, bk: int, config: HNLQConfig, n:
     return ks, u
 
 
-def _word_codes_tiles(idx_ref, t_ref, e0, c: int, words: int, config: HNLQConfig,
-                      live=None) -> list:
+def _word_codes_tiles(idx_ref, t_ref, rows, e0, c: int, words: int, config: HNLQConfig,
+                      n: int, nb: int, exact: bool) -> list:
     """``[(ks, u)]`` of each part ``p < words`` of T elements ``e0 .. e0 + c`` of a tile's rows
     (:func:`code_words`' views; part ``p``: blocks ``words e + p``), ``[bn, c]`` each.
 
     A 32-bit load for the index items of ``g`` blocks and one of T for ``words`` blocks, where
     reading the codes block by block takes a byte load a level and block (Triton spreads a
     tile's blocks across its threads); each block's items and T are split off by shifts. An
-    element's ``words / g`` index words are the last axis of its view: one load each. Where
-    ``live`` (``[bn, c]``) is false (past the rows or blocks) a block reads index 0 and
-    ``T = 0``: a finite weight that meets x's zero padding (or a row that is not stored).
+    element's ``words / g`` index words are the last axis of its view: one load each. Past the
+    rows (``n``) or the blocks (``nb``) a block reads index 0 and ``T = 0``: a finite weight
+    that meets x's zero padding (or a row that is not stored); ``exact``: no edges, no masks.
     """
+    live = None if exact else (rows < n)[:, None] & (e0 + _iota(c) < nb // words)[None, :]
     g, _, t_dtype = word_view(config)
     per = words // g
     iws = [_load(idx_ref.at[(slice(None), pl.ds(e0, c)) + ((_at(j),) if per > 1 else ())],
@@ -829,10 +830,9 @@ def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: i
         if words:  # x's planes in the same parts as the words' blocks
             c = bk // words
             e0 = pl.multiple_of(first // words + t * c, c)
-            live = None if exact else ((rows < n)[:, None]
-                                       & (e0 + _iota(c) < nb // words)[None, :])
             parts = [(ks, u, lambda j, p=p: x_ref[p, j, :, pl.ds(e0, c)]) for p, (ks, u) in
-                     enumerate(_word_codes_tiles(idx_ref, t_ref, e0, c, words, config, live))]
+                     enumerate(_word_codes_tiles(idx_ref, t_ref, rows, e0, c, words, config,
+                                                 n, nb, exact))]
         else:
             ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb, exact)
             parts = [(ks, u, lambda j: x_ref[j, :, pl.ds(k0, bk)])]
@@ -1020,9 +1020,8 @@ def _gemv_kernel(xt_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: 
         # x's planes in the same parts as the words' blocks (gemv_activations)
         c = bk // words
         e0 = pl.multiple_of(first // words + t * c, c)
-        live = None if exact else (rows < n)[:, None] & (e0 + _iota(c) < nb // words)[None, :]
-        for p, (ks, u) in enumerate(_word_codes_tiles(idx_ref, t_ref, e0, c, words, config,
-                                                      live)):
+        for p, (ks, u) in enumerate(_word_codes_tiles(idx_ref, t_ref, rows, e0, c, words,
+                                                      config, n, nb, exact)):
             acc = block_sums(acc, ks, u, k0, lambda j, p=p: xt_ref[p, j, rows_x, pl.ds(e0, c)])
         return acc
 

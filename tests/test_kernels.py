@@ -951,6 +951,13 @@ def test_gpu_check_stops_at_a_broken_device_context(monkeypatch):
     sw = gpu_check.sweep(gpu_check.Clock(3600), small=True, quick=True, skip_mosaic="--no-mosaic")
     assert {r["op"] for r in sw["rows"]} == {"gemv", "decode_matmul"}
     assert sw["mosaic_skipped"] == "--no-mosaic" and "fault" not in sw
+    # the time the parts after the sweep need stays theirs: with 100 s left and 90 reserved
+    # no candidate starts, with 10 reserved they do
+    for reserve, timed_any in ((90, False), (10, True)):
+        calls.clear()
+        gpu_check.sweep(gpu_check.Clock(100), small=True, quick=True, reserve=reserve,
+                        skip_mosaic="--no-mosaic")
+        assert bool(calls) == timed_any
     env = dict(device="cpu", backend="cpu", jax=jax.__version__, python="3")
     md = gpu_check.markdown({"environment": env, "sweep": sw, "fault": "RuntimeError: x",
                              "skipped": ["matmul"]})

@@ -102,17 +102,27 @@ VARIANTS = [("D4", 4, 2, 20, False, "gemv", 2, {}),
             ("Z2", 8, 2, 14, False, "decode_matmul", 64, {"a_registers": False})]
 
 
+def _h100():
+    """The sharding of an H100 without a device (a compile-only topology). Triton's lowering
+    asks the device for its generation: jax's own table answers for it."""
+    import jax
+    from jax._src.pallas.triton import gpu_info
+    from jax.experimental.topologies import get_topology_desc
+
+    gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    dev = get_topology_desc("h100", "cuda", target_config=H100, topology="1x1x1").devices[0]
+    return jax.sharding.SingleDeviceSharding(dev)
+
+
 def _compiled(fn, cfg, n: int, batch: int):
     """``fn(x, codes)`` compiled for an H100 without a device: bfloat16 x ``[batch, n]``, the
     row codes of an ``n x n`` weight."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental.topologies import get_topology_desc
 
     import hnlq_jax as hq
 
-    dev = get_topology_desc("h100", "cuda", target_config=H100, topology="1x1x1").devices[0]
-    sharding = jax.sharding.SingleDeviceSharding(dev)
+    sharding = _h100()
     codes = jax.eval_shape(lambda: hq.encode_rows(jnp.zeros((n, n), jnp.float32), cfg))
     codes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                          codes)
@@ -190,10 +200,7 @@ def front_door_launches() -> list:
     """The kernels a call of ``hq.matmul(x, codes, implementation="pallas")`` launches at
     8192^2 (bfloat16 x, the tuning table's choices: Triton's kernels on an H100 today), D4
     and E8 q=4 M=2, batch 1-64, from deviceless compiles."""
-    from jax._src.pallas.triton import gpu_info  # jax's own table; no GPU to ask
-
     import hnlq_jax as hq
-    gpu_info.get_gpu_info = lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
 
     def fused(x, c):
         return hq.matmul(x, c, implementation="pallas", interpret=False)
@@ -272,8 +279,8 @@ def cubins(compiled) -> list:
 
 
 def compile_triton(dump: pathlib.Path) -> list:
-    """:data:`TRITON_CASES` compiled for the H100 (jax's GPU table answering for the device):
-    each case's launch parameters and launches, its kernels' binaries in ``dump``."""
+    """:data:`TRITON_CASES` compiled for the H100: each case's launch parameters and
+    launches, its kernels' binaries in ``dump``."""
     import jax.numpy as jnp
 
     import hnlq_jax as hq
@@ -327,16 +334,12 @@ def analyse_triton(case: dict, cuobjdump: str, nvdisasm: str) -> dict:
 
 def encode_launches() -> list:
     """The kernels ``hq.encode(x, config, implementation="pallas")`` launches under ``jit``
-    for 10^8 D4 blocks (float32), from a deviceless compile (after
-    :func:`front_door_launches`, which answers Triton's question for the GPU)."""
+    for 10^8 D4 blocks (float32), from a deviceless compile."""
     import jax
     import jax.numpy as jnp
-    from jax.experimental.topologies import get_topology_desc
 
     import hnlq_jax as hq
-    dev = get_topology_desc("h100", "cuda", target_config=H100, topology="1x1x1").devices[0]
-    x = jax.ShapeDtypeStruct((10**8, 4), jnp.float32,
-                             sharding=jax.sharding.SingleDeviceSharding(dev))
+    x = jax.ShapeDtypeStruct((10**8, 4), jnp.float32, sharding=_h100())
     cfg = hq.HNLQConfig("D4", 4, 2)
     return launches(jax.jit(lambda x: hq.encode(x, cfg, implementation="pallas",
                                                 interpret=False)).trace(x).lower().compile())
@@ -455,8 +458,7 @@ def main(argv=None):
         dump = pathlib.Path(args.variants)
         (dump / "v.json").write_text(json.dumps(
             {"variants": compile_variants(), "front_door": front_door_launches(),
-             "encode": encode_launches(),  # (after front_door: Triton's GPU table)
-             "triton": compile_triton(dump)}))
+             "encode": encode_launches(), "triton": compile_triton(dump)}))
         return 0
     if not args.nvdisasm:
         sys.exit("sass_profile: no nvdisasm (pip install nvidia-cuda-nvdisasm; --nvdisasm)")

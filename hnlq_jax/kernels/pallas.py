@@ -352,6 +352,15 @@ def _packed_fields(ks: list, tab_ref, config: HNLQConfig, first: int, byte=_byte
     return [byte(words[j % len(halves)], j // len(halves)) for j in range(config.d)]
 
 
+def _packed_floats(ks: list, tab_ref, config: HNLQConfig, first: int, interpret: bool) -> list:
+    """``sum_{m >= first} q^m r(k_m)`` as float32 ``P`` coordinates from the packed fields:
+    each field under the magic exponent (one ``prmt``) less ``2^23`` and the bias, exact (the
+    values an integer subtract and a conversion give, without the conversion unit)."""
+    base = np.float32(_TWO23 + packed_bias(config, first))
+    return [f - base for f in _packed_fields(
+        ks, tab_ref, config, first, functools.partial(_magic_byte, interpret=interpret))]
+
+
 def packed_bias(config: HNLQConfig, first: int) -> int:
     """The bias of each field of the levels' packed sum from level ``first`` on
     (:func:`packed_codebook`)."""
@@ -427,11 +436,7 @@ def _decoded(ks: list, u, tab_ref, pow_ref, beta_ref, config: HNLQConfig, dtype,
     dtype = jnp.dtype(dtype)
     fence = jax.lax.optimization_barrier if interpret else (lambda v: v)
     if tab_ref is not None and packed_codebook(config) is not None and dtype == jnp.float32:
-        # P as floats from the fields under the magic exponent, less it and the bias: exact,
-        # a prmt and an add where an integer subtract and a conversion took the convert unit
-        base = np.float32(_TWO23 + packed_bias(config, first))
-        P = [f - base for f in _packed_fields(
-            ks, tab_ref, config, first, functools.partial(_magic_byte, interpret=interpret))]
+        P = _packed_floats(ks, tab_ref, config, first, interpret)
     else:
         P = [c.astype(dtype) for c in _lattice_point(ks, tab_ref, config, first)]
     xhat = fence(config.lat.cart_from_P(P))
@@ -484,10 +489,9 @@ def _encode_kernel(x_ref, scale_ref, *refs, config: HNLQConfig, thresholds, unit
     """Algorithm 1 on a tile of blocks from each block's first step (the reference's lower
     bound from its norm): ``refs`` the outputs ``idx_ref, T_ref``. With a zeroed count (an
     input aliased to the first output: ``_, count_ref, idx_ref, T_ref, left_ref, next_ref``):
-    one attempt, and the
-    blocks it leaves unresolved are listed, each tile's at slots it takes from the count
-    with one atomic add (tiles in any order: a block's codes depend on its own data only):
-    ``left_ref`` their rows, ``next_ref`` the steps they try next."""
+    one attempt, and the blocks it leaves unresolved are listed, each tile's at slots it
+    takes from the count with one atomic add (tiles in any order: a block's codes depend on
+    its own data only): ``left_ref`` their rows, ``next_ref`` the steps they try next."""
     once = len(refs) == 6
     _, count_ref, idx_ref, T_ref, left_ref, next_ref = refs if once else (None, None, *refs,
                                                                            None, None)
@@ -795,7 +799,6 @@ def _word_codes_tiles(idx_ref, t_ref, rows, e0, c: int, words: int, config: HNLQ
         t_at, mask=live, other=t_dtype(sum(1 << (p * tb) for p in range(words))))
           ).astype(jnp.uint32)
     item = 8 * np.dtype(index_dtype(config)).itemsize
-    tb = t_bits(config)
     out = []
     for p in range(words):
         ks = [(iws[p // g] >> jnp.uint32(item * ((p % g) * config.M + m)))
@@ -992,10 +995,8 @@ def _gemv_kernel(xt_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: 
                 g = tab_ref[at + (row if one else row[None])] * np.float32(weights[m])
                 v = g if v is None else v + g
         else:
-            if mode == "packed":  # P_j: the fields under the magic exponent, less it and the bias
-                base = np.float32(_TWO23 + packed_bias(config, 0))
-                coords = [f - base for f in _packed_fields(
-                    ks, tab_ref, config, 0, functools.partial(_magic_byte, interpret=interpret))]
+            if mode == "packed":
+                coords = _packed_floats(ks, tab_ref, config, 0, interpret)
             else:
                 coords = [c.astype(jnp.float32) for c in _lattice_point(ks, tab_ref, config, 0)]
             v = None

@@ -459,7 +459,7 @@ def test_gemv_matches_decoded_weights(cfg, method):
 def test_gemv_words_of_4_1_and_half_blocks(cfg):
     """Words of 4 blocks (one level of index bytes, T in 16 bits), of 1 block (4 levels; 8-bit
     T) and of 1 block whose T byte holds two (two index words a T byte, read at a stride of
-    2): the same products as block by block, batch 1 (the kernel's 2-d tiles) and 3, tiles
+    2): the same products as block by block, batch 1 and 3 (x's rows one by one), tiles
     that cover the weight and tiles past its rows and blocks (a failed-looking T of 0 there
     would make the rows NaN)."""
     view = K.pallas.word_view(cfg)

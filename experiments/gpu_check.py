@@ -280,8 +280,9 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
     if quick:  # the entry's launch parameters (its backend is what the sweep decides)
         entry = {k: v for k, v in kernels.pallas.tuning_entry(
             op, CONFIGS[lattice], batch, generation).items() if k != "backend"}
-        if op == "decode_matmul":  # the codes as words (the default) and block by block
-            return [entry, dict(entry, words=False)], []
+        if op == "decode_matmul":  # the codes as words (the default) and block by block, and
+            # float16 operands
+            return [entry, dict(entry, words=False), dict(entry, f16=True)], []
         a = [dict(entry, words=True), dict(entry, words=False)]
         if batch == 1:  # (128 blocks a step: 64 registers a thread, 256: 140)
             a += [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=4, words=True)
@@ -290,7 +291,8 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
     if op == "decode_matmul":  # its dot wants tiles >= 16; batch 16 fills one row tile
         a = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=2)
              for bn in (32, 64, 128) for bk in (32, 64, 128)]
-        return a, [dict(num_warps=8), dict(num_stages=2), dict(waves=1), dict(waves=4)]
+        return a, [dict(num_warps=8), dict(num_stages=2), dict(waves=1), dict(waves=4),
+                   dict(f16=True)]
     a = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=1, waves=4)
          for bn in (8, 16, 32) for bk in ((64, 128, 256) if batch == 1 else (64, 128))]
     if lattice == "D4":  # x's one-sided tables: tall tiles share a block's table over rows

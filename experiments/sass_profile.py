@@ -79,12 +79,13 @@ CASES = [("gemv", 1, {}), ("gemv", 8, {}),
 
 # Triton's kernels (what hq.matmul runs on an H100 today) at 8192^2: (kernel, lattice, rows
 # of x, launch parameters over the tuning table's): the entry block by block and as words,
-# gemv at 128 blocks a step and at 4 rows
+# gemv at 128 blocks a step and at 4 rows, decode_matmul with float16 operands
 TRITON_CASES = [("gemv", "D4", 1, {"words": False}), ("gemv", "D4", 1, {}),
                 ("gemv", "D4", 1, {"block_n": 16, "block_k": 128}), ("gemv", "D4", 4, {}),
                 ("gemv", "E8", 1, {"words": False}), ("gemv", "E8", 1, {}),
                 ("decode_matmul", "D4", 16, {"words": False}), ("decode_matmul", "D4", 16, {}),
-                ("decode_matmul", "E8", 16, {})]
+                ("decode_matmul", "D4", 16, {"f16": True}), ("decode_matmul", "E8", 16, {}),
+                ("decode_matmul", "E8", 16, {"f16": True})]
 
 # Every other variant the kernels' code takes (T views, corrupt-index masks, the dither's
 # planes, other codebooks, one block a word, A's two paths), compiled at 1024^2 to check that

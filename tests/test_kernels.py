@@ -314,6 +314,81 @@ def test_decode_matmul_reads_words(cfg):
     assert "u32[32," not in str(jax.make_jaxpr(narrow)(eye))
 
 
+F16_ATOL = 5e-4  # float16 operands: about 2^-11 a weight and a plane
+BIG_T = hq.HNLQConfig("D4", 4, 2, beta=0.35, alpha=1.0, max_T=14)  # 2^(alpha T) up to 2^14
+
+
+@pytest.mark.parametrize("cfg", [D4, CONFIGS[1], WIDE_T, BIG_T,
+                                 hq.HNLQConfig("D4", 4, 2, beta=0.3, dither=(.1, -.2, .05, .3)),
+                                 hq.HNLQConfig("A2", 8, 2, beta=0.7)],
+                         ids=["D4", "E8", "q3-8bitT", "halved", "dither", "A2"])
+def test_decode_matmul_f16_operands(cfg):
+    """``f16``: the product of the decoded weights within float16 rounding, finer than the
+    bfloat16 product's (words and block by block, split-K, ragged rows, x padded); the
+    operands really are float16; a failed block's or a corrupt index's NaN row; rows of x of
+    any magnitude; float32 x ignores it (the exact path, bit for bit)."""
+    codes = _weights(cfg, 40, 64 * cfg.d)
+    if cfg is BIG_T:  # steps whose 2^(alpha T) P passes float16's range: halved 6 times
+        T = codes.T.astype(jnp.int32).at[::3].set(BIG_T.max_T)
+        codes = hq.Codes.from_labels(codes.labels, T, cfg, scale=codes.scale, n=codes.n)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((5, 64 * cfg.d)), jnp.bfloat16)
+    ref = _decoded_product(x, codes)
+    f = functools.partial(K.decode_matmul, compute_dtype=jnp.bfloat16, out_dtype=jnp.float32,
+                          block_n=16, block_k=32)
+    bf16 = np.abs(np.asarray(f(x, codes, splits=2)) - ref).max()
+    for words, splits in ((True, 1), (True, 3), (False, 2)):
+        y = np.asarray(f(x, codes, splits=splits, words=words, f16=True))
+        err = np.abs(y - ref).max()
+        assert err <= F16_ATOL * np.abs(ref).max() and err < bf16 / 4, (err, bf16)
+    def float16s(**kw):  # float16 arrays in the call's program (bfloat16's excluded)
+        text = str(jax.make_jaxpr(lambda x: f(x, codes, **kw))(x))
+        return text.count("f16[") - text.count("bf16[")
+
+    assert float16s(f16=True) and not float16s()
+    # rows of any magnitude (each row its own power of two), and a NaN that stays in its row
+    big = x * jnp.asarray([2.0**100, 1.0, 2.0**-100, 1.0, 1.0], jnp.bfloat16)[:, None]
+    y = np.asarray(f(big.at[3, 7].set(jnp.nan), codes, f16=True))
+    ref = _decoded_product(big, codes)
+    for r in (0, 1, 2, 4):
+        np.testing.assert_allclose(y[r], ref[r], rtol=0, atol=F16_ATOL * np.abs(ref[r]).max())
+    assert np.isnan(y[3]).all()
+    # a failed block (T = -1) and, where an index byte can pass q^d, a corrupt index
+    T = codes.T.astype(jnp.int32).at[3, 5].set(-1)
+    bad = hq.Codes.from_labels(codes.labels, T, cfg, scale=codes.scale, n=codes.n)
+    nan_rows = [3]
+    if K.pallas.unsupported(cfg) is None and cfg.q**cfg.d < 256 and cfg.lattice == "D4":
+        bad = hq.Codes(bad.index.at[7, 2, 1].set(200), bad.tfield, cfg, scale=bad.scale,
+                       n=bad.n)
+        nan_rows.append(7)
+    y = np.asarray(jax.jit(lambda x, c: f(x, c, f16=True))(x, bad))
+    assert np.isnan(y[:, nan_rows]).all() and np.isfinite(np.delete(y, nan_rows, 1)).all()
+    # float32 x: the exact path whatever f16 says
+    x32 = x.astype(jnp.float32)
+    g = functools.partial(K.decode_matmul, x32, codes, jnp.float32, jnp.float32, block_n=16,
+                          block_k=32)
+    np.testing.assert_array_equal(g(f16=True), g(f16=False))
+
+
+def test_f16_fits_and_the_overload_table():
+    """Where ``f16`` applies, and its float16 overload table: the float32 one halved e_A
+    times, rounded once; steps past float16's range even halved are left to the exact path
+    (bit for bit)."""
+    assert K.pallas.f16_exponent(BIG_T) == 6 and K.pallas.f16_exponent(D4) == 0
+    want = np.ldexp(K.pallas.overload_table(BIG_T).astype(np.float64), -6).astype(np.float16)
+    np.testing.assert_array_equal(K.pallas.f16_overload_table(BIG_T), want)
+    assert K.pallas.f16_fits(D4, jnp.bfloat16)
+    assert not K.pallas.f16_fits(D4, jnp.float32) and not K.pallas.f16_fits(D4, jnp.bfloat16,
+                                                                              table=False)
+    assert K.pallas.f16_fits(BIG_T.replace(max_T=22), jnp.bfloat16)  # 2^22: 14 halvings
+    wide = BIG_T.replace(max_T=23)
+    assert not K.pallas.f16_fits(wide, jnp.bfloat16)
+    codes = _weights(wide, 16, 64)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 64)), jnp.bfloat16)
+    f = functools.partial(K.decode_matmul, x, codes, jnp.bfloat16, jnp.float32, block_n=16,
+                          block_k=16)
+    np.testing.assert_array_equal(f(f16=True), f(f16=False))
+
+
 def _equations(jaxpr: Jaxpr):
     """Every equation of a jaxpr and its sub-jaxprs, outside Pallas kernel bodies."""
     for eqn in jaxpr.eqns:
@@ -1012,7 +1087,8 @@ def test_sass_profile_unpacks_riegeli_and_snappy():
 def test_gpu_check_command_parses():
     """experiments/gpu_check.py runs this file through pytest: its command line must parse
     with the project's pytest options (collection only here)."""
-    cmd = experiment("gpu_check").pytest_command("tests/test_kernels.py::test_gpu_check_command_parses")
+    cmd = experiment("gpu_check").pytest_command(
+        "tests/test_kernels.py::test_gpu_check_command_parses")
     r = subprocess.run(cmd + ["--collect-only", "-q"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -163,7 +163,7 @@ def test_decode_matmul_large_overload_steps():
     P 2^(alpha T - 6) and the product is scaled back (with no such halving the blocks at
     T = 14 would be inf); a config whose steps no halving fits (2^(max_T / 3) = 2^42) is
     refused with the reason, and gemv still takes it."""
-    assert mg._mma_exponent(BIG_T) == 6 and mg._mma_exponent(D4) == 0
+    assert K.pallas.f16_exponent(BIG_T) == 6 and K.pallas.f16_exponent(D4) == 0
     codes = _weights(BIG_T, 64, 256)
     T = codes.T.astype(jnp.int32).at[::3].set(BIG_T.max_T)
     codes = hq.Codes.from_labels(codes.labels, T, BIG_T, scale=codes.scale, n=codes.n)

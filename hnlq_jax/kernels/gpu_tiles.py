@@ -7,11 +7,12 @@ until about ``waves`` programs per multiprocessor run.
 """
 
 # words: the index and T read as words of several blocks where the codes allow
-# (kernels.pallas.code_words), else block by block
+# (kernels.pallas.code_words), else block by block; f16: decode_matmul's float16 operands for
+# bfloat16 x (kernels.pallas.f16_fits), else the reference's decoded weights in bfloat16
 DEFAULT = {"gemv": {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 1, "waves": 4,
                     "words": True},
            "decode_matmul": {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 1,
-                             "waves": 1, "words": True},
+                             "waves": 1, "words": True, "f16": False},
            # kernels.mosaic_gpu.gemv: block_w index words a pipeline step, stages in flight,
            # resident persistent programs a multiprocessor
            "gemv_mosaic": {"block_n": 64, "block_w": 32, "stages": 4, "waves": 4,

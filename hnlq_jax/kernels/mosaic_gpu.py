@@ -59,7 +59,6 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from hnlq_jax import _numerics
 from hnlq_jax.codes import Codes, check_activations, t_bits
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.kernels import pallas as _pallas
@@ -98,7 +97,7 @@ def unsupported(config: HNLQConfig, op: str = "gemv") -> str | None:
     if view is None or view[0] != view[1]:
         return (f"M = {config.M} index bytes a block and {t_bits(config)}-bit T have no "
                 "uint32 word view whose words match the T field's elements")
-    if op == "decode_matmul" and _mma_exponent(config) > 14:
+    if op == "decode_matmul" and _pallas.f16_exponent(config) > _pallas.F16_EXPONENT_MAX:
         return (f"2^(alpha max_T) = 2^{config.alpha * config.max_T:.3g} is past the float16 "
                 "range of the tensor cores' operands (at most 2^22)")
     return None
@@ -757,7 +756,7 @@ def _operands(codes: Codes, f16: bool = False) -> tuple:
                       _CODEBOOK_ROW_WORDS)
     pow_tab = _pallas.overload_table(config)
     if f16:
-        h = np.ldexp(pow_tab, -_mma_exponent(config)).astype(np.float16).view(np.uint16)
+        h = _pallas.f16_overload_table(config).view(np.uint16)
         pow_tab = h.astype(np.uint32) * np.uint32(0x10001)
     return w, tf, tab, _replicated(pow_tab)
 
@@ -776,17 +775,6 @@ def _launch(kernel, out_shape, programs: int, tables: tuple, scratch: list, inte
     )
 
 
-def _finish(out, x, codes: Codes, out_dtype, exponent=None):
-    """The split-K sums ``out [splits, bb, n]`` of x's rows, times ``2^exponent`` (by x's
-    row) and the row scale."""
-    y = jnp.sum(out, axis=0)[:x.shape[0]]
-    if exponent is not None:
-        y = _numerics.times_pow2(y, exponent[:, None])
-    if codes.scale is not None:
-        y = y * codes.scale.astype(jnp.float32)[None, :]
-    return y.astype(out_dtype)
-
-
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8))
 def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, programs):
     config = codes.config
@@ -801,23 +789,15 @@ def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, pro
     w, tf, tab, pow_tab = _operands(codes)
     out = _launch(kernel, (splits, bb, n), programs, (tab, pow_tab), [], interpret)(
         w, tf, xt, tab, pow_tab)
-    return _finish(out, x, codes, out_dtype)
-
-
-def _mma_exponent(config: HNLQConfig) -> int:
-    """``e_A``, the fewest halvings that keep :func:`decode_matmul`'s A operand, ``P
-    2^(alpha T - e_A)`` with ``|P| <= 255``, in float16's range (at most 65504)."""
-    top = float(np.nanmax(_pallas.overload_table(config)))
-    return max(0, int(np.ceil(np.log2(top / 256))))
+    return _pallas.split_k_sum(out, x.shape[0], codes.scale, out_dtype)
 
 
 def _mma_planes(x, config: HNLQConfig, nb: int, bb: int, bw: int) -> tuple:
     """x's planes as the wgmma's B operand, float16 ``[2 U words, bb]`` (K permuted as
-    :func:`_a_operand`'s; x's rows padded to ``bb``), each row of x scaled by ``2^-e`` (exact)
-    to put its largest finite plane in ``[2^14, 2^15)``: any row fits float16's range, and
-    its planes keep 11 bits down to 2^-28 of its largest (docs/kernels.md, "Precision").
-    Returns them and ``e + e_A`` for x's rows, the exponents that scale the product
-    back (:func:`_mma_exponent`)."""
+    :func:`_a_operand`'s; x's rows padded to ``bb``), each row of x scaled by its own power of
+    two (:func:`~hnlq_jax.kernels.pallas.f16_rows`). Returns them and ``e + e_A`` for x's rows,
+    the exponents that scale the product back
+    (:func:`~hnlq_jax.kernels.pallas.f16_exponent`)."""
     g = _pallas.word_view(config)[0]
     B = x.shape[0]
     # [g, d + 1, bb, words]: beta C^T x, the dither's offsets
@@ -829,14 +809,11 @@ def _mma_planes(x, config: HNLQConfig, nb: int, bb: int, bw: int) -> tuple:
             planes += [xt[p, c], xt[p, c + 1]]
         else:  # the dither's planes: -offsets (zeros past the last block)
             planes += [-xt[p, d], jnp.zeros_like(xt[p, d]) if c is None else -xt[c, d]]
-    X = jnp.stack(planes)  # [2 U, bb, words]
-    big = jnp.max(jnp.where(jnp.isfinite(X), jnp.abs(X), 0), axis=(0, 2))
-    e = _numerics.exponent(big) - 15
-    X = _numerics.times_pow2(X, -e[None, :, None]).astype(jnp.float16)
+    X, e = _pallas.f16_rows(jnp.stack(planes))  # [2 U, bb, words]
     # [(u, e'), bb, (step, word)] -> [(step, K of the step's words), bb]
     xk = _k_major(X.reshape(len(planes) // 2, 2, -1, bw))  # [(bb, step), K]
     xk = xk.reshape(bb, -1, xk.shape[-1]).transpose(1, 2, 0).reshape(-1, bb)
-    return xk, e[:B] + _mma_exponent(config)
+    return xk, e[:B] + _pallas.f16_exponent(config)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
@@ -855,4 +832,4 @@ def _mma_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, prog
     w, tf, tab, pow_tab = _operands(codes, f16=True)
     out = _launch(kernel, (splits, n, xk.shape[1]), programs, (tab, pow_tab), scratch,
                   interpret)(w, tf, xk, tab, pow_tab)
-    return _finish(out.transpose(0, 2, 1), x, codes, out_dtype, e)
+    return _pallas.split_k_sum(out.transpose(0, 2, 1), x.shape[0], codes.scale, out_dtype, e)

@@ -329,6 +329,29 @@ def _fma(a, b, c, interpret: bool):
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
 
 
+# float16's magic exponent over two byte fields (0x64 above a byte: 1024 + byte)
+_F16_MAGIC_PAIR = 0x64006400
+
+
+def _f16_field(word, i: int, *, s, bias: int, interpret: bool):
+    """Byte field ``i`` of packed-field words (uint32 ``[.., c]``) less ``bias``, times ``s``
+    (float16 ``[.., c]``), as float16: ``P 2^(alpha T - e_A)`` of one coordinate of the blocks,
+    ``P`` exact (at most 255 in magnitude) and the product rounded once. Two neighbouring
+    blocks' fields in one ``prmt`` and an AND-OR under float16's magic exponent, then one
+    ``sub.f16x2`` and one ``mul.f16x2``: two instructions a weight where float32 took five."""
+    if interpret:
+        f = ((word >> jnp.uint32(8 * i)) & jnp.uint32(255)).astype(jnp.float16)
+        return (f - np.float16(bias)) * s  # (exact, then one rounding)
+    sel = i | i << 4 | (4 + i) << 8 | (4 + i) << 12  # byte i of each word, twice (masked)
+    off = int(np.float16(1024 + bias).view(np.uint16)) * 0x10001
+    return pltriton.elementwise_inline_asm(
+        # lop3 0xEA: (t & 0x00FF00FF) | magic
+        f"{{ .reg .b32 t, o; prmt.b32 t, $1, $2, {sel}; "
+        f"lop3.b32 t, t, 0x00FF00FF, {_F16_MAGIC_PAIR}, 0xEA; mov.b32 o, {off}; "
+        "sub.rn.f16x2 t, t, o; mul.rn.f16x2 $0, t, $3; }", args=[word, s], constraints="=r,r,r,r", pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.float16)])[0]
+
+
 def _byte(word, i: int):
     return (word >> jnp.uint32(8 * i)) & jnp.uint32(255)
 
@@ -819,7 +842,7 @@ def _tile_product(a, b, wide):
 
 def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: int,
                           batch: int, bk: int, steps: int, compute, wide, scaled: bool,
-                          table: bool, exact: bool, words: int, interpret: bool):
+                          table: bool, exact: bool, words: int, f16: bool, interpret: bool):
     s_ref = refs[0] if scaled else None
     tab = refs[int(scaled)] if table else None
     pow_ref, beta_ref, o_ref = refs[-3:]
@@ -840,7 +863,15 @@ def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: i
             ks, u = _weight_codes_tile(idx_ref, t_ref, rows, k0, bk, config, n, nb, exact)
             parts = [(ks, u, lambda j: x_ref[j, :, pl.ds(k0, bk)])]
         for ks, u, x_at in parts:
-            w = _decoded(ks, u, tab, pow_ref, beta_ref, config, wide, interpret)
+            if f16:  # P 2^(alpha T - e_A); x's planes hold beta C^T x and -offsets
+                s16 = pow_ref[u]
+                if _index_can_overflow(config):
+                    s16 = jnp.where(valid_blocks(ks, u, config), s16, np.float16(np.nan))
+                w = _packed_fields(ks, tab, config, 0, functools.partial(
+                    _f16_field, s=s16, bias=packed_bias(config, 0), interpret=interpret))
+                w += [s16] if config.dither is not None else []
+            else:
+                w = _decoded(ks, u, tab, pow_ref, beta_ref, config, wide, interpret)
             for j, wj in enumerate(w):
                 if scaled:  # the reference's rounding: the decoded weight times its row scale
                     wj = wj * s
@@ -857,7 +888,8 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
                   block_n: int | None = None, block_k: int | None = None,
                   splits: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, gpu_backend: str = "triton",
-                  use_table: bool | None = None, words: bool | None = None):
+                  use_table: bool | None = None, words: bool | None = None,
+                  f16: bool | None = None):
     """``y = x @ W_hat^T`` with the weight read as codes: decoded tile by tile next to the
     ``dot``, the dense weight never in memory.
 
@@ -874,6 +906,13 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
       splits, num_warps, num_stages: as :func:`gemv`.
       use_table: see :func:`decode`.
       words: as :func:`gemv`, where each part of a step still has 16 blocks for the ``dot``.
+      f16: with a bfloat16 ``compute_dtype`` and a packed codebook (:func:`f16_fits`), the
+        ``dot``'s operands in float16 instead: the weight ``P 2^(alpha T - e_A)`` (exact
+        ``P``, two instructions a weight: :func:`_f16_field`), x's planes ``beta C^T x`` with
+        each row of x scaled by its own power of two (:func:`f16_rows`), the row scale and
+        the powers of two after the split-K sum. Finer than the bfloat16 product (about
+        2^-11 a weight against 2^-9), not the reference's decoded weights bit for bit.
+        Elsewhere it is ignored.
 
       Launch parameters left ``None`` come from the tuning table (:func:`launch_params`).
 
@@ -881,7 +920,8 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
       ``[..., n]`` in ``out_dtype``: the products of the reference's decoded weights (float32,
       float64 for a float64 ``compute_dtype``), summed in that dtype in another order than
       :func:`hnlq_jax.matmul`'s ``"xla"`` path (equal bit for bit whenever each sum has one
-      nonzero term, e.g. one-hot rows of x, and no split).
+      nonzero term, e.g. one-hot rows of x, and no split); with ``f16``, float32 sums of the
+      float16 products.
 
     Raises:
       ValueError, TypeError: codes that are not ``[n, nb]`` weight codes, a mismatched ``x``,
@@ -897,20 +937,31 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
     B = int(np.prod(lead, dtype=np.int64))
     t = _launch(launch_params("decode_matmul", config, n, nb, B), "kernels.decode_matmul",
                 block_n=block_n, block_k=block_k, splits=splits, num_warps=num_warps,
-                num_stages=num_stages, words=words)
+                num_stages=num_stages, words=words, f16=f16)
     bn, bk = _tile(n, t["block_n"], "block_n"), _tile(nb, t["block_k"], "block_k")
     if B == 0 or n == 0 or nb == 0:
         return jnp.zeros(lead + (n,), out_dtype)
-    out = _decode_matmul_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(compute_dtype),
+    compute = jnp.dtype(compute_dtype)
+    out = _decode_matmul_call(x.reshape(B, x.shape[-1]), codes, compute,
                               jnp.dtype(out_dtype), table, interpret_mode(interpret, x, codes),
                               bn, bk, t["splits"], t["num_warps"], t["num_stages"],
-                              bool(t.get("words")))
+                              bool(t.get("words")),
+                              bool(t.get("f16")) and f16_fits(config, compute, table))
     return out.reshape(lead + (n,))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10, 11))
+def f16_fits(config: HNLQConfig, compute_dtype, table: bool = True) -> bool:
+    """Whether :func:`decode_matmul`'s ``f16`` applies: a bfloat16 ``compute_dtype``, the
+    packed codebook (``table``), and overload steps whose weights float16 holds
+    (:func:`f16_exponent` at most :data:`F16_EXPONENT_MAX`)."""
+    return (jnp.dtype(compute_dtype) == jnp.bfloat16 and table
+            and packed_codebook(config) is not None
+            and f16_exponent(config) <= F16_EXPONENT_MAX)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12))
 def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, bn, bk, splits,
-                        num_warps, num_stages, words):
+                        num_warps, num_stages, words, f16):
     config = codes.config
     n, nb = codes.blocks_shape
     B, k = x.shape
@@ -922,12 +973,22 @@ def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, b
     words = _words_fit(config, nb, bk, False, least=16) if words else 0  # the dot's k >= 16
     # Activations only are re-laid out: coordinate planes [d, Bp, nbp], zero-padded; with
     # words, in parts as the words' blocks: [words, d, Bp, nbp / words]
-    xp = jnp.pad(x, ((0, Bp - B), (0, nbp * d - k)))
-    xp = (xp.reshape(Bp, nbp // words, words, d).transpose(2, 3, 0, 1) if words else
-          xp.reshape(Bp, nbp, d).transpose(2, 0, 1))
+    if f16:  # x's planes beta C^T x (and -offsets), each row scaled into float16's range
+        xt = gemv_activations(jnp.pad(x, ((0, Bp - B), (0, 0))), config, nbp,
+                              parts=words or None)[..., :Bp, :]
+        xt = (jnp.concatenate([xt[..., :d, :, :], -xt[..., d:, :, :]], axis=-3)
+              if config.dither is not None else xt[..., :d, :, :])
+        xp, e = f16_rows(xt)
+        compute = jnp.dtype(jnp.float16)
+    else:
+        xp = jnp.pad(x, ((0, Bp - B), (0, nbp * d - k)))
+        xp = (xp.reshape(Bp, nbp // words, words, d).transpose(2, 3, 0, 1) if words else
+              xp.reshape(Bp, nbp, d).transpose(2, 0, 1))
     wide = _numerics.wide_dtype(compute)  # decoded weight and accumulation
     pow2, beta = _tables(config, wide)
-    scaled = codes.scale is not None
+    if f16:  # 2^(alpha T - e_A) by u
+        pow2 = jnp.asarray(f16_overload_table(config))
+    scaled = codes.scale is not None and not f16  # (with f16 after the split-K sum)
     extra = ([codes.scale.astype(wide)] if scaled else []) \
         + ([_codebook_input(config)] if table else [])
     extra_specs = ([pl.BlockSpec((bn,), lambda b, i, s: (i,))] if scaled else []) \
@@ -939,13 +1000,13 @@ def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, b
     else:  # the index by blocks, T gathered by address
         index, tfield = codes.index, codes.tfield.reshape(-1)
         i_spec, t_spec = pl.BlockSpec((bn, nb, M), lambda b, i, s: (i, 0, 0)), _whole(tfield)
-    split = splits > 1
+    split = splits > 1 or f16  # (f16: float32 sums, scaled after the kernel)
     out = pl.pallas_call(
         functools.partial(_decode_matmul_kernel, config=config, n=n, nb=nb, batch=B, bk=bk,
                           steps=steps, compute=compute, wide=wide, scaled=scaled, table=table,
-                          exact=exact, words=words, interpret=interpret),
+                          exact=exact, words=words, f16=f16, interpret=interpret),
         grid=(Bp // bb, pl.cdiv(n, bn), splits),
-        in_specs=[pl.BlockSpec(xp.shape[:-3] + (d, bb, xp.shape[-1]),
+        in_specs=[pl.BlockSpec(xp.shape[:-2] + (bb, xp.shape[-1]),
                                lambda b, i, s: (0,) * (xp.ndim - 2) + (b, 0)),
                   i_spec, t_spec] + extra_specs + [_whole(pow2), _whole(beta)],
         out_specs=(pl.BlockSpec((1, bb, bn), lambda b, i, s: (s, b, i)) if split else
@@ -955,6 +1016,8 @@ def _decode_matmul_call(x, codes: Codes, compute, out_dtype, table, interpret, b
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
     )(xp, index, tfield, *extra, pow2, beta)
+    if f16:
+        return split_k_sum(out, B, codes.scale, out_dtype, e[:B] + f16_exponent(config))
     return jnp.sum(out, axis=0).astype(out_dtype) if split else out
 
 
@@ -1218,7 +1281,7 @@ def _launch(t: dict, fn: str, **given) -> dict:
     for name in ("splits", "num_warps", "num_stages"):
         if not isinstance(t[name], int) or t[name] < 1:
             raise ValueError(f"{fn}: {name} must be a positive int, got {t[name]!r}")
-    for name in ("words", "lut_tables"):
+    for name in ("words", "lut_tables", "f16"):
         if not isinstance(t.get(name, False), bool):
             raise TypeError(f"{fn}: {name} must be a bool, got {t[name]!r}")
     return t
@@ -1286,6 +1349,48 @@ def overload_table(config: HNLQConfig):
     table = np.full(size, np.nan, np.float32)
     table[1:config.max_T + 2] = pow2_table(config.alpha, config.max_T)  # _numerics.pow2's
     return table
+
+
+# The tensor cores' float16 weights: P 2^(alpha T - e_A) (|P| <= 255, the packed fields' P,
+# exact in float16) with the overload table halved e_A times (exactly) into float16's range;
+# past this many halvings T = 0's scale 2^-e_A would be a float16 subnormal.
+F16_EXPONENT_MAX = 14
+
+
+def f16_exponent(config: HNLQConfig) -> int:
+    """``e_A``: the fewest halvings that keep ``P 2^(alpha T - e_A)`` with ``|P| <= 255`` in
+    float16's range (at most 65504)."""
+    top = float(np.nanmax(overload_table(config)))
+    return max(0, int(np.ceil(np.log2(top / 256))))
+
+
+def f16_overload_table(config: HNLQConfig) -> np.ndarray:
+    """float16 ``2^(alpha (u - 1) - e_A)`` by ``u`` (:func:`overload_table` halved
+    :func:`f16_exponent` times, exactly, then rounded once), NaN where it is NaN."""
+    return np.ldexp(overload_table(config), -f16_exponent(config)).astype(np.float16)
+
+
+def f16_rows(X):
+    """``X [..., rows, w]`` (float32) in float16 with each row scaled by its own power of two
+    ``2^-e`` (exact) to put its largest finite entry in ``[2^14, 2^15)`` (float16's top binade
+    below 65504): any bfloat16 row fits float16's range and keeps 11 bits down to 2^-28 of its
+    largest (docs/kernels.md, "Precision"). Returns them and ``e`` (int32 ``[rows]``)."""
+    axes = tuple(a for a in range(X.ndim) if a != X.ndim - 2)
+    big = jnp.max(jnp.where(jnp.isfinite(X), jnp.abs(X), 0), axis=axes)
+    e = _numerics.exponent(big) - 15
+    return _numerics.times_pow2(X, -e[:, None]).astype(jnp.float16), e
+
+
+def split_k_sum(out, rows: int, scale, out_dtype, exponent=None):
+    """The split-K partial sums ``out [splits, bb, n]`` of x's first ``rows`` rows added up,
+    times ``2^exponent`` (``[rows]``, by x's row) and the row ``scale`` (``[n]`` or ``None``),
+    in ``out_dtype``: the XLA epilogue of the kernels that leave those to it."""
+    y = jnp.sum(out, axis=0)[:rows]
+    if exponent is not None:
+        y = _numerics.times_pow2(y, exponent[:, None])
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)[None, :]
+    return y.astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8, 9, 10))

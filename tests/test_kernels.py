@@ -369,10 +369,10 @@ def test_decode_matmul_f16_operands(cfg):
     np.testing.assert_array_equal(g(f16=True), g(f16=False))
 
 
-def test_f16_fits_and_the_overload_table():
+def test_f16_fits_and_the_overload_table(monkeypatch):
     """Where ``f16`` applies, and its float16 overload table: the float32 one halved e_A
     times, rounded once; steps past float16's range even halved are left to the exact path
-    (bit for bit)."""
+    (bit for bit); hq.matmul takes it where the tuning table's entry says so."""
     assert K.pallas.f16_exponent(BIG_T) == 6 and K.pallas.f16_exponent(D4) == 0
     want = np.ldexp(K.pallas.overload_table(BIG_T).astype(np.float64), -6).astype(np.float16)
     np.testing.assert_array_equal(K.pallas.f16_overload_table(BIG_T), want)
@@ -387,6 +387,18 @@ def test_f16_fits_and_the_overload_table():
     f = functools.partial(K.decode_matmul, x, codes, jnp.bfloat16, jnp.float32, block_n=16,
                           block_k=16)
     np.testing.assert_array_equal(f(f16=True), f(f16=False))
+    # the front door: the decode_matmul entry's f16 for its batch class
+    codes = _weights(D4, 32, 128)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((12, 128)), jnp.bfloat16)
+    monkeypatch.setattr(K.pallas, "gpu_target", lambda: ("cpu", 132))
+    for f16 in (True, False):
+        monkeypatch.setattr(gpu_tiles, "TILES", {"cpu": {"decode_matmul": {"D4": {
+            "batch<=16": {"f16": f16}}}}})
+        y = jax.jit(lambda x, c: hq.matmul(x, c, **PALLAS))(x, codes)
+        np.testing.assert_array_equal(y, K.decode_matmul(x, codes, jnp.bfloat16, jnp.bfloat16,
+                                                         f16=f16))
+        assert (y != K.decode_matmul(x, codes, jnp.bfloat16, jnp.bfloat16,
+                                     f16=not f16)).any()
 
 
 def _equations(jaxpr: Jaxpr):

@@ -348,7 +348,8 @@ def _f16_field(word, i: int, *, s, bias: int, interpret: bool):
         # lop3 0xEA: (t & 0x00FF00FF) | magic
         f"{{ .reg .b32 t, o; prmt.b32 t, $1, $2, {sel}; "
         f"lop3.b32 t, t, 0x00FF00FF, {_F16_MAGIC_PAIR}, 0xEA; mov.b32 o, {off}; "
-        "sub.rn.f16x2 t, t, o; mul.rn.f16x2 $0, t, $3; }", args=[word, s], constraints="=r,r,r,r", pack=2,
+        "sub.rn.f16x2 t, t, o; mul.rn.f16x2 $0, t, $3; }", args=[word, s],
+        constraints="=r,r,r,r", pack=2,  # $1 $2: two blocks' words, $3: their two scales
         result_shape_dtypes=[jax.ShapeDtypeStruct(word.shape, jnp.float16)])[0]
 
 

@@ -387,8 +387,13 @@ def test_f16_fits_and_the_overload_table(monkeypatch):
     f = functools.partial(K.decode_matmul, x, codes, jnp.bfloat16, jnp.float32, block_n=16,
                           block_k=16)
     np.testing.assert_array_equal(f(f16=True), f(f16=False))
-    # the front door: the decode_matmul entry's f16 for its batch class
+    # more rows than a program's tile (130: 3 tiles of 64, x's planes padded past them)
     codes = _weights(D4, 32, 128)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((130, 128)), jnp.bfloat16)
+    ref = _decoded_product(x, codes)
+    y = K.decode_matmul(x, codes, jnp.bfloat16, jnp.float32, block_n=16, block_k=16, f16=True)
+    np.testing.assert_allclose(y, ref, rtol=0, atol=F16_ATOL * np.abs(ref).max())
+    # the front door: the decode_matmul entry's f16 for its batch class
     x = jnp.asarray(np.random.default_rng(8).standard_normal((12, 128)), jnp.bfloat16)
     monkeypatch.setattr(K.pallas, "gpu_target", lambda: ("cpu", 132))
     for f16 in (True, False):

@@ -699,6 +699,8 @@ def test_launch_params_and_errors(monkeypatch):
     for bad in (dict(words="yes"), dict(lut_tables=1)):
         with pytest.raises(TypeError, match=f"{next(iter(bad))} must be a bool"):
             K.gemv(x[:1], codes, jnp.float32, **bad)
+    with pytest.raises(TypeError, match="f16 must be a bool"):
+        K.decode_matmul(x, codes, jnp.bfloat16, jnp.float32, f16="yes")
     for bad in (dict(splits=0), dict(num_warps=1.5), dict(block_n=6), dict(block_k=8)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             K.gemv(x[:1], codes, jnp.float32, **bad)

@@ -471,6 +471,16 @@ def _decoded(ks: list, u, tab_ref, pow_ref, beta_ref, config: HNLQConfig, dtype,
     return [c * s for c in scaled]
 
 
+def _block_scale(table_ref, ks, u, config: HNLQConfig):
+    """The blocks' ``2^(alpha T)`` from an overload table by ``u = T + 1`` (NaN for ``u = 0``,
+    a failed block: :func:`overload_table`, :func:`f16_overload_table`), NaN too where an
+    index passes ``q^d`` (a corrupt index), in the table's dtype."""
+    s = table_ref[u]
+    if _index_can_overflow(config):
+        s = jnp.where(valid_blocks(ks, u, config), s, jnp.nan)
+    return s
+
+
 def _index_columns(idx_ref, M: int, mask, at=()):
     """The ``M`` index columns (uint32) of a tile, masked (``at``: leading index of the tile)."""
     return [_load(idx_ref.at[at + (Ellipsis, _at(m))], mask).astype(jnp.uint32)
@@ -865,9 +875,7 @@ def _decode_matmul_kernel(x_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: i
             parts = [(ks, u, lambda j: x_ref[j, :, pl.ds(k0, bk)])]
         for ks, u, x_at in parts:
             if f16:  # P 2^(alpha T - e_A); x's planes hold beta C^T x and -offsets
-                s16 = pow_ref[u]
-                if _index_can_overflow(config):
-                    s16 = jnp.where(valid_blocks(ks, u, config), s16, np.float16(np.nan))
+                s16 = _block_scale(pow_ref, ks, u, config)
                 w = _packed_fields(ks, tab, config, 0, functools.partial(
                     _f16_field, s=s16, bias=packed_bias(config, 0), interpret=interpret))
                 w += [s16] if config.dither is not None else []
@@ -1066,9 +1074,7 @@ def _gemv_kernel(xt_ref, idx_ref, t_ref, *refs, config: HNLQConfig, n: int, nb: 
             vs.append(v if config.dither is None else v - x_at(config.d, b)[None, :])
         # 2^(alpha T) by u = T + 1; NaN for u = 0 (a failed block) and past max_T. (Gathered
         # after the products: before them Triton keeps more registers live, 190 against 148.)
-        s = ptab_ref[u]
-        if _index_can_overflow(config):
-            s = jnp.where(valid_blocks(ks, u, config), s, jnp.nan)
+        s = _block_scale(ptab_ref, ks, u, config)
         return tuple(_fma(s, v, acc, interpret) for v, acc in zip(vs, accs))
 
     def tile(t, accs):

@@ -7,7 +7,9 @@
   gradient, optionally masked);
 * a mean of squares that does not depend on the program it runs in (:func:`mean_square`);
 * a product by a power of two, and the binary exponent, that fuse (:func:`times_pow2`,
-  :func:`exponent`).
+  :func:`exponent`);
+* a division and a square root that are IEEE's on every backend (:func:`divide`,
+  :func:`sqrt`): the encoder's ``x / s`` and the row scales.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import numpy as np
 
 from hnlq_jax.config import HNLQConfig, pow2_table
 
-__all__ = ["mean_square", "pow2", "overload_scale", "level_weights", "straight_through",
-           "times_pow2", "exponent", "wide_dtype"]
+__all__ = ["divide", "sqrt", "mean_square", "pow2", "overload_scale", "level_weights",
+           "straight_through", "times_pow2", "exponent", "wide_dtype"]
 
 
 def pow2(config: HNLQConfig, dtype) -> jax.Array:
@@ -39,6 +41,161 @@ def times_pow2(x, e):
         return jax.lax.bitcast_convert_type((k + 127).astype(jnp.int32) << 23, jnp.float32)
 
     return x * exact(a) * exact(e - a)
+
+
+def _parts(v):
+    """``(bits, S, e)`` of a float ``v >= 0``: its bits (the unsigned integer of its width), and
+    its significand ``S`` (an integer below ``2^(nmant + 1)``, of that type) and exponent ``e``
+    (int32), ``v = S 2^e`` where ``v`` is finite."""
+    info = jnp.finfo(v.dtype)
+    u = jnp.dtype(f"uint{info.bits}")
+    bits = jax.lax.bitcast_convert_type(v, u)
+    E = (bits >> info.nmant).astype(jnp.int32)
+    S = (bits & u.type((1 << info.nmant) - 1)) | jnp.where(E > 0, u.type(1 << info.nmant),
+                                                            u.type(0))
+    return bits, S, jnp.maximum(E, 1) - (info.maxexp - 1) - info.nmant
+
+
+def _step(bits, up, down):
+    """The float with ``bits`` (normal, ``>= 0``), or its neighbour towards the exact value
+    ``x``: ``up`` and ``down`` have the signs of ``x`` less the midpoints above and below it.
+    A quotient or square root of floats is never on a midpoint of their precision (its odd
+    significand would need more bits than the operands hold): no ties to break."""
+    return jnp.where(up > 0, bits + 1, jnp.where(down < 0, bits - 1, bits))
+
+
+def _binade_start(S, e, info) -> jax.Array:
+    """Whether ``S 2^e`` is a binade's first normal float above the smallest: the spacing of
+    the floats below it is half that above."""
+    return (S == S.dtype.type(1 << info.nmant)) & (e > info.minexp - info.nmant)
+
+
+def _quotient_step(a, b, bits):
+    """:func:`_step` towards ``a / b`` (normal, positive) from a float a few units in the last
+    place from it. The sides of the midpoints are the signs of the integer residual
+    ``R = (a - g b) / 2^(e + eB)``, within ``3 SB`` near the quotient, so computed modulo the
+    width (the products' high bits drop out): ``a - (g + ulp / 2) b`` is ``2R - SB`` in units
+    of ``2^(e + eB - 1)``."""
+    info = jnp.finfo(a.dtype)
+    _, SA, eA = _parts(a)
+    _, SB, eB = _parts(b)
+    _, S, e = _parts(jax.lax.bitcast_convert_type(bits, a.dtype))
+    i = jnp.dtype(f"int{info.bits}")
+    # the shift is 22 to 26 near the quotient (float64: 51 to 55)
+    R = jax.lax.bitcast_convert_type((SA << (eA - e - eB).astype(bits.dtype)) - S * SB, i)
+    SB = SB.astype(i)
+    down = jnp.where(_binade_start(S, e, info), 4 * R, 2 * R) + SB  # below: g - ulp / 4
+    return _step(bits, 2 * R - SB, down)
+
+
+def _root_step(v, bits):
+    """:func:`_step` towards ``sqrt(v)`` (normal, positive) from a float a few units in the
+    last place from it: ``v - ((2S + 1) 2^(e - 1))^2`` is ``SV 2^(eV - 2e + 2) - (2S + 1)^2``
+    in units of ``2^(2e - 2)``, within ``2^30`` near the root (float64: ``2^59``), so computed
+    modulo the width."""
+    info = jnp.finfo(v.dtype)
+    _, SV, eV = _parts(v)
+    _, S, e = _parts(jax.lax.bitcast_convert_type(bits, v.dtype))
+    i = jnp.dtype(f"int{info.bits}")
+    u, one = bits.dtype, bits.dtype.type(1)
+    k = (eV - 2 * e + 2).astype(u)  # 24 to 27 near the root (float64: 53 to 56)
+
+    def side(shift, m):  # the sign of v - (m 2^(e - 1 - shift / 2))^2, m odd
+        return jax.lax.bitcast_convert_type((SV << (k + shift)) - m * m, i)
+
+    first = _binade_start(S, e, info)
+    down = jnp.where(first, side(u.type(2), 4 * S - one), side(u.type(0), 2 * S - one))
+    return _step(bits, side(u.type(0), 2 * S + one), down)
+
+
+def _corrected(q, steps, dtype):
+    """The backend's ``q`` (within 2 units in the last place of the exact value) after two
+    exact ``steps(bits, ok)`` where it is normal and below ``2^(maxexp - 1)``."""
+    info = jnp.finfo(dtype)
+    g = jnp.abs(q)
+    ok = (g >= info.tiny) & (g < 2.0 ** (info.maxexp - 1))
+    bits = _parts(jnp.where(ok, g, 1))[0]
+    for _ in range(2):
+        bits = steps(bits, ok)
+    g = jax.lax.bitcast_convert_type(bits, dtype)
+    return jnp.where(ok, jnp.where(q < 0, -g, g), q)
+
+
+def _flushed(x, tiny):
+    """``x`` with its values below ``tiny`` in magnitude zero (sign kept)."""
+    return jnp.where(jnp.abs(x) < tiny, x * 0, x)
+
+
+def _exact(steps_then, plain, dtype, cpu_exact: bool):
+    """``plain()``, the backend's result, where it is IEEE's (on a CPU where ``cpu_exact``),
+    else ``steps_then()``; results below twice the smallest normal float zero either way."""
+    tiny = jnp.finfo(dtype).tiny
+    if cpu_exact:
+        out = jax.lax.platform_dependent(cpu=plain, default=steps_then)
+    else:
+        out = steps_then()
+    return _flushed(out, 2 * tiny)
+
+
+def divide(a, b, quotient=None, *, exact: bool = False, cpu_exact: bool = False):
+    """``a / b`` correctly rounded, IEEE's quotient, alike on every backend (float32 or float64,
+    broadcast): what the codes of ``x / s`` are defined by.
+
+    A plain ``a / b`` is not: XLA's CPU compiler multiplies by ``1 / b`` where ``b`` is
+    broadcast (a fifth of float32 quotients one unit in the last place off), and XLA and
+    Triton divide approximately on a GPU (``div.full.f32``: up to 2 units). The backend's
+    quotient is corrected here by two exact steps (:func:`_quotient_step`: integer arithmetic
+    on the floats' bits, which no compiler rewrites). So that the backends also agree where
+    XLA's CPU flushes subnormals to zero, subnormal ``a`` and ``b`` count as zero and
+    quotients below twice the smallest normal float are zero (sign kept). Quotients from
+    ``2^(maxexp - 1)`` (2^127 in float32) on, and non-finite ones, are the backend's (no code
+    depends on them: such blocks are beyond the clamp radius).
+
+    Args:
+      a, b: float arrays (broadcast against each other).
+      quotient: the division to start from, ``(a, b) -> q`` (default ``/``), within 2 units
+        in the last place.
+      exact: ``quotient`` is correctly rounded (a GPU kernel's ``div.rn``): no steps.
+      cpu_exact: ``b`` is not a broadcast in the program (the encoder's gathered scales), so
+        that XLA's CPU divides exactly (it runs with subnormals flushed): the steps run on
+        other backends only. They cost several times the division where XLA fuses them into
+        each of the quotient's consumers.
+    """
+    dtype = jnp.result_type(a, b)
+    info = jnp.finfo(dtype)
+    a, b = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+    div = (lambda a, b: a / b) if quotient is None else quotient
+
+    def steps_then():
+        fa, fb = _flushed(a, info.tiny), _flushed(b, info.tiny)
+        q = div(fa, fb)
+        if exact:
+            return q
+
+        def steps(bits, ok):
+            return _quotient_step(jnp.where(ok, jnp.abs(fa), 1), jnp.where(ok, jnp.abs(fb), 1),
+                                  bits)
+        return _corrected(q, steps, dtype)
+
+    return _exact(steps_then, lambda: div(a, b), dtype, cpu_exact)
+
+
+def sqrt(v, root=None):
+    """``sqrt(v)`` correctly rounded, alike on every backend (float32 or float64): XLA's GPU
+    compiler takes an approximate square root (``sqrt.approx.f32``). As :func:`divide`: the
+    backend's root (or ``root(v)``), on a CPU as it is, elsewhere corrected by two exact
+    steps (:func:`_root_step`) from ``v`` with its subnormals zero; roots below twice the
+    smallest normal float zero; negative ``v`` gives NaN."""
+    v = jnp.asarray(v)
+    tiny = jnp.finfo(v.dtype).tiny
+    root = jnp.sqrt if root is None else root
+
+    def steps_then():
+        fv = _flushed(v, tiny)
+        return _corrected(root(fv), lambda bits, ok: _root_step(jnp.where(ok, fv, 1), bits),
+                          v.dtype)
+
+    return _exact(steps_then, lambda: root(v), v.dtype, cpu_exact=root is jnp.sqrt)
 
 
 def exponent(x):

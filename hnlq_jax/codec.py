@@ -220,7 +220,9 @@ class _Search(NamedTuple):
 def _attempt(st: _Search, config: HNLQConfig, scales, z) -> _Search:
     """Tries every active block at its own t; blocks that fit keep labels and T = t."""
     s = scales[jnp.minimum(st.t, config.max_T)]
-    digits, over = encode_at([st.x[j] / s + z[j] for j in range(config.d)], config)
+    # IEEE's quotient on every backend (docs/math.md, "Tie rule"); s is gathered per block
+    y = [_numerics.divide(st.x[j], s, cpu_exact=True) + z[j] for j in range(config.d)]
+    digits, over = encode_at(y, config)
     ok = st.active & ~over
     t = st.t + 1
     return _Search(

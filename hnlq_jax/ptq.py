@@ -37,7 +37,7 @@ from hnlq_jax.codec import decode_blocks, default_float, from_blocks
 from hnlq_jax.codes import Codes, index_dtype, pack_t
 from hnlq_jax.config import HNLQConfig, check_beta, check_config, pow2_table
 from hnlq_jax.incoherence import Rotation
-from hnlq_jax.rows import calibrate_rows, check_finite_weight, row_rms, unit
+from hnlq_jax.rows import calibrate_rows, check_finite_weight, divide_rows, row_rms, unit
 from hnlq_jax.stats import entropy_bits, t_counts
 
 __all__ = ["CALIBRATION_OPTIONS", "DAMP", "DEFAULT_GRID", "GROUP_COLUMNS", "PTQResult",
@@ -452,7 +452,7 @@ def _compensate(Wp, c, A, ucfg: HNLQConfig, G: int, impl: str):
 
         def block(P, b):
             x = jax.lax.dynamic_slice_in_dim(P, b * d, d, axis=1)
-            index, T, yhat, shrunk = _round_blocks(x / cc, ucfg, impl)  # as rows_codes
+            index, T, yhat, shrunk = _round_blocks(divide_rows(x, c), ucfg, impl)  # as rows_codes
             E = x - yhat * cc
             Ab = jax.lax.dynamic_slice_in_dim(Apan, b * d, d, axis=0)
             P = P - jnp.matmul(E, Ab, precision=_HI)

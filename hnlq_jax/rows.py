@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import ops
-from hnlq_jax._numerics import mean_square
+from hnlq_jax._numerics import divide, mean_square, sqrt
 from hnlq_jax.codec import check_x, to_blocks
 from hnlq_jax.codes import Codes, concrete_all, is_concrete, pack_t
 from hnlq_jax.config import HNLQConfig, check_config
@@ -56,17 +56,18 @@ def row_rms(w):
     """
     m = jnp.max(jnp.abs(w), axis=-1, initial=0.0)
     m = jnp.where(m > 0, m, 1.0)
-    rms = m * jnp.sqrt(mean_square(divide_rows(w, m)))
+    rms = m * sqrt(mean_square(divide_rows(w, m)))
     return jnp.where(rms > 0, rms, 1.0)
 
 
 @jax.jit  # one program for an eager call (calibration), not one per operation
 def divide_rows(w, c):
-    """``w[..., k] / c[...]`` row by row, with both scaled by a power of two first (exact):
+    """``w[..., k] / c[...]`` row by row, correctly rounded on every backend
+    (:func:`~hnlq_jax._numerics.divide`), with both scaled by a power of two first (exact):
     XLA:CPU divides by multiplying with ``1 / c``, which flushes to zero for ``c`` above about
-    8.5e37 in float32; the quotient is otherwise the same."""
+    8.5e37 in float32."""
     e = jnp.frexp(c)[1][..., None]
-    return jnp.ldexp(w, -e) / jnp.ldexp(c[..., None], -e).astype(w.dtype)
+    return divide(jnp.ldexp(w, -e), jnp.ldexp(c[..., None], -e).astype(w.dtype))
 
 
 def check_finite_weight(w, fn: str, what: str = "the weight"):

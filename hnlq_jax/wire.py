@@ -191,12 +191,16 @@ def _exponents(x, config: HNLQConfig):
     finite = jnp.all(jnp.isfinite(x), axis=1)
     xs = jnp.where(finite[:, None], x, 0.0)
     mantissa, e = jnp.frexp(row_rms(xs))  # overflow-safe RMS; 1 for an all-zero chunk
-    e = jnp.where(mantissa < jnp.sqrt(0.5), e - 1, e)
+    e = jnp.where(mantissa < math.sqrt(0.5), e - 1, e)  # (a constant: jnp's would run on the
+    # default device, whose square root may be approximate)
     # Raise e until the largest block is within reach of T = max_T (a necessary condition).
     y = jnp.ldexp(xs, -e[:, None]).reshape(x.shape[0], -1, config.d)
     top = jnp.max(jnp.sqrt(jnp.sum(jnp.square(y), axis=-1)), axis=1)
     reach = scale_tables(config, config.beta, jnp.float32)[1][config.max_T]
-    lift = jnp.ceil(jnp.log2(jnp.maximum(top / reach, 1.0))).astype(jnp.int32)
+    # ceil(log2(r)) for r >= 1 from r's bits, where a GPU's log2 is approximate (at r = 2^k
+    # it could round up a whole step)
+    m, k = jnp.frexp(jnp.maximum(top / reach, 1.0))
+    lift = jnp.where(m > 0.5, k, k - 1)
     return jnp.clip(e + lift, _E_MIN, _E_MAX), finite
 
 

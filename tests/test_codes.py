@@ -161,6 +161,22 @@ def test_row_scales_do_not_depend_on_the_program(rows, k, seed, scale):
                                rtol=2**-11)
 
 
+@given(seed=st.integers(0, 2**31 - 1))
+def test_rows_are_divided_as_ieee_divides(seed):
+    """Row codes encode IEEE's quotients ``w / c``, on every backend
+    (hnlq_jax._numerics.divide): XLA:CPU divided by the broadcast row scale by multiplying
+    with its reciprocal (a fifth of the quotients a unit in the last place off) and a GPU
+    divides approximately, so blocks near a rounding boundary coded differently. The row
+    RMS's square root is IEEE's too (a GPU's is approximate)."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(8, 512)).astype(np.float32)
+    c = rng.uniform(0.1, 10, 8).astype(np.float32)
+    np.testing.assert_array_equal(hq.rows.divide_rows(w, c), w / c[:, None])
+    m = np.max(np.abs(w), axis=1)
+    mean = np.asarray(jax.jit(hq.rows.mean_square)(w / m[:, None]))
+    np.testing.assert_array_equal(hq.rows.row_rms(w), m * np.sqrt(mean))
+
+
 def test_extreme_entry_does_not_poison_its_row():
     """A 1e30 entry (its square overflows float32) gives a finite row scale; the other rows and
     the other entries of its row keep decoding to finite values."""

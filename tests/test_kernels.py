@@ -876,6 +876,8 @@ def test_lowers_for_cuda_triton(cfg):
     for name, (f, args) in cases.items():
         text = _lower_for_cuda(f, *args)
         assert "custom_call @__gpu$xla.gpu.triton" in text, name
+        # IEEE's x / s, where Triton's "/" is div.full.f32 (up to 2 units in the last place)
+        assert ("div.rn.f32" in text) == name.startswith(("encode", "quantize")), name
     if cfg is D4:  # float64 products: a sum of products in the kernel, not Triton's dot
         with jax.enable_x64(True):
             f, (xa, cw) = cases["matmul"]

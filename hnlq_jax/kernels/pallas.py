@@ -490,7 +490,25 @@ def _index_columns(idx_ref, M: int, mask, at=()):
 # ----------------------------------------------------------------------------------- encode
 
 
-def _search(x: list, t, active, scale_ref, *, config: HNLQConfig, once: bool) -> tuple:
+def _div_rn(a, b):
+    """PTX ``div.rn.f32``: IEEE's quotient, where Triton's ``/`` is ``div.full.f32`` (up to two
+    units in the last place off)."""
+    return pltriton.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=list(jnp.broadcast_arrays(a, b)), constraints="=f,f,f",
+        pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct(jnp.broadcast_shapes(
+            jnp.shape(a), jnp.shape(b)), jnp.float32)])[0]
+
+
+def _divide(a, b, interpret: bool):
+    """The reference's ``a / b`` (:func:`hnlq_jax._numerics.divide`): its exact steps in
+    interpret mode; compiled, one correctly rounded division (float64's ``/`` is)."""
+    if interpret:
+        return _numerics.divide(a, b, cpu_exact=True)
+    return _numerics.divide(a, b, _div_rn if a.dtype == jnp.float32 else None, exact=True)
+
+
+def _search(x: list, t, active, scale_ref, *, config: HNLQConfig, once: bool,
+            interpret: bool) -> tuple:
     """Algorithm 1's overload loop over a tile of blocks (``x``: their ``d`` columns) from
     each block's step ``t`` where ``active``: ``(t, active, T, index)``, the steps reached,
     the blocks still unresolved, their T (``-1``: failed or not tried) and ``M`` index
@@ -502,7 +520,8 @@ def _search(x: list, t, active, scale_ref, *, config: HNLQConfig, once: bool) ->
     def attempt(state):
         t, active, T, digits = state
         s = scale_ref[jnp.minimum(t, max_T)]
-        new, over = codec.encode_at([c / s + zj for c, zj in zip(x, z)], config, lookup=False)
+        new, over = codec.encode_at([_divide(c, s, interpret) + zj for c, zj in zip(x, z)],
+                                    config, lookup=False)
         ok = active & ~over
         digits = tuple(jnp.where(ok, a, b) for a, b in zip(new, digits))
         T = jnp.where(ok, t, T)
@@ -519,7 +538,8 @@ def _search(x: list, t, active, scale_ref, *, config: HNLQConfig, once: bool) ->
     return t, active, T, codec.index_from_digits(list(digits), config)
 
 
-def _encode_kernel(x_ref, scale_ref, *refs, config: HNLQConfig, thresholds, unit, n: int):
+def _encode_kernel(x_ref, scale_ref, *refs, config: HNLQConfig, thresholds, unit, n: int,
+                   interpret: bool):
     """Algorithm 1 on a tile of blocks from each block's first step (the reference's lower
     bound from its norm): ``refs`` the outputs ``idx_ref, T_ref``. With a zeroed count (an
     input aliased to the first output: ``_, count_ref, idx_ref, T_ref, left_ref, next_ref``):
@@ -544,7 +564,7 @@ def _encode_kernel(x_ref, scale_ref, *refs, config: HNLQConfig, thresholds, unit
     for th in thresholds:
         t = t + (dtype.type(th) < norm).astype(jnp.int32)
     t, active, T, index = _search(x, t, finite & (t <= config.max_T), scale_ref, config=config,
-                                  once=once)
+                                  once=once, interpret=interpret)
     for m, k in enumerate(index):
         pltriton.store(idx_ref.at[:, _at(m)], k.astype(idx_ref.dtype), mask=live)
     pltriton.store(T_ref, T, mask=live)
@@ -558,7 +578,7 @@ def _encode_kernel(x_ref, scale_ref, *refs, config: HNLQConfig, thresholds, unit
 
 
 def _encode_left_kernel(count_ref, left_ref, next_ref, x_ref, scale_ref, _index, _T, idx_ref,
-                        T_ref, *, config: HNLQConfig, bn: int, programs: int):
+                        T_ref, *, config: HNLQConfig, bn: int, programs: int, interpret: bool):
     """The overload loop over the blocks a first attempt left unresolved (``left``: their
     rows, the first ``count`` of them; ``next``: their next steps), ``bn`` at a time, program
     ``p`` taking tiles ``p``, ``p + programs``, ... while there are any: each block's columns
@@ -577,7 +597,8 @@ def _encode_left_kernel(count_ref, left_ref, next_ref, x_ref, scale_ref, _index,
         rows = _load(left_ref.at[at], live)
         x = [_load(x_ref.at[rows, _at(j)], live) for j in range(config.d)]
         t = _load(next_ref.at[at], live)
-        _, _, T, index = _search(x, t, live, scale_ref, config=config, once=False)
+        _, _, T, index = _search(x, t, live, scale_ref, config=config, once=False,
+                                 interpret=interpret)
         for m, k_m in enumerate(index):
             pltriton.store(idx_ref.at[rows, _at(m)], k_m.astype(idx_ref.dtype), mask=live)
         pltriton.store(T_ref.at[rows], T, mask=live)
@@ -597,7 +618,8 @@ def _encode_call(x, scales, config: HNLQConfig, thresholds, unit, interpret, blo
     vec = jax.ShapeDtypeStruct((N,), jnp.int32)
     count = [jnp.zeros((1,), jnp.int32)] if once else []  # the atomic adds' start
     return pl.pallas_call(
-        functools.partial(_encode_kernel, config=config, thresholds=thresholds, unit=unit, n=N),
+        functools.partial(_encode_kernel, config=config, thresholds=thresholds, unit=unit, n=N,
+                          interpret=interpret),
         grid=(pl.cdiv(N, bn),),
         in_specs=[pl.BlockSpec((bn, d), lambda i: (i, 0)),
                   pl.BlockSpec(scales.shape, lambda i: (0,))] + [_whole(c) for c in count],
@@ -621,7 +643,8 @@ def _encode_left_call(x, count, left, t_next, index, T, scales, config: HNLQConf
     programs = min(pl.cdiv(N, block), 8 * gpu_target()[1])
     operands = (count, left, t_next, x, scales, index, T)
     return pl.pallas_call(
-        functools.partial(_encode_left_kernel, config=config, bn=block, programs=programs),
+        functools.partial(_encode_left_kernel, config=config, bn=block, programs=programs,
+                          interpret=interpret),
         grid=(programs,),
         in_specs=[_whole(a) for a in operands],
         out_specs=[_whole(index), _whole(T)],

@@ -21,6 +21,9 @@ multiply-adds and the ``prmt`` fields.
 It also lists the kernels each compiled call launches (the kernel and the XLA operations
 around it: x's planes, the split-K sums), and those of ``hq.matmul(..., "pallas")`` (Triton's
 kernels today) at batch 1-64: at a GEMV's 10-50 us, each launch's microsecond or two counts.
+And it counts the encoder's instructions a block (:func:`analyse_encode`): at ~33·10^12
+instructions a second, a block's 16 bytes of float32 input and ~2.5 of codes move at a
+quarter of the HBM peak only below ~750 instructions a block, all its attempts included.
 
 Needs (not the project's dependencies: a GPU toolchain on a CPU machine):
 ``pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"
@@ -333,17 +336,57 @@ def analyse_triton(case: dict, cuobjdump: str, nvdisasm: str) -> dict:
             "mix": dict(ops.most_common(12))}
 
 
-def encode_launches() -> list:
-    """The kernels ``hq.encode(x, config, implementation="pallas")`` launches under ``jit``
-    for 10^8 D4 blocks (float32), from a deviceless compile."""
+def compile_encode(dump: pathlib.Path) -> dict:
+    """``hq.encode(x, config, implementation="pallas")`` under ``jit`` for 10^8 D4 q=4 M=2
+    blocks (float32), compiled for the H100: the kernels it launches, its binaries in
+    ``dump``."""
     import jax
     import jax.numpy as jnp
 
     import hnlq_jax as hq
     x = jax.ShapeDtypeStruct((10**8, 4), jnp.float32, sharding=_h100())
     cfg = hq.HNLQConfig("D4", 4, 2)
-    return launches(jax.jit(lambda x: hq.encode(x, cfg, implementation="pallas",
-                                                interpret=False)).trace(x).lower().compile())
+    compiled = jax.jit(lambda x: hq.encode(x, cfg, implementation="pallas",
+                                           interpret=False)).trace(x).lower().compile()
+    files = []
+    for j, elf in enumerate(cubins(compiled)):
+        files.append(str(dump / f"encode_{j}.cubin"))
+        pathlib.Path(files[-1]).write_bytes(elf)
+    return {"launches": launches(compiled), "cubins": files, "M": cfg.M,
+            "blocks_per_thread": 256 // (32 * 4)}  # kernels.encode's tiles and 4 warps
+
+
+def analyse_encode(case: dict, cuobjdump: str, nvdisasm: str) -> list:
+    """The encoder's two kernels' instructions a block: the first pass's (one attempt: the
+    kernel's own code, out-of-line subroutines such as the division's slow path left out,
+    its loop over the M levels counted M times) and those of an attempt of the second
+    pass's loop over the blocks left (the loop around the level loop)."""
+    out = []
+    for name in ("_encode_kernel", "_encode_left_kernel"):
+        for path in case["cubins"]:
+            usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True,
+                                   text=True).stdout
+            m = re.search(rf"Function {name}:\s*REG:(\d+)", usage)
+            if m:
+                break
+        else:
+            raise RuntimeError(f"no {name} among the binaries")
+        sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+        own = re.split(r"\n\s*\.weak\s", sass)[0]  # the subroutines follow the kernel
+        loops, instrs = _loops(own)
+        spans = sorted((b - a, a, b) for a, b in loops if b - a > 50)
+        level = spans[0]
+        count = sum(1 for i, _ in instrs if level[1] <= i <= level[2])
+        if name == "_encode_kernel":
+            body = len(instrs)
+        else:  # the innermost loop around the level loop: an attempt
+            outer = next(s for s in spans[1:] if s[1] <= level[1] and level[2] <= s[2])
+            body = sum(1 for i, _ in instrs if outer[1] <= i <= outer[2])
+        executed = body + (case["M"] - 1) * count
+        out.append({"kernel": name, "registers": int(m.group(1)),
+                    "per_block": executed / case["blocks_per_thread"]})
+    return out
 
 
 def _loops(sass: str) -> list:
@@ -432,9 +475,14 @@ def markdown(out: dict) -> str:
                  f"launches at {out['n']}² (bfloat16 x; the tuning table's kernels):\n\n"
                  + markdown_table(["lattice", "rows of x", "kernels", "launches"], doors))
     if out.get("encode"):
+        first, left = out["encode"]["kernels"]
         text += ("\n\nThe kernels `hq.encode(x, config, implementation=\"pallas\")` launches "
-                 f"under `jit` for 10⁸ D4 blocks: {len(out['encode'])} ("
-                 + ", ".join(f"`{k}`" for k in out["encode"]) + ").")
+                 f"under `jit` for 10⁸ D4 blocks: {len(out['encode']['launches'])} ("
+                 + ", ".join(f"`{k}`" for k in out["encode"]["launches"]) + "). Its first "
+                 f"pass takes {first['per_block']:.0f} instructions a block (one attempt, "
+                 f"{first['registers']} registers), the loop over the blocks left "
+                 f"{left['per_block']:.0f} a block and attempt ({left['registers']} "
+                 "registers).")
     return text
 
 
@@ -459,7 +507,7 @@ def main(argv=None):
         dump = pathlib.Path(args.variants)
         (dump / "v.json").write_text(json.dumps(
             {"variants": compile_variants(), "front_door": front_door_launches(),
-             "encode": encode_launches(), "triton": compile_triton(dump)}))
+             "encode": compile_encode(dump), "triton": compile_triton(dump)}))
         return 0
     if not args.nvdisasm:
         sys.exit("sass_profile: no nvdisasm (pip install nvidia-cuda-nvdisasm; --nvdisasm)")
@@ -484,6 +532,9 @@ def main(argv=None):
         subprocess.run([sys.executable, __file__, "--variants", d], env=env, check=True,
                        capture_output=True)
         child = json.loads(pathlib.Path(f"{d}/v.json").read_text())
+        child["encode"] = {"launches": child["encode"]["launches"],
+                           "kernels": analyse_encode(child["encode"], args.cuobjdump,
+                                                     args.nvdisasm)}
         for case in child.pop("triton"):
             rows.append({"kernel": f"{case['kernel']} (Triton, {case['lattice']})",
                          "batch": case["batch"],

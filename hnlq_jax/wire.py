@@ -191,8 +191,8 @@ def _exponents(x, config: HNLQConfig):
     finite = jnp.all(jnp.isfinite(x), axis=1)
     xs = jnp.where(finite[:, None], x, 0.0)
     mantissa, e = jnp.frexp(row_rms(xs))  # overflow-safe RMS; 1 for an all-zero chunk
-    e = jnp.where(mantissa < math.sqrt(0.5), e - 1, e)  # (a constant: jnp's would run on the
-    # default device, whose square root may be approximate)
+    # (math.sqrt: jnp's would run on the default device, whose square root may be approximate)
+    e = jnp.where(mantissa < math.sqrt(0.5), e - 1, e)
     # Raise e until the largest block is within reach of T = max_T (a necessary condition).
     y = jnp.ldexp(xs, -e[:, None]).reshape(x.shape[0], -1, config.d)
     top = jnp.max(jnp.sqrt(jnp.sum(jnp.square(y), axis=-1)), axis=1)

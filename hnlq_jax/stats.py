@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax._numerics import mean_square
+from hnlq_jax._numerics import mean_square, sqrt
 from hnlq_jax.codec import check_x, decode_blocks, encode_blocks
 from hnlq_jax.codes import Codes, check_codes, is_concrete
 from hnlq_jax.config import HNLQConfig, check_config
@@ -226,9 +226,9 @@ def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step
     if isinstance(scale, str):
         # Relative to the power of two of the largest entry (exact: the RMS of ordinary data is
         # unchanged bit for bit), else squares of tiny or huge data under- or overflow float32;
-        # mean_square: the same beta eager and under jit.
+        # mean_square: the same beta eager and under jit; sqrt: on a CPU and a GPU.
         e = _top_exponent(x)
-        rms = jnp.ldexp(jnp.sqrt(mean_square(jnp.ldexp(x, -e).reshape(-1))), e)
+        rms = jnp.ldexp(sqrt(mean_square(jnp.ldexp(x, -e).reshape(-1))), e)
         scale = jnp.where(rms > 0, rms, 1)
     betas = scale * jnp.asarray(grid, x.dtype)
     (mse, _, _, f, _), _ = _beta_grid(x, config, betas)

@@ -88,6 +88,36 @@ def test_encode_decode_bit_exact(cfg):
                                       _jit_decode(ref, levels=levels, **XLA))
 
 
+def _near_boundaries(beta: float, n: int, seed: int = 0):
+    """``[n, 4]`` float32 blocks whose coordinates x / beta lie within 3 units in the last
+    place of a rounding boundary (k + 1/2), the places an approximate division moves codes."""
+    rng = np.random.default_rng(seed)
+    x = ((rng.integers(-3, 3, (n, 4)) + 0.5) * beta).astype(np.float32)
+    k = rng.integers(-3, 4, (n, 4))
+    for _ in range(3):
+        x = np.where(k > 0, np.nextafter(x, np.float32(np.inf)), x)
+        x = np.where(k < 0, np.nextafter(x, np.float32(-np.inf)), x)
+        k = k - np.sign(k)
+    return x
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_codes_on_the_default_device_are_the_cpus(implementation):
+    """Codes of x / beta near rounding boundaries on the default device (natively on a GPU:
+    the Triton encoder's div.rn.f32, XLA's corrected division) equal those XLA computes on
+    the CPU. The data tells an approximate division apart: quotients by a reciprocal
+    (XLA:CPU's for a broadcast divisor, about as often off as a GPU's div.full) code a tenth
+    of the blocks differently."""
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.37, alpha=1.0)  # alpha 1: every scale beta 2^t
+    x = _near_boundaries(cfg.beta, 2000)
+    with jax.default_device(jax.devices("cpu")[0]):
+        ref = hq.encode(jnp.asarray(x), cfg, implementation="xla")
+    got = hq.encode(jax.device_put(x, jax.devices()[0]), cfg, implementation=implementation)
+    assert_codes_equal(got, ref)
+    rough = hq.encode(x * (np.float32(1) / np.float32(cfg.beta)), cfg.replace(beta=1.0), **XLA)
+    assert np.mean(np.any(np.asarray(rough.index) != np.asarray(ref.index), axis=-1)) > 0.05
+
+
 @pytest.mark.golden
 def test_encode_golden_x64(x64):
     """The reference's golden codes (8-bit T field: max_T = 64) in float64, in the kernels."""

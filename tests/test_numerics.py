@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from hnlq_jax import _numerics
@@ -104,9 +104,10 @@ def test_divide_by_a_broadcast_row_scale_is_ieee():
 
 
 @given(st.lists(FINITE, min_size=1, max_size=16), st.floats(1e-3, 1e3))
+@example([8.461460517132543e-41, -1e-38, 3e38], 2.0**-9)  # a subnormal x, a normal quotient
 def test_divide_gathered_scales_on_the_cpu(xs, s):
     """With ``cpu_exact`` (the encoder's per-block scales) the CPU's own division, which is
-    IEEE's there, and the same rules for tiny quotients."""
+    IEEE's there, and the same rules for subnormal operands and tiny quotients."""
     x = np.asarray(xs, np.float32)
     s = np.float32(s)
     scales = jnp.asarray([s, 2 * s], jnp.float32)
@@ -114,9 +115,10 @@ def test_divide_gathered_scales_on_the_cpu(xs, s):
     # into a broadcast, which XLA:CPU divides by with a reciprocal)
     got = np.asarray(jax.jit(lambda x: _numerics.divide(
         x, scales[(x != x).astype(jnp.int32)], cpu_exact=True))(x))
-    with np.errstate(over="ignore", under="ignore"):
-        want = x / s
-    want = np.where(np.abs(want) < 2 * np.finfo(np.float32).tiny, np.copysign(0, want), want)
+    tiny = np.finfo(np.float32).tiny
+    with np.errstate(over="ignore", under="ignore"):  # subnormal x as zero
+        want = np.where(np.abs(x) < tiny, np.copysign(0, x), x) / s
+    want = np.where(np.abs(want) < 2 * tiny, np.copysign(0, want), want)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 

@@ -110,13 +110,14 @@ def _root_step(v, bits):
 
 def _corrected(q, steps, dtype):
     """The backend's ``q`` (within 2 units in the last place of the exact value) after two
-    exact ``steps(bits, ok)`` where it is normal and below ``2^(maxexp - 1)``."""
+    exact ``steps(bits)`` where it is normal and below ``2^(maxexp - 1)`` (elsewhere the
+    integer steps run on whatever bits there are, and are dropped)."""
     info = jnp.finfo(dtype)
     g = jnp.abs(q)
-    ok = (g >= info.tiny) & (g < 2.0 ** (info.maxexp - 1))
-    bits = _parts(jnp.where(ok, g, 1))[0]
+    bits = _parts(g)[0]
     for _ in range(2):
-        bits = steps(bits, ok)
+        bits = steps(bits)
+    ok = (g >= info.tiny) & (g < 2.0 ** (info.maxexp - 1))
     g = jax.lax.bitcast_convert_type(bits, dtype)
     return jnp.where(ok, jnp.where(q < 0, -g, g), q)
 
@@ -172,10 +173,7 @@ def divide(a, b, quotient=None, *, exact: bool = False, cpu_exact: bool = False)
         if exact:
             return q
 
-        def steps(bits, ok):
-            return _quotient_step(jnp.where(ok, jnp.abs(fa), 1), jnp.where(ok, jnp.abs(fb), 1),
-                                  bits)
-        return _corrected(q, steps, dtype)
+        return _corrected(q, lambda bits: _quotient_step(jnp.abs(fa), jnp.abs(fb), bits), dtype)
 
     return _exact(steps_then, lambda: div(a, b), dtype, cpu_exact)
 
@@ -192,8 +190,7 @@ def sqrt(v, root=None):
 
     def steps_then():
         fv = _flushed(v, tiny)
-        return _corrected(root(fv), lambda bits, ok: _root_step(jnp.where(ok, fv, 1), bits),
-                          v.dtype)
+        return _corrected(root(fv), lambda bits: _root_step(fv, bits), v.dtype)
 
     return _exact(steps_then, lambda: root(v), v.dtype, cpu_exact=root is jnp.sqrt)
 

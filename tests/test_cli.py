@@ -1,7 +1,11 @@
 """The command line and the README's quickstart run as documented."""
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import pytest
@@ -25,6 +29,37 @@ def test_info(capsys):
     cpu = "native" if hq.kernels.cpu.available() and jax.default_backend() == "cpu" else None
     if cpu:  # what None runs on this machine, every operation named
         assert f"D4 q=4 M=2): matmul {cpu}, decode {cpu}; rotation (n=384) {cpu}" in out
+
+
+def test_info_without_the_native_extension():
+    """Where the extension is not built (a source checkout, no compiler at install time),
+    ``info`` says so and how to build it, and the library works on its XLA paths; the
+    message is not Python's circular-import hint of a name imported from a package still
+    initializing."""
+    code = textwrap.dedent("""
+        import importlib.abc, sys
+        class NotBuilt(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "hnlq_jax.kernels._cpu":
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        sys.meta_path.insert(0, NotBuilt())
+        import numpy as np
+        import hnlq_jax as hq
+        from hnlq_jax.__main__ import main
+        assert not hq.kernels.cpu.available()
+        main(["info"])
+        c = hq.HNLQConfig("D4", 4, 2)
+        codes = hq.encode_rows(np.ones((4, 8), np.float32), c)
+        print(np.asarray(hq.matmul(np.ones((1, 8), np.float32), codes)).shape)
+        """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    native = next(line for line in run.stdout.splitlines() if "native:" in line)
+    assert "_cpu is not built" in native and "pip install -e ." in native, native
+    assert "circular" not in run.stdout
+    assert run.stdout.splitlines()[-1] == "(1, 4)"
 
 
 def test_demo_small(capsys):

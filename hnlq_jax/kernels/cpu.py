@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +54,16 @@ __all__ = ["GEMM_ROWS", "HostCodes", "ISAS", "available", "decode", "decode_host
            "decode_matmul", "decode_matmul_host", "isa", "lut_matmul", "rotate", "rotate_host",
            "unsupported", "use_isa", "why_unavailable"]
 
-try:
-    from hnlq_jax.kernels import _cpu
-except ImportError as e:  # not built (no compiler at install time) or a broken build
-    _cpu, _WHY = None, f"the extension hnlq_jax.kernels._cpu is not built ({e})"
+try:  # by its full name: `from hnlq_jax.kernels import _cpu` here, while the package is still
+    # initializing, reports a missing module as a likely circular import
+    _cpu = importlib.import_module("hnlq_jax.kernels._cpu")
+except ModuleNotFoundError:  # not built: no compiler at install time, or a source checkout
+    _cpu, _WHY = None, ("the extension hnlq_jax.kernels._cpu is not built (the XLA paths run "
+                        "instead): build it by installing the package, `pip install -e .`, "
+                        "with a C++17 compiler")
+except ImportError as e:  # built, but it does not load (another Python, a broken build)
+    _cpu, _WHY = None, (f"the extension hnlq_jax.kernels._cpu does not load ({e}); rebuild "
+                        "it: `pip install -e .`")
 else:
     _WHY = None
     for _name, _capsule in _cpu.handlers.items():

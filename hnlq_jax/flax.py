@@ -789,14 +789,14 @@ def _select(kernels: dict, seen: dict | None, filter_fn, fn: str):
                             "call: quantize with calibration= to convert DenseGeneral and "
                             "Einsum kernels"))
         elif call is None and kernel.ndim == 2:
-            missing.append(name)
+            missing.append(_layer_name(path))
         elif call is None:
             skipped.append((name, kind, "no nn.Dense, DenseGeneral or Einsum used it during "
                             "calibration"))
         elif not isinstance(call, LayerCall):
             skipped.append((name, kind, call))
         elif call.layout.shape != tuple(kernel.shape):
-            raise ValueError(f"{fn}: layer {name} was called with a kernel of shape "
+            raise ValueError(f"{fn}: layer {_layer_name(path)} was called with a kernel of shape "
                              f"{list(call.layout.shape)}, its params hold {list(kernel.shape)}")
         else:
             layouts[path], kinds[path] = call.layout, kind

@@ -153,9 +153,14 @@ def lattice(name: str) -> Lattice:
             G, kind, rcov = _dn_generator(n), "D", max(1.0, math.sqrt(n) / 2)
         P_from_basis = G.copy()
     else:
+        # Names are exact; a name in another case or with spaces gets the one it resembles.
+        upper = name.strip().upper()
+        n = re.fullmatch(r"[ZD](\d+)", upper)
+        known = upper in ("E8", "A2") or (n is not None and int(n.group(1)) >= 2)
+        hint = f" (did you mean {upper!r}?)" if known and upper != name else ""
         raise ValueError(
-            f"unknown lattice {name!r}: expected 'Z2', 'A2', 'D4', 'E8', 'Z{{n}}' or 'D{{n}}' "
-            "with n >= 2"
+            f"unknown lattice {name!r}{hint}: expected 'Z2', 'A2', 'D4', 'E8', 'Z{{n}}' or "
+            f"'D{{n}}' with n >= 2"
         )
     d = G.shape[0]
     # basis = adj(P_from_basis) @ P / det: integer numerator and denominator.

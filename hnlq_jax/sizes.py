@@ -92,7 +92,8 @@ class QuantizeReport:
 
     Attributes:
       converted: ``(name, type name, (out, in))`` of each quantized layer.
-      skipped: ``(name, type name, reason)`` of each weight layer left in float.
+      skipped: ``(name, type name, reason)`` of each weight layer left as it was (in float,
+        or quantized already).
       sizes: the :class:`Sizes` of the quantized layers.
       proxy_loss: with calibration, ``{name: tr(dW H dW^T)}`` of each layer coded by
         compensated rounding (:attr:`hnlq_jax.ptq.PTQResult.loss`); empty otherwise.

@@ -201,9 +201,12 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="under a jax transformation"):
         quantize_params(VARS, CFG, jax.jit(lambda v: FLOAT.apply(v, CAL)),
                         filter_fn=lambda path, k: path == ("a",))
-    with pytest.raises(ValueError, match="never ran 1 of the layers to quantize: b;"):
+    with pytest.raises(ValueError, match="never ran 1 of the layers to quantize: 'b';"):
         quantize_params(VARS, CFG, lambda v: First().apply({"params": {"a": v["params"]["a"]}},
                                                             CAL))
+    root = nn.Dense(4).init(jax.random.key(0), CAL)  # the model itself is the layer
+    with pytest.raises(ValueError, match=r"never ran 1 of the layers to quantize: \(root\);"):
+        quantize_params(root, CFG, lambda v: None)
     with pytest.raises(ValueError, match=r"converted nothing.*a \(Dense\): filter_fn"):
         quantize_params(VARS, CFG, filter_fn=lambda path, k: False)
     with pytest.raises(TypeError, match="calibration must be None or a callable"):

@@ -224,10 +224,17 @@ def test_second_moment_monte_carlo(name, sigma2):
     assert np.max(np.linalg.norm(e, axis=-1)) <= lat.covering_radius + 1e-4
 
 
-@pytest.mark.parametrize("bad", ["E7", "Z1", "D1", "X4", "z2", ""])
-def test_unknown_lattice(bad):
-    with pytest.raises(ValueError, match="unknown lattice"):
+@pytest.mark.parametrize("bad, hint", [("E7", None), ("Z1", None), ("D1", None), ("X4", None),
+                                       ("", None), ("z2", "Z2"), ("e8", "E8"), (" a2", "A2"),
+                                       ("d16", "D16"), ("d1", None)])
+def test_unknown_lattice(bad, hint):
+    """Names are exact; one in another case or with spaces is named with the lattice it
+    resembles, where that is one."""
+    with pytest.raises(ValueError, match="unknown lattice") as e:
         lattice(bad)
+    assert ("did you mean" in str(e.value)) == (hint is not None)
+    if hint:
+        assert f"(did you mean {hint!r}?)" in str(e.value)
 
 
 def test_closest_point_bad_input():

@@ -488,6 +488,12 @@ def test_report_says_why_nothing_was_converted():
         "converted nothing: all 1 weight layer(s) were kept (below)",
         "  kept 0 (Linear): filter_fn"]
     assert str(tb.model_sizes(torch.nn.ReLU())) == "no quantized layers"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    quantize_model(model, CFG)
+    again = quantize_model(model, CFG)  # a second call finds nothing left to convert
+    assert isinstance(model[0], QuantizedLinear) and str(again).splitlines() == [
+        "converted nothing: all 1 weight layer(s) were kept (below)",
+        "  kept 0 (QuantizedLinear): already quantized"]
 
 
 def test_qlinear_freezes_into_quantized_linear():

@@ -309,7 +309,7 @@ def test_clear_errors():
     with pytest.raises(TypeError, match="calibration must be None or a callable"):
         quantize_model(_mlp(), CFG, calibration=CAL)
     model = _mlp()
-    with pytest.raises(ValueError, match=r"calibration never ran 1 of the layers.*: 2;"):
+    with pytest.raises(ValueError, match=r"calibration never ran 1 of the layers.*: '2';"):
         quantize_model(model, CFG, calibration=lambda m: m[0](CAL))
     assert isinstance(model[0], torch.nn.Linear) and not model[0]._forward_pre_hooks  # untouched
     def boom(m):

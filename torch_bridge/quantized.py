@@ -384,8 +384,6 @@ def _sizes(layers) -> Sizes:
 
 def _why_not(module: torch.nn.Linear) -> str | None:
     """Why ``module`` is kept in float (None: convert it)."""
-    if isinstance(module, QuantizedLinear):
-        return "already quantized"
     if isinstance(module, CodesLayer):
         if getattr(module, "quantize_activations", False):
             return "it quantizes its activations, which QuantizedLinear does not"
@@ -452,7 +450,8 @@ def _collect_hessians(model, targets: dict, run) -> dict:
     finally:
         for h in handles:
             h.remove()
-    missing = [name for key, name in targets.items() if acc.get(key, (None, 0))[1] == 0]
+    missing = [hptq.layer_name(name) for key, name in targets.items()
+               if acc.get(key, (None, 0))[1] == 0]
     if missing:
         raise ValueError(f"quantize_model: calibration never ran {len(missing)} of the layers "
                          f"to convert, so they have no Hessian: {', '.join(missing)}; run the "
@@ -577,8 +576,10 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
 
     _split_attentions(model, split)
     chosen = []
-    for name, parent, child_name, child in _children(model, torch.nn.Linear):
-        why = ("filter_fn" if filter_fn is not None and not filter_fn(name, child)
+    # QuantizedLinear too (not an nn.Linear), to report that it is already quantized
+    for name, parent, child_name, child in _children(model, (torch.nn.Linear, QuantizedLinear)):
+        why = ("already quantized" if isinstance(child, QuantizedLinear)
+               else "filter_fn" if filter_fn is not None and not filter_fn(name, child)
                else "a projection of an nn.MultiheadAttention kept in float (above)"
                if isinstance(parent, torch.nn.MultiheadAttention) else _why_not(child))
         if why is not None:

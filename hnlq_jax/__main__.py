@@ -206,13 +206,15 @@ def main(argv=None) -> int:
     p.add_argument("--q", type=int, default=4, help="nesting ratio (default 4)")
     p.add_argument("--M", type=int, default=2, help="levels (default 2)")
     p.add_argument("--n", type=_count, default=1_000_000, help="vectors to quantize (default 1e6)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the Gaussian data's seed (default 0)")
     p = commands["rd"] = sub.add_parser("rd", help="the paper's rate-distortion table")
-    p.add_argument("--lattices", nargs="+", default=["Z2", "A2", "D4", "E8"])
-    p.add_argument("--q", nargs="+", type=int, default=[3, 4, 8])
-    p.add_argument("--M", nargs="+", type=int, default=[1, 2, 3])
+    p.add_argument("--lattices", nargs="+", default=["Z2", "A2", "D4", "E8"],
+                   help="lattices of the table (default Z2 A2 D4 E8)")
+    p.add_argument("--q", nargs="+", type=int, default=[3, 4, 8],
+                   help="nesting ratios (default 3 4 8)")
+    p.add_argument("--M", nargs="+", type=int, default=[1, 2, 3], help="levels (default 1 2 3)")
     p.add_argument("--n", type=_count, default=4000, help="sample size (default 4000)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the Gaussian sample's seed (default 0)")
     p.add_argument("--no-voronoi", action="store_true", help="skip the q^2 Voronoi codes")
     p.add_argument("--plot", type=_output(force, (".png", ".pdf", ".svg")),
                    help="save f versus R to this image (.png, .pdf or .svg)")

@@ -407,6 +407,17 @@ def test_lut_products_bit_for_bit():
     rB = tb.encode_rows(torch.from_numpy(B), cfg)
     np.testing.assert_array_equal(tb.lut.matmul_one_sided(rB, x).detach().numpy(),
                                   hq.lut.matmul_one_sided(rB.to_jax(), A))
+    # implementation= as in hnlq_jax.lut: each path's sums bit for bit
+    native = ("native",) if hq.kernels.cpu.available() else ()
+    for impl in ("xla",) + native:
+        np.testing.assert_array_equal(
+            tb.lut.matmul_one_sided(rB, x, implementation=impl).detach().numpy(),
+            hq.lut.matmul_one_sided(rB.to_jax(), A, implementation=impl))
+        np.testing.assert_array_equal(tb.lut.matmul(tA, tB, implementation=impl).numpy(),
+                                      hq.lut.matmul(cA, cB, implementation=impl))
+    for bad in ("pallas", ["xla"]):
+        with pytest.raises(ValueError, match="implementation must be one of"):
+            tb.lut.matmul_one_sided(rB, x, implementation=bad)
     # d/dx (x @ W_hat^T) = g @ W_hat
     g = torch.from_numpy(rng.standard_normal((3, 5, 7)).astype(np.float32))
     y.backward(g)

@@ -21,11 +21,11 @@ from torch_bridge.interop import to_torch, x64_for
 __all__ = ["dot", "dot_one_sided", "matmul", "matmul_one_sided"]
 
 
-def _two_sided(name: str, a: Codes, b: Codes) -> torch.Tensor:
+def _two_sided(name: str, a: Codes, b: Codes, **options) -> torch.Tensor:
     fn = f"torch_bridge.lut.{name}"
     a, b = check_codes_arg(a, fn), check_codes_arg(b, fn)
     with x64_for(*a.op_args(), *b.op_args()):
-        return to_torch(getattr(lut, name)(a.to_jax(), b.to_jax()))
+        return to_torch(getattr(lut, name)(a.to_jax(), b.to_jax(), **options))
 
 
 def dot(codes_x: Codes, codes_y: Codes) -> torch.Tensor:
@@ -33,20 +33,21 @@ def dot(codes_x: Codes, codes_y: Codes) -> torch.Tensor:
     return _two_sided("dot", codes_x, codes_y)
 
 
-def matmul(codes_A: Codes, codes_B: Codes) -> torch.Tensor:
-    """``A_hat @ B_hat`` of coded rows of A and columns of B (:func:`hnlq_jax.lut.matmul`)."""
-    return _two_sided("matmul", codes_A, codes_B)
+def matmul(codes_A: Codes, codes_B: Codes, *, implementation: str | None = None) -> torch.Tensor:
+    """``A_hat @ B_hat`` of coded rows of A and columns of B (:func:`hnlq_jax.lut.matmul`,
+    ``implementation`` as there)."""
+    return _two_sided("matmul", codes_A, codes_B, implementation=implementation)
 
 
 @functools.lru_cache(maxsize=None)
-def _one_sided(name: str, config: HNLQConfig, n: int | None, scaled: bool):
-    f = getattr(lut, name)
+def _one_sided(name: str, config: HNLQConfig, n: int | None, scaled: bool, options: tuple):
+    f = functools.partial(getattr(lut, name), **dict(options))
     if scaled:
         return jax_function(lambda i, t, s, y: f(hq.Codes(i, t, config, scale=s, n=n), y))
     return jax_function(lambda i, t, y: f(hq.Codes(i, t, config, n=n), y))
 
 
-def _apply_one_sided(name: str, codes, y):
+def _apply_one_sided(name: str, codes, y, **options):
     fn = f"torch_bridge.lut.{name}"
     codes = check_codes_arg(codes, fn)
     with x64_for(*codes.op_args()):
@@ -57,7 +58,7 @@ def _apply_one_sided(name: str, codes, y):
         raise ValueError(f"{fn}: the real argument has NaN or Inf entries; expected finite values")
     scaled = codes.scale is not None
     arrays = (codes.index, codes.tfield) + ((codes.scale,) if scaled else ()) + (y,)
-    return _one_sided(name, codes.config, codes.n, scaled)(*arrays)
+    return _one_sided(name, codes.config, codes.n, scaled, tuple(options.items()))(*arrays)
 
 
 def dot_one_sided(codes_x: Codes, y: torch.Tensor) -> torch.Tensor:
@@ -68,11 +69,17 @@ def dot_one_sided(codes_x: Codes, y: torch.Tensor) -> torch.Tensor:
     return _apply_one_sided("dot_one_sided", codes_x, y)
 
 
-def matmul_one_sided(codes_W: Codes, x: torch.Tensor) -> torch.Tensor:
+def matmul_one_sided(codes_W: Codes, x: torch.Tensor, *,
+                     implementation: str | None = None) -> torch.Tensor:
     """``x @ W_hat^T``: real ``x [..., k]``, codes of W's n rows
-    (:func:`hnlq_jax.lut.matmul_one_sided`).
+    (:func:`hnlq_jax.lut.matmul_one_sided`; ``implementation``, the sums over x's tables, as
+    there: ``"native"``, ``"xla"`` or ``None``). The codes come first, as in every
+    :mod:`hnlq_jax.lut` product.
 
     Returns ``[..., n]``; differentiable in ``x``. (:func:`torch_bridge.matmul` with
     ``implementation="lut"`` is the same product as a custom op.)
     """
-    return _apply_one_sided("matmul_one_sided", codes_W, x)
+    if implementation not in (None,) + lut.IMPLEMENTATIONS:  # before it keys a cache
+        raise ValueError(f"torch_bridge.lut.matmul_one_sided: implementation must be one of "
+                         f"{lut.IMPLEMENTATIONS} or None, got {implementation!r}")
+    return _apply_one_sided("matmul_one_sided", codes_W, x, implementation=implementation)

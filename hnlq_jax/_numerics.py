@@ -5,7 +5,8 @@
 * the dtype decoded weights are held and products summed in (:func:`wide_dtype`);
 * the straight-through estimator (forward: the quantized value; backward: the incoming
   gradient, optionally masked);
-* a mean of squares that does not depend on the program it runs in (:func:`mean_square`);
+* a mean of squares (row scales) and a sum of squares (the beta search's errors) that do not
+  depend on the program or backend they run in (:func:`mean_square`, :func:`sum_of_squares`);
 * a product by a power of two, and the binary exponent, that fuse (:func:`times_pow2`,
   :func:`exponent`);
 * a division and a square root that are IEEE's on every backend (:func:`divide`,
@@ -20,8 +21,8 @@ import numpy as np
 
 from hnlq_jax.config import HNLQConfig, pow2_table
 
-__all__ = ["divide", "sqrt", "mean_square", "pow2", "overload_scale", "level_weights",
-           "straight_through", "times_pow2", "exponent", "wide_dtype"]
+__all__ = ["divide", "sqrt", "mean_square", "sum_of_squares", "pow2", "overload_scale",
+           "level_weights", "straight_through", "times_pow2", "exponent", "wide_dtype"]
 
 
 def pow2(config: HNLQConfig, dtype) -> jax.Array:
@@ -231,15 +232,48 @@ def mean_square(x):
     ``1/k``. The rounding moves a float32 result by at most ~2^-11 relative (float64: 2^-25):
     a row scale is that close to the exact RMS, and the same everywhere.
     """
+    x = _half_precision(x)
+    return _halving_sum(x * x) * np.asarray(1 / max(x.shape[-1], 1), x.dtype)
+
+
+@jax.jit
+def sum_of_squares(x):
+    """The sum over the last axis of ``x[..., k]``'s squares, the same bits on every backend
+    and in every program, within the float rounding of a sum (no entry rounded).
+
+    Each entry is split into ``h + l``, ``h`` rounded to half its dtype's significant bits
+    (as :func:`mean_square` rounds), so that ``h^2``, ``2 h l`` and ``l^2`` are exact
+    products: a fused multiply-add gives the same sums. Each of the three is summed in
+    :func:`mean_square`'s fixed order, then ``sum(h^2) + (sum(2 h l) + sum(l^2))``. Entries
+    below ``2^-40`` in magnitude (float64: ``2^-459``) count as zero, so that no product is
+    subnormal (XLA's CPU flushes subnormals, a GPU keeps them). Meant for finite data of
+    magnitude about 1 (the beta search scales its errors so): squares overflow from
+    ``2^64``.
+    """
     info = jnp.finfo(x.dtype)
-    x = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=(info.nmant - 1) // 2)
-    x = x * x
+    x = jnp.where(jnp.abs(x) >= 2.0 ** (info.minexp // 2 + info.nmant), x, 0).astype(x.dtype)
+    h = _half_precision(x)
+    l = x - h  # noqa: E741  exact: h is x rounded to fewer bits
+    return _halving_sum(h * h) + (_halving_sum(2 * h * l) + _halving_sum(l * l))
+
+
+def _half_precision(x):
+    """``x`` rounded to half its dtype's significant bits (12 of float32's 24, 26 of float64's
+    53): the product of two such values is exact."""
+    info = jnp.finfo(x.dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp,
+                                    mantissa_bits=(info.nmant - 1) // 2)
+
+
+def _halving_sum(x):
+    """The sum over the last axis in a fixed order: zero-padded to a power-of-two length
+    ``k'``, entries ``i`` and ``i + k'/2`` added until one is left."""
     k = x.shape[-1]
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << max(k - 1, 0).bit_length()) - k)])
     while x.shape[-1] > 1:
         h = x.shape[-1] // 2
         x = x[..., :h] + x[..., h:]
-    return x[..., 0] * np.asarray(1 / max(k, 1), x.dtype)
+    return x[..., 0]
 
 
 @jax.custom_vjp

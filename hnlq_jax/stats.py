@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax._numerics import mean_square, sqrt
+from hnlq_jax._numerics import mean_square, sqrt, sum_of_squares
 from hnlq_jax.codec import check_x, decode_blocks, encode_blocks
 from hnlq_jax.codes import Codes, check_codes, is_concrete
 from hnlq_jax.config import HNLQConfig, check_config
@@ -111,23 +111,34 @@ def _top_exponent(x):
 
 @functools.partial(jax.jit, static_argnums=1)
 def _beta_grid(x, config, betas):
-    """Per beta: ``(mse, H(T), rate, f, overload rate)``, with mse and f in units of ``4^e``
-    (``e``, returned second). ``x`` and the betas are first scaled by the power of two ``2^-e``
-    that brings the largest entry of ``x`` into [0.5, 1): ``x / beta`` is unchanged bit for bit
-    (up to entries 2^126 times smaller than the largest, which may flush to zero), and the
-    squared errors of tiny or huge data neither underflow nor overflow float32."""
+    """Per beta: ``(mse, counts)``, the MSE in units of ``4^e`` (``e``, returned second; NaN
+    where a block failed) and the ``[max_T + 2]`` counts of T (:func:`t_counts`). ``x`` and
+    the betas are first scaled by the power of two ``2^-e`` that brings the largest entry of
+    ``x`` into [0.5, 1): ``x / beta`` is unchanged bit for bit (up to entries 2^126 times
+    smaller than the largest, which may flush to zero), and the squared errors of tiny or huge
+    data neither underflow nor overflow float32. The codes are the same on every backend
+    (``docs/math.md``, tie rule), and so are the errors' sums (:func:`sum_of_squares`, where
+    ``jnp.mean`` sums in the backend's order: float32 sums of 10^4 squares differ in about
+    the sixth digit, while neighbouring betas' criteria can lie 3·10^-5 apart)."""
     e = _top_exponent(x)
     x, betas = jnp.ldexp(x, -e), jnp.ldexp(betas, -e)
 
     def one(beta):
         index, T = encode_blocks(x, config, beta)
-        xh = decode_blocks(index, T + 1, config, None, x.dtype, beta)
-        st = _rate_stats(T, config)
-        mse = jnp.mean((x - xh) ** 2)
-        mse = jnp.where(st.failure_rate > 0, jnp.inf, mse)
-        return mse, st.entropy_T, st.rate, mse * 2 ** (2 * st.rate), st.overload_rate
+        # IEEE's differences: the invalid blocks' select stands between decode's last product
+        # and the subtraction, so no compiler fuses them into a multiply-add
+        err = (x - decode_blocks(index, T + 1, config, None, x.dtype, beta)).reshape(-1)
+        return (sum_of_squares(err) * np.asarray(1 / err.size, x.dtype),
+                t_counts(T, config))
 
     return jax.lax.map(one, betas, batch_size=8), e
+
+
+def _entropy(counts) -> float:
+    """``H`` in bits of the distribution ``counts`` (integers), in float64 on the host: the
+    same on every machine (``math.log2``, ``math.fsum``)."""
+    n = int(sum(counts))
+    return math.fsum(c / n * math.log2(n / c) for c in map(int, counts) if c > 0)
 
 
 def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
@@ -169,18 +180,23 @@ def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
             raise ValueError("calibrate_beta: x is all zero, so its RMS gives the grid no "
                              "scale; pass scale=1.0 (zeros are coded exactly at any beta)")
     betas = scale * grid
-    cols, e = _beta_grid(x, config, jnp.asarray(betas, x.dtype))
-    cols = [np.asarray(v, dtype=np.float64) for v in cols]
-    for i in (0, 3):  # mse and f back in the data's units (exact: a power of two)
-        cols[i] = cols[i] * 4.0 ** int(e)
-    key = cols[3] if criterion == "f" else cols[0]
+    (mse, counts), e = _beta_grid(x, config, jnp.asarray(betas, x.dtype))
+    counts = np.asarray(counts, np.int64)
+    # The criterion on the host in float64 from the MSE and the exact counts, alike on every
+    # backend; the MSE back in the data's units (exact: a power of two).
+    mse = np.where(counts[:, 0] > 0, np.inf, np.asarray(mse, np.float64) * 4.0 ** int(e))
+    entropy = np.array([_entropy(c) for c in counts])
+    rate = config.rate + entropy / config.d
+    f = np.array([m * 2.0 ** (2 * r) for m, r in zip(mse.tolist(), rate.tolist())])
+    overload = counts[:, 2:].sum(axis=1) / counts.sum(axis=1)
+    key = f if criterion == "f" else mse
     best = int(np.argmin(key))
     if not np.isfinite(key[best]):
         raise ValueError(
             f"calibrate_beta: no beta on the grid [{betas[0]:.4g}, {betas[-1]:.4g}] encodes "
             f"every block ({remedy}): raise max_T (now "
             f"{config.max_T}), or extend the grid with a larger num or step")
-    table = BetaSearch(betas, *cols, best=best)
+    table = BetaSearch(betas, mse, entropy, rate, f, overload, best=best)
     return float(betas[best]), table
 
 
@@ -231,8 +247,12 @@ def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step
         rms = jnp.ldexp(sqrt(mean_square(jnp.ldexp(x, -e).reshape(-1))), e)
         scale = jnp.where(rms > 0, rms, 1)
     betas = scale * jnp.asarray(grid, x.dtype)
-    (mse, _, _, f, _), _ = _beta_grid(x, config, betas)
-    key = f if criterion == "f" else mse
+    (mse, counts), _ = _beta_grid(x, config, betas)
+    # The device's log2 and exp2 in f (a GPU's are approximate): unlike calibrate_beta's, a
+    # choice between betas whose criteria agree to about 10^-7 may differ between backends.
+    key = jnp.where(counts[:, 0] > 0, jnp.inf, mse)
+    if criterion == "f":
+        key = key * 2 ** (2 * (config.rate + entropy_bits(counts) / config.d))
     return jnp.where(jnp.isfinite(jnp.min(key)), betas[jnp.argmin(key)], betas[-1])
 
 

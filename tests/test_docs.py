@@ -98,3 +98,21 @@ def test_write_between_markers_refuses_duplicated_markers(tmp_path):
     page.write_text(page.read_text() * 2)
     with pytest.raises(ValueError, match="more than once"):
         write_between_markers(page, "t", "newer")
+
+
+def test_gpu_commands_name_tests_that_exist():
+    """The tests gpu.md's commands pass to ``gpu_check.py --tests`` (what a scarce GPU lease
+    runs first) exist: a renamed or mistyped test id would make pytest stop with "not found"
+    and spend the lease's test step on nothing."""
+    text = (DOCS / "gpu.md").read_text()
+    ids = [t for cmd in re.findall(r"gpu_check\.py[^`]*?--tests((?:[ \t]+(?:\\\n)?[ \t]*"
+                                   r"tests/\S+)+)", text)
+           for t in cmd.replace("\\\n", " ").split()]
+    assert len(ids) >= 10, ids
+    root = DOCS.parent
+    for test_id in ids:
+        path, _, name = test_id.partition("::")
+        assert (root / path).is_file(), test_id
+        if name:
+            assert re.search(rf"^def {re.escape(name)}\(", (root / path).read_text(), re.M), \
+                test_id

@@ -2,6 +2,8 @@
 uses in place of jnp.ldexp / jnp.frexp (which do not fuse); the division and square root that
 are IEEE's on every backend."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,3 +168,49 @@ def test_sqrt_tiny_and_nonfinite():
     for root in (None, _nudged(exact, -1)):
         got = np.asarray(_numerics.sqrt(jnp.asarray(v), root))
         np.testing.assert_array_equal(got, want)
+
+
+def _sum_of_squares_in_numpy(x):
+    """hnlq_jax._numerics.sum_of_squares by its definition, in NumPy's IEEE arithmetic: entries
+    below the threshold zeroed, split at half the significant bits (round to nearest even on
+    the bits), the three sums of exact products halved in a fixed order."""
+    info = np.finfo(x.dtype)
+    x = np.where(np.abs(x) >= 2.0 ** (info.minexp // 2 + info.nmant), x, 0).astype(x.dtype)
+    bits = x.view(np.uint32 if x.dtype == np.float32 else np.uint64)
+    shift = bits.dtype.type(info.nmant - (info.nmant - 1) // 2)
+    one = bits.dtype.type(1)
+    rounded = bits + ((one << (shift - one)) - one) + ((bits >> shift) & one)
+    h = (rounded & ~((one << shift) - one)).view(x.dtype)
+    l = x - h  # noqa: E741
+
+    def halving(v):
+        v = np.concatenate([v, np.zeros((1 << max(len(v) - 1, 0).bit_length()) - len(v),
+                                        v.dtype)])
+        while len(v) > 1:
+            v = v[:len(v) // 2] + v[len(v) // 2:]
+        return v[0]
+
+    return halving(h * h) + (halving(2 * h * l) + halving(l * l))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@given(xs=st.lists(st.floats(-2.0**40, 2.0**40, allow_nan=False), min_size=1, max_size=300),
+       scale=st.sampled_from([1.0, 2.0**-30, 2.0**-41]))
+@example(xs=[1.0 + 2**-20, -1.5], scale=2.0**-41)  # every entry below the threshold: 0
+@example(xs=[1.0 + 2**-20, 3.0], scale=2.0**-39)  # h^2 normal, l^2 near the smallest normal
+def test_sum_of_squares_is_its_fixed_order(dtype, xs, scale):
+    """The sum of squares the beta search compares is its definition's bits (the NumPy twin's)
+    eager, under jit, and with a transpose fused into it: no backend's summation order or
+    fused multiply-adds, and no subnormal product (flushed on a CPU, kept on a GPU), enter;
+    and it is the exact sum within the rounding of its halvings."""
+    with jax.enable_x64(dtype == np.float64):
+        x = (np.asarray(xs, np.float64) * scale).astype(dtype)
+        want = _sum_of_squares_in_numpy(x)
+        assert np.asarray(_numerics.sum_of_squares(x)) == want
+        two = np.stack([x, -x])
+        np.testing.assert_array_equal(
+            np.asarray(jax.jit(lambda t: _numerics.sum_of_squares(t.T))(two.T)), [want, want])
+        info = np.finfo(dtype)
+        kept = x.astype(np.float64)[np.abs(x) >= 2.0 ** (info.minexp // 2 + info.nmant)]
+        exact = math.fsum(v * v for v in kept.tolist())  # exact squares for float32 entries
+        assert abs(float(want) - exact) <= 2 * len(x).bit_length() * info.eps * exact

@@ -246,12 +246,18 @@ def sum_of_squares(x):
     products: a fused multiply-add gives the same sums. Each of the three is summed in
     :func:`mean_square`'s fixed order, then ``sum(h^2) + (sum(2 h l) + sum(l^2))``. Entries
     below ``2^-40`` in magnitude (float64: ``2^-459``) count as zero, so that no product is
-    subnormal (XLA's CPU flushes subnormals, a GPU keeps them). Meant for finite data of
-    magnitude about 1 (the beta search scales its errors so): squares overflow from
-    ``2^64``.
+    subnormal (XLA's CPU flushes subnormals, a GPU keeps them); a NaN gives NaN. Meant for
+    float32 or float64 data of magnitude about 1 (the beta search scales its errors so):
+    squares overflow from ``2^64`` (float64: ``2^512``).
+
+    Raises:
+      TypeError: ``x`` is neither float32 nor float64 (the threshold and the split are
+        worked out for them).
     """
+    if x.dtype not in (jnp.float32, jnp.float64):
+        raise TypeError(f"sum_of_squares: expected float32 or float64, got {x.dtype}")
     info = jnp.finfo(x.dtype)
-    x = jnp.where(jnp.abs(x) >= 2.0 ** (info.minexp // 2 + info.nmant), x, 0).astype(x.dtype)
+    x = jnp.where(jnp.abs(x) < 2.0 ** (info.minexp // 2 + info.nmant), 0, x).astype(x.dtype)
     h = _half_precision(x)
     l = x - h  # noqa: E741  exact: h is x rounded to fewer bits
     return _halving_sum(h * h) + (_halving_sum(2 * h * l) + _halving_sum(l * l))

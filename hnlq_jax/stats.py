@@ -184,7 +184,7 @@ def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
     counts = np.asarray(counts, np.int64)
     # The criterion on the host in float64 from the MSE and the exact counts, alike on every
     # backend; the MSE back in the data's units (exact: a power of two).
-    mse = np.where(counts[:, 0] > 0, np.inf, np.asarray(mse, np.float64) * 4.0 ** int(e))
+    mse = np.where(counts[:, 0] > 0, np.inf, np.ldexp(np.asarray(mse, np.float64), 2 * int(e)))
     entropy = np.array([_entropy(c) for c in counts])
     rate = config.rate + entropy / config.d
     f = np.array([m * 2.0 ** (2 * r) for m, r in zip(mse.tolist(), rate.tolist())])

@@ -175,7 +175,7 @@ def _sum_of_squares_in_numpy(x):
     below the threshold zeroed, split at half the significant bits (round to nearest even on
     the bits), the three sums of exact products halved in a fixed order."""
     info = np.finfo(x.dtype)
-    x = np.where(np.abs(x) >= 2.0 ** (info.minexp // 2 + info.nmant), x, 0).astype(x.dtype)
+    x = np.where(np.abs(x) < 2.0 ** (info.minexp // 2 + info.nmant), 0, x).astype(x.dtype)
     bits = x.view(np.uint32 if x.dtype == np.float32 else np.uint64)
     shift = bits.dtype.type(info.nmant - (info.nmant - 1) // 2)
     one = bits.dtype.type(1)
@@ -214,3 +214,9 @@ def test_sum_of_squares_is_its_fixed_order(dtype, xs, scale):
         kept = x.astype(np.float64)[np.abs(x) >= 2.0 ** (info.minexp // 2 + info.nmant)]
         exact = math.fsum(v * v for v in kept.tolist())  # exact squares for float32 entries
         assert abs(float(want) - exact) <= 2 * len(x).bit_length() * info.eps * exact
+        assert np.isnan(_numerics.sum_of_squares(np.append(x, dtype(np.nan))))  # a failed block
+
+
+def test_sum_of_squares_takes_float32_and_float64_only():
+    with pytest.raises(TypeError, match="expected float32 or float64, got float16"):
+        _numerics.sum_of_squares(jnp.ones(3, jnp.float16))

@@ -416,8 +416,10 @@ def test_lut_products_bit_for_bit():
         np.testing.assert_array_equal(tb.lut.matmul(tA, tB, implementation=impl).numpy(),
                                       hq.lut.matmul(cA, cB, implementation=impl))
     for bad in ("pallas", ["xla"]):
-        with pytest.raises(ValueError, match="implementation must be one of"):
+        with pytest.raises(ValueError, match="lut.matmul_one_sided: implementation must be"):
             tb.lut.matmul_one_sided(rB, x, implementation=bad)
+        with pytest.raises(ValueError, match="lut.matmul: implementation must be one of"):
+            tb.lut.matmul(tA, tB, implementation=bad)
     # d/dx (x @ W_hat^T) = g @ W_hat
     g = torch.from_numpy(rng.standard_normal((3, 5, 7)).astype(np.float32))
     y.backward(g)

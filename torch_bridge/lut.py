@@ -28,6 +28,12 @@ def _two_sided(name: str, a: Codes, b: Codes, **options) -> torch.Tensor:
         return to_torch(getattr(lut, name)(a.to_jax(), b.to_jax(), **options))
 
 
+def _check_implementation(implementation, name: str):
+    if implementation not in (None,) + lut.IMPLEMENTATIONS:
+        raise ValueError(f"torch_bridge.lut.{name}: implementation must be one of "
+                         f"{lut.IMPLEMENTATIONS} or None, got {implementation!r}")
+
+
 def dot(codes_x: Codes, codes_y: Codes) -> torch.Tensor:
     """``<x_hat, y_hat>`` of two coded vectors (:func:`hnlq_jax.lut.dot`); ``[...]``."""
     return _two_sided("dot", codes_x, codes_y)
@@ -36,6 +42,7 @@ def dot(codes_x: Codes, codes_y: Codes) -> torch.Tensor:
 def matmul(codes_A: Codes, codes_B: Codes, *, implementation: str | None = None) -> torch.Tensor:
     """``A_hat @ B_hat`` of coded rows of A and columns of B (:func:`hnlq_jax.lut.matmul`,
     ``implementation`` as there)."""
+    _check_implementation(implementation, "matmul")
     return _two_sided("matmul", codes_A, codes_B, implementation=implementation)
 
 
@@ -79,7 +86,6 @@ def matmul_one_sided(codes_W: Codes, x: torch.Tensor, *,
     Returns ``[..., n]``; differentiable in ``x``. (:func:`torch_bridge.matmul` with
     ``implementation="lut"`` is the same product as a custom op.)
     """
-    if implementation not in (None,) + lut.IMPLEMENTATIONS:  # before it keys a cache
-        raise ValueError(f"torch_bridge.lut.matmul_one_sided: implementation must be one of "
-                         f"{lut.IMPLEMENTATIONS} or None, got {implementation!r}")
+    _check_implementation(implementation, "matmul_one_sided")  # before it keys a cache
     return _apply_one_sided("matmul_one_sided", codes_W, x, implementation=implementation)
+

@@ -54,16 +54,18 @@ __all__ = ["GEMM_ROWS", "HostCodes", "ISAS", "available", "decode", "decode_host
            "decode_matmul", "decode_matmul_host", "isa", "lut_matmul", "rotate", "rotate_host",
            "unsupported", "use_isa", "why_unavailable"]
 
+_EXTENSION = "hnlq_jax.kernels._cpu"
 try:  # by its full name: `from hnlq_jax.kernels import _cpu` here, while the package is still
     # initializing, reports a missing module as a likely circular import
-    _cpu = importlib.import_module("hnlq_jax.kernels._cpu")
-except ModuleNotFoundError:  # not built: no compiler at install time, or a source checkout
-    _cpu, _WHY = None, ("the extension hnlq_jax.kernels._cpu is not built (the XLA paths run "
-                        "instead): build it by installing the package, `pip install -e .`, "
-                        "with a C++17 compiler")
-except ImportError as e:  # built, but it does not load (another Python, a broken build)
-    _cpu, _WHY = None, (f"the extension hnlq_jax.kernels._cpu does not load ({e}); rebuild "
-                        "it: `pip install -e .`")
+    _cpu = importlib.import_module(_EXTENSION)
+except ImportError as e:
+    # Not built (no compiler at install time, a source checkout, a build for another
+    # Python's file suffix), or built but not loading (a missing library, a broken build).
+    _cpu, _WHY = None, (
+        f"the extension {_EXTENSION} is not built (the XLA paths run instead): build it by "
+        "installing the package, `pip install -e .`, with a C++17 compiler"
+        if isinstance(e, ModuleNotFoundError) and e.name == _EXTENSION else
+        f"the extension {_EXTENSION} does not load ({e}); rebuild it: `pip install -e .`")
 else:
     _WHY = None
     for _name, _capsule in _cpu.handlers.items():

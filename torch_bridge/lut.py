@@ -88,4 +88,3 @@ def matmul_one_sided(codes_W: Codes, x: torch.Tensor, *,
     """
     _check_implementation(implementation, "matmul_one_sided")  # before it keys a cache
     return _apply_one_sided("matmul_one_sided", codes_W, x, implementation=implementation)
-

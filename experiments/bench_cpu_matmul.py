@@ -287,17 +287,20 @@ def main():
     parser.add_argument("--quick", action="store_true", help="1024^2 and 4096^2, batch 1, 16")
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--rotate-mb", type=float, default=320.0)
-    parser.add_argument("--minilm-only", action="store_true",
-                        help="measure only the MiniLM encode, keeping the results file's rows")
+    parser.add_argument("--only", nargs="+", choices=["bridge", "minilm", "rotation"],
+                        help="measure only these parts, keeping the results file's others (the "
+                             "product table among them)")
     add_report_flag(parser)
     args = parser.parse_args()
-    if args.minilm_only and not args.report:
+    rng = np.random.default_rng(0)
+    parts = {"bridge": lambda: bridge_overhead(max(200, args.repeat), rng),
+             "minilm": lambda: minilm(max(5, args.repeat // 3)),
+             "rotation": lambda: rotation_cost(max(20, args.repeat), rng)}
+    if args.only and not args.report:
         results = load_results("bench_cpu_matmul")
-        results["minilm"] = minilm(max(5, args.repeat // 3))
-        results["rotation"] = rotation_cost(max(20, args.repeat), rng=np.random.default_rng(0))
+        results.update({part: parts[part]() for part in args.only})
         (RESULTS / "bench_cpu_matmul.json").write_text(json.dumps(results, indent=1))
     elif not args.report:
-        rng = np.random.default_rng(0)
         shapes, batches = (SHAPES[:2], [1, 16]) if args.quick else (SHAPES, BATCHES)
         rows = []
         for n_out, k in shapes:
@@ -308,9 +311,7 @@ def main():
                         "kernel " + (f"built ({hq.kernels.cpu.isa()})" if hq.kernels.cpu.available()
                                      else "not built")),
             "rotate_mb": args.rotate_mb, "repeat": args.repeat, "rows": rows,
-            "bridge": bridge_overhead(max(200, args.repeat), rng),
-            "minilm": minilm(max(5, args.repeat // 3)),
-            "rotation": rotation_cost(max(20, args.repeat), rng),
+            **{part: measure() for part, measure in parts.items()},
         }
         (RESULTS / "bench_cpu_matmul.json").write_text(json.dumps(results, indent=1))
         plot(results, RESULTS / "bench_cpu_matmul.png")

@@ -299,7 +299,13 @@ def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> 
     if x.ndim == 0 or x.shape[-1] != host.k:  # as hq.matmul's check_activations
         raise ValueError(f"hnlq::matmul: x must be [..., k] with k = {host.k} (the codes' row "
                          f"length), got shape {tuple(x.shape)}")
-    rows = x.reshape(-1, host.k).to(torch.float32).contiguous()
+    # (conversions only where they convert: each no-op call costs about a microsecond, a
+    # small layer's whole product a few)
+    rows = x if x.ndim == 2 else x.reshape(-1, host.k)
+    if rows.dtype != torch.float32:
+        rows = rows.to(torch.float32)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
     bf16 = x.dtype == torch.bfloat16
     if row_bucket(rows.shape[0]) >= GEMM_ROWS:  # a slab of weight rows at a time
         slab = max(1, _SLAB_WEIGHTS // host.k)
@@ -322,10 +328,11 @@ def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> 
         y = torch.empty(rows.shape[0], host.n)
         cpu.decode_matmul_host(y.data_ptr(), rows.data_ptr(), rows.shape[0], host, bf16,
                                _threads(rows.shape[0] * host.n * host.k, MATMUL_ONE_THREAD))
-    y = y.to(x.dtype)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
     if bias is not None:
-        y.add_(bias.to(y.dtype))
-    return y.reshape(x.shape[:-1] + (host.n,))
+        y.add_(bias if bias.dtype == y.dtype else bias.to(y.dtype))
+    return y if x.ndim == 2 else y.reshape(x.shape[:-1] + (host.n,))
 
 
 @torch.library.custom_op("hnlq::matmul", mutates_args=())
@@ -473,10 +480,11 @@ def direct(*tensors: Optional[torch.Tensor]) -> bool:
     requires them), on plain tensors (no subclass: fake or functorch tensors take the op)."""
     if torch.compiler.is_compiling():
         return False
-    present = [t for t in tensors if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
-        return False
-    return all(type(t) is torch.Tensor for t in present)
+    grad = torch.is_grad_enabled()
+    for t in tensors:  # a loop: every call of a layer asks (generators cost microseconds)
+        if t is not None and (type(t) is not torch.Tensor or grad and t.requires_grad):
+            return False
+    return True
 
 
 def matmul_direct(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,

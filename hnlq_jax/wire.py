@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import ops, packing
+from hnlq_jax._numerics import divide, sqrt, sum_of_squares
 from hnlq_jax.codec import scale_tables
 from hnlq_jax.codes import Codes, pack_t
 from hnlq_jax.config import HNLQConfig, check_config
@@ -193,13 +194,15 @@ def _exponents(x, config: HNLQConfig):
     mantissa, e = jnp.frexp(row_rms(xs))  # overflow-safe RMS; 1 for an all-zero chunk
     # (math.sqrt: jnp's would run on the default device, whose square root may be approximate)
     e = jnp.where(mantissa < math.sqrt(0.5), e - 1, e)
-    # Raise e until the largest block is within reach of T = max_T (a necessary condition).
+    # Raise e until the largest block is within reach of T = max_T (a necessary condition):
+    # its norm and ratio to the reach IEEE's on every backend (a backend's sum, root or
+    # quotient can put r = 2^k a step to either side), so a chunk gets one exponent everywhere.
     y = jnp.ldexp(xs, -e[:, None]).reshape(x.shape[0], -1, config.d)
-    top = jnp.max(jnp.sqrt(jnp.sum(jnp.square(y), axis=-1)), axis=1)
+    top = jnp.max(sqrt(sum_of_squares(y)), axis=1)
     reach = scale_tables(config, config.beta, jnp.float32)[1][config.max_T]
     # ceil(log2(r)) for r >= 1 from r's bits, where a GPU's log2 is approximate (at r = 2^k
     # it could round up a whole step)
-    m, k = jnp.frexp(jnp.maximum(top / reach, 1.0))
+    m, k = jnp.frexp(jnp.maximum(divide(top, reach), 1.0))
     lift = jnp.where(m > 0.5, k, k - 1)
     return jnp.clip(e + lift, _E_MIN, _E_MAX), finite
 

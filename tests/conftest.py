@@ -91,6 +91,29 @@ _TORCH_FILES = sorted(p.name for p in pathlib.Path(__file__).parent.glob("test_*
                       if _NO_TORCH and "torch" in p.read_text())  # read only where needed
 
 
+def sum_of_squares_in_numpy(x):
+    """``hnlq_jax._numerics.sum_of_squares`` of a 1-D ``x`` by its definition, in NumPy's IEEE
+    arithmetic: entries below the threshold zeroed, split at half the significant bits (round
+    to nearest even on the bits), the three sums of exact products halved in a fixed order."""
+    info = np.finfo(x.dtype)
+    x = np.where(np.abs(x) < 2.0 ** (info.minexp // 2 + info.nmant), 0, x).astype(x.dtype)
+    bits = x.view(np.uint32 if x.dtype == np.float32 else np.uint64)
+    shift = bits.dtype.type(info.nmant - (info.nmant - 1) // 2)
+    one = bits.dtype.type(1)
+    rounded = bits + ((one << (shift - one)) - one) + ((bits >> shift) & one)
+    h = (rounded & ~((one << shift) - one)).view(x.dtype)
+    l = x - h  # noqa: E741
+
+    def halving(v):
+        v = np.concatenate([v, np.zeros((1 << max(len(v) - 1, 0).bit_length()) - len(v),
+                                        v.dtype)])
+        while len(v) > 1:
+            v = v[:len(v) // 2] + v[len(v) // 2:]
+        return v[0]
+
+    return halving(h * h) + (halving(2 * h * l) + halving(l * l))
+
+
 def pytest_ignore_collect(collection_path, config):
     if _NO_TORCH and collection_path.name in _TORCH_FILES:
         return True

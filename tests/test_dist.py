@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from hypothesis import given, settings
+from conftest import sum_of_squares_in_numpy
 from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -325,6 +326,34 @@ def test_rate_control_and_failed_chunks():
     assert int(info.failed) == 1
     chunk = np.s_[4096:5120]  # the NaN's chunk of 256 blocks
     assert np.all(np.isnan(out[chunk])) and np.all(np.isfinite(np.delete(out, chunk)))
+
+
+@pytest.mark.parametrize("max_T", [14, 5])
+def test_wire_exponent_at_a_power_of_two_is_ieees(max_T):
+    """A chunk's exponent is one value on every backend: its largest block's norm is the
+    fixed-order sum of exact squares and IEEE's root, its ratio to the reach of T = max_T
+    IEEE's quotient, so that a ratio at or a unit beside 2^k raises the exponent as NumPy's
+    arithmetic says. A GPU divides and takes roots approximately (XLA's ``div.full`` and
+    ``sqrt.approx``), which can move r = 2^k across the step: the GPU run checks it natively
+    (gpu.md's quick list). XLA's CPU divides by the broadcast reach through its reciprocal, a unit off for a
+    third of quotients, though not at these ratios."""
+    cfg = CFG.replace(max_T=max_T)
+    reach = np.float32(hq.codec.scale_tables(cfg, cfg.beta, jnp.float32)[1][max_T])
+    k = int(np.floor(np.log2(32 / reach)))  # reach 2^k in (16, 32]: the chunk's RMS stays 1
+    chunks = []
+    for j in range(-3, 4):  # the float32 values j units from reach 2^k
+        a = np.float32(np.ldexp(reach, k))
+        for _ in range(abs(j)):
+            a = np.nextafter(a, np.float32(np.inf if j > 0 else 0))
+        x = np.full(256 * 4, np.sqrt((1024 - a * a) / 1020), np.float32)  # RMS 1: e = 0
+        x[:4] = [a, 0, 0, 0]
+        chunks.append(x)
+    e, finite = wire._exponents(jnp.asarray(np.stack(chunks)), cfg)
+    assert np.all(finite)
+    for x, got in zip(chunks, np.asarray(e)):
+        r = np.float32(np.sqrt(sum_of_squares_in_numpy(x[:4]))) / reach  # IEEE's, in NumPy
+        m, lift = np.frexp(max(r, np.float32(1)))
+        assert got == (lift if m > 0.5 else lift - 1)
 
 
 def test_wire_t_stream_bit_layout():

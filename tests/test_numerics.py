@@ -11,6 +11,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from conftest import sum_of_squares_in_numpy
+
 from hnlq_jax import _numerics
 
 FINITE = st.floats(width=32, allow_nan=False, allow_infinity=False)
@@ -170,29 +172,6 @@ def test_sqrt_tiny_and_nonfinite():
         np.testing.assert_array_equal(got, want)
 
 
-def _sum_of_squares_in_numpy(x):
-    """hnlq_jax._numerics.sum_of_squares by its definition, in NumPy's IEEE arithmetic: entries
-    below the threshold zeroed, split at half the significant bits (round to nearest even on
-    the bits), the three sums of exact products halved in a fixed order."""
-    info = np.finfo(x.dtype)
-    x = np.where(np.abs(x) < 2.0 ** (info.minexp // 2 + info.nmant), 0, x).astype(x.dtype)
-    bits = x.view(np.uint32 if x.dtype == np.float32 else np.uint64)
-    shift = bits.dtype.type(info.nmant - (info.nmant - 1) // 2)
-    one = bits.dtype.type(1)
-    rounded = bits + ((one << (shift - one)) - one) + ((bits >> shift) & one)
-    h = (rounded & ~((one << shift) - one)).view(x.dtype)
-    l = x - h  # noqa: E741
-
-    def halving(v):
-        v = np.concatenate([v, np.zeros((1 << max(len(v) - 1, 0).bit_length()) - len(v),
-                                        v.dtype)])
-        while len(v) > 1:
-            v = v[:len(v) // 2] + v[len(v) // 2:]
-        return v[0]
-
-    return halving(h * h) + (halving(2 * h * l) + halving(l * l))
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @given(xs=st.lists(st.floats(-2.0**40, 2.0**40, allow_nan=False), min_size=1, max_size=300),
        scale=st.sampled_from([1.0, 2.0**-30, 2.0**-41]))
@@ -205,7 +184,7 @@ def test_sum_of_squares_is_its_fixed_order(dtype, xs, scale):
     and it is the exact sum within the rounding of its halvings."""
     with jax.enable_x64(dtype == np.float64):
         x = (np.asarray(xs, np.float64) * scale).astype(dtype)
-        want = _sum_of_squares_in_numpy(x)
+        want = sum_of_squares_in_numpy(x)
         assert np.asarray(_numerics.sum_of_squares(x)) == want
         two = np.stack([x, -x])
         np.testing.assert_array_equal(

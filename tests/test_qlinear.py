@@ -477,23 +477,26 @@ def test_compiled_qlinear_training_steps_match_eager():
         assert torch.equal(eager.index, twin.index) and int(eager.step) == int(twin.step)
 
 
-def test_report_says_why_nothing_was_converted():
-    """A model without linears, and one whose linears were all kept, each say so."""
-    report = quantize_model(torch.nn.Sequential(torch.nn.ReLU()), CFG)
-    assert report.converted == [] and report.sizes == tb.model_sizes(torch.nn.ReLU())
-    assert str(report) == "converted nothing: the model has no weight layer this converts"
-    report = quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 8)), CFG,
-                            filter_fn=lambda name, m: False)
-    assert str(report).splitlines() == [
-        "converted nothing: all 1 weight layer(s) were kept (below)",
-        "  kept 0 (Linear): filter_fn"]
+def test_converting_nothing_raises_and_says_why():
+    """A model without linears, one whose linears are all filtered out and one already
+    quantized each raise, naming every layer kept and why (as quantize_params does)."""
+    with pytest.raises(ValueError, match=r"^quantize_model: converted nothing: the model has "
+                                         r"no weight layer this converts$"):
+        quantize_model(torch.nn.Sequential(torch.nn.ReLU()), CFG)
+    with pytest.raises(ValueError, match=r"^quantize_model: converted nothing: all 1 weight "
+                                         r"layer\(s\) were kept \(below\)\n  kept 0 \(Linear\): "
+                                         r"filter_fn$"):
+        quantize_model(torch.nn.Sequential(torch.nn.Linear(8, 8)), CFG,
+                       filter_fn=lambda name, m: False)
     assert str(tb.model_sizes(torch.nn.ReLU())) == "no quantized layers"
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     quantize_model(model, CFG)
-    again = quantize_model(model, CFG)  # a second call finds nothing left to convert
-    assert isinstance(model[0], QuantizedLinear) and str(again).splitlines() == [
-        "converted nothing: all 1 weight layer(s) were kept (below)",
-        "  kept 0 (QuantizedLinear): already quantized"]
+    before = {k: v.clone() for k, v in model.state_dict().items()
+              if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"kept 0 \(QuantizedLinear\): already quantized$"):
+        quantize_model(model, CFG)
+    assert isinstance(model[0], QuantizedLinear)  # the raise left the model as it was
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def test_qlinear_freezes_into_quantized_linear():

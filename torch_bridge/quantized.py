@@ -538,6 +538,8 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
       TypeError: ``model`` is not a module, ``config`` not an ``HNLQConfig``, ``calibration``
         neither ``None`` nor callable.
       ValueError: ``model`` is itself an ``nn.Linear`` (use ``QuantizedLinear.from_linear``);
+        nothing would be converted (no weight layer, every one filtered out, kept or already
+        quantized: the message lists each with its reason, as ``quantize_params`` does);
         ``calibration`` never ran a layer to convert (the message names them); the errors of
         :func:`~hnlq_jax.ptq.gptq_rows` (e.g. a bad ``damp``).
     """
@@ -586,6 +588,8 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
             report.skipped.append((name, type(child).__name__, why))
         else:
             chosen.append((name, parent, child_name, child))
+    if not chosen:  # before any work: a silent no-op would leave the model in float
+        raise ValueError(f"quantize_model: {report}")
     firsts = {}  # id(layer) -> (first name, layer), in order
     for name, _, _, child in chosen:
         firsts.setdefault(id(child), (name, child))

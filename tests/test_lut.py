@@ -353,20 +353,58 @@ def test_native_sums_equal_xla(cfg, m, n, nb, seed):
         np.testing.assert_array_equal(np.asarray(fn(*args)), got)  # None: native on a CPU
 
 
+# Two levels of uint8 indices from 64 weight rows and 64 blocks take the planes (AVX512-VBMI:
+# 64 rows a register, spans of 8 tiles, the tail rows and blocks as before), unless steps past
+# u = 31 are valid (max_T = 40: the 8-bit T field)
+PLANES = [hq.HNLQConfig("D4", 4, 2, beta=0.2, dither=(0.25, -0.125, 0.0625, 0.3)),
+          hq.HNLQConfig("D4", 3, 2, beta=0.3), hq.HNLQConfig("E8", 2, 2, beta=0.5),
+          hq.HNLQConfig("Z2", 16, 2, beta=0.1), hq.HNLQConfig("D4", 4, 2, beta=0.2, max_T=40)]
+
+
 @needs_native
-def test_native_invalid_blocks_give_nan_under_jit():
+@pytest.mark.parametrize("cfg", PLANES, ids=lambda c: f"{c.lattice}q{c.q}M{c.M}T{c.max_T}")
+@settings(max_examples=3, deadline=None)
+@given(m=st.integers(1, 3), n=st.integers(64, 600), nb=st.integers(64, 140),
+       seed=st.integers(0, 2**16))
+def test_native_sums_by_planes_equal_xla(cfg, m, n, nb, seed):
+    """Both products' native sums against XLA's gathers at shapes the planes take: failed
+    blocks (T = -1: NaN columns), T up to max_T, the two-sided table, within float rounding."""
+    rng = np.random.default_rng(seed)
+    W = _random_codes(cfg, (n, nb), rng, max_T=cfg.max_T)
+    T = np.where(rng.random((n, nb)) < 0.002, -1, np.asarray(W.T))  # a few failed blocks
+    W = hq.Codes.from_labels(W.labels, T, cfg)
+    x = rng.normal(size=(m, nb * cfg.d)).astype(np.float32)
+    pairs = [(lut.matmul_one_sided, (W, x))]
+    if cfg.q**(2 * cfg.d) <= lut.MAX_TWO_SIDED:
+        pairs.append((lut.matmul, (_random_codes(cfg, (m, nb), rng), W)))
+    for fn, args in pairs:
+        want = np.asarray(fn(*args, implementation="xla"))
+        got = np.asarray(fn(*args, implementation="native"))
+        nan = np.isnan(want)
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        assert nan.any(axis=0).sum() == (T == -1).any(axis=1).sum()
+        np.testing.assert_allclose(got[~nan], want[~nan], rtol=1e-5,
+                                   atol=2e-5 * np.abs(want[~nan]).max())
+
+
+@needs_native
+@pytest.mark.parametrize("n, nb, bad", [(3, 20, 5), (70, 64, 40)])  # 16 blocks; the planes
+def test_native_invalid_blocks_give_nan_under_jit(n, nb, bad):
     """A failed block (T = -1) in a whole register and an index >= q^d (D4 q=3: uint8 indices
     up to 255; only under jit, eager calls refuse them) make their columns NaN, as XLA's."""
     cfg = hq.HNLQConfig("D4", 3, 2, beta=0.3)
     rng = np.random.default_rng(7)
-    W = _random_codes(cfg, (3, 20), rng)
+    W = _random_codes(cfg, (n, nb), rng)
     W = hq.Codes.from_labels(W.labels, W.T.at[0, 3].set(-1), cfg)
-    W = hq.Codes(W.index.at[2, 5, 1].set(200), W.tfield, cfg)  # in a register of 16 blocks
-    x = rng.normal(size=(2, 80)).astype(np.float32)
+    for level, at in ((1, 200), (0, 81)):  # level 1 of row 2, level 0 of row n - 1
+        row = 2 if level else n - 1
+        W = hq.Codes(W.index.at[row, bad, level].set(at), W.tfield, cfg)
+    x = rng.normal(size=(2, 4 * nb)).astype(np.float32)
     for impl in ("native", "xla"):
         y = np.asarray(jax.jit(lambda c, v, impl=impl: lut.matmul_one_sided(
             c, v, implementation=impl))(W, x))
-        assert np.isnan(y[:, [0, 2]]).all() and np.isfinite(y[:, 1]).all()
+        assert np.isnan(y[:, [0, 2, n - 1]]).all() and np.isfinite(y[:, 1]).all()
+        assert np.isfinite(np.delete(y, [0, 2, n - 1], axis=1)).all()
 
 
 @needs_native

@@ -23,8 +23,10 @@ kernel             what it does                                 reference
 ``lut_matmul``     the lookup-table products' sums: per block    ``hq.lut.matmul`` /
                    and level one lookup in the tables U and an  ``matmul_one_sided(...,
                    add, per block a multiply by its step; a     implementation="xla"``
-                   task a tile of 8 columns, 16 blocks a        (sums in another order)
-                   register by AVX-512 gathers
+                   task 512 columns, 64 a register by byte      (sums in another order)
+                   permutes of the tables' planes (VBMI), or
+                   8 columns, 16 blocks a register by AVX-512
+                   gathers
 ``rotate``         ``x R`` / ``x R^T`` of a rotation (signs,        ``Rotation.apply(...,
                    butterflies, mixer), rows of x a task        implementation="xla"``
                                                                 (equal within float32

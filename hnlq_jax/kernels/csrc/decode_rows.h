@@ -56,8 +56,8 @@ inline int32_t packed_coordinate(uint32_t word, int i) {
 // (checked once, at run time: the build does not assume any), at most isa_limit() (module.cc's
 // set_isa_limit: tests and benchmarks compare the levels on one machine). kAvx512's products
 // sum 16 lanes where kAvx2's sum 8, and kVbmi's D4 pair codes sum by coordinate planes
-// (planes_vbmi), so their float sums differ in rounding; decoded weights are the same bits on
-// every level.
+// (planes_vbmi) and lut_matmul.cc's sums a column a lane, so their float sums differ in
+// rounding; decoded weights are the same bits on every level.
 enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kVbmi = 3 };
 
 inline int supported_isa() {

@@ -513,3 +513,75 @@ def test_qlinear_freezes_into_quantized_linear():
         assert torch.equal(model[0](x), h)  # the QLinear's own codes
     with pytest.raises(ValueError, match="quantizes its activations"):
         QuantizedLinear.from_linear(model[2], CFG)
+
+
+def test_a_layer_held_twice_by_one_parent_is_converted_at_both():
+    """nn.Sequential(lin, act, lin): one QuantizedLinear in both places (named_children
+    would list the layer once), both named in the report."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(16, 16)
+    model = torch.nn.Sequential(lin, torch.nn.ReLU(), lin)
+    x = torch.randn(3, 16)
+    report = quantize_model(model, CFG)
+    assert isinstance(model[0], QuantizedLinear) and model[0] is model[2]
+    assert [n for n, *_ in report.converted] == ["0", "2"]
+    assert "2.weight" not in model.state_dict()
+    assert torch.equal(model(x), model[0](torch.relu(model[0](x))))
+
+
+def test_layers_are_coded_in_named_modules_order():
+    """A head after a nested block is coded last: with sequential=True each layer's
+    calibration runs through the layers before it already quantized, and rotation k goes to
+    the k-th linear of named_modules."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(
+        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16)),
+        torch.nn.Linear(16, 8))
+    quantized_at_call = []
+
+    def run(m):
+        quantized_at_call.append([n for n, x in m.named_modules()
+                                  if isinstance(x, QuantizedLinear)])
+        m(torch.randn(32, 16))
+
+    report = quantize_model(model, CFG, calibration=run, sequential=True, rotate=True, seed=5)
+    order = ["0.0", "0.2", "1"]
+    assert [n for n, *_ in report.converted] == order
+    assert quantized_at_call == [[], ["0.0"], ["0.0", "0.2"]]
+    assert [model.get_submodule(n).rotation.seed for n in order] == [5, 6, 7]
+
+
+def test_load_quantized_into_the_qat_model():
+    """The QLinear model quantize_model converted takes the saved QuantizedLinear codes (its
+    QLinears replaced); a QLinear state dict still loads into QLinears."""
+    def make():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(QLinear(16, 32, CFG), torch.nn.ReLU(), QLinear(32, 8, CFG))
+
+    qat = make()
+    trained = qat.state_dict()
+    quantize_model(qat, CFG)
+    x = torch.randn(5, 16)
+    restored = tb.load_quantized(make(), qat.state_dict())
+    assert all(isinstance(restored[i], QuantizedLinear) for i in (0, 2))
+    assert torch.equal(restored(x), qat(x))
+    again = tb.load_quantized(make(), trained)
+    assert isinstance(again[0], QLinear) and torch.equal(again[0].index, trained["0.index"])
+
+
+@pytest.mark.parametrize("convert", ["half", "bfloat16", "double"])
+def test_qlinear_dtype_conversion_keeps_beta(convert):
+    """.half() / .bfloat16() / .double() keep the calibrated beta in float32, as a layer built
+    in that dtype keeps it: later refreshes code with the same beta."""
+    torch.manual_seed(4)
+    layer = QLinear(64, 32, CFG)
+    beta = layer.beta.clone()
+    converted = getattr(copy.deepcopy(layer), convert)()
+    assert converted.beta.dtype == torch.float32 and torch.equal(converted.beta, beta)
+    assert converted.weight.dtype == getattr(torch, {"half": "float16"}.get(convert, convert))
+    built = QLinear(64, 32, CFG, dtype=converted.weight.dtype)
+    with torch.no_grad():
+        built.weight.copy_(converted.weight)
+    built.calibrate_beta()
+    converted.calibrate_beta()
+    assert torch.equal(built.beta, converted.beta)

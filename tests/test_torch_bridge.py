@@ -1,6 +1,8 @@
 """torch_bridge: DLPack aliasing, compact codes as tensors, the front doors on tensors (bit for
 bit with hnlq_jax), 64-bit tensors, autograd, LUT products."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,8 +75,8 @@ def test_native_kernels_called_directly(rows, dtype):
     dispatch): below ops.GEMM_ROWS rows (of the bucket: 2 x 16 rows below, 2 x 20 at it) the
     fused product, bit for bit the jitted hq.matmul; from there the decoded weight times x in
     torch's GEMM, bit for bit
-    x @ hq.decode(codes).T in torch. The bias is added as y + bias in x's dtype, except that
-    a float32 GEMM takes it as F.linear does (addmm). Non-contiguous x and leading axes too;
+    x @ hq.decode(codes).T in torch. The bias is added as y + bias in x's dtype, as the op
+    adds it. Non-contiguous x and leading axes too;
     the layer's codes are read where they live (a copy_ into them reaches the next call)."""
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((2, 24, 36)).astype(np.float32)
@@ -99,12 +101,23 @@ def test_native_kernels_called_directly(rows, dtype):
             if dtype == torch.bfloat16:
                 wd = wd.bfloat16().float()
             x2 = x.float().reshape(-1, 36)
-            want = (torch.addmm(b, x2, wd.T) if dtype == torch.float32
-                    else (x2 @ wd.T).to(dtype) + b.to(dtype)).reshape(2, rows, 24)
+            want = ((x2 @ wd.T).to(dtype) + b.to(dtype)).reshape(2, rows, 24)
         np.testing.assert_array_equal(got.float().numpy(), want.float().numpy())
         with torch.no_grad():
             for name in ("index", "tfield", "scale"):
                 getattr(layer, name).copy_(getattr(other, name))
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_inference_call_is_the_ops_bit_for_bit(rows):
+    """The inference call (no dispatch) and the op (gradients on) add the bias alike: at a
+    width where an addmm would round otherwise, from GEMM_ROWS rows too."""
+    torch.manual_seed(rows)
+    layer = tb.QuantizedLinear.from_linear(torch.nn.Linear(384, 1536), CFG)
+    x = torch.randn(rows, 384)
+    with torch.no_grad():
+        fast = layer(x)
+    assert torch.equal(fast, layer(x.requires_grad_()).detach())
 
 
 @pytest.mark.parametrize("n", [384, 64, 1000])
@@ -450,3 +463,66 @@ def test_gpu_check_times_the_bridge_and_profiles_it():
     md = gpu_check.markdown({"environment": dict(device="cpu", backend="cpu", jax="0",
                                                  python="3"), "torch": rows})
     assert "| D4 256² |" in md and "| E8 256² |" in md and "host time goes (D4" in md
+
+
+def test_jit_trace_records_the_op():
+    """torch.jit.trace of quantized layers records the ops (the inference call's kernel writes
+    into memory a tracer cannot see): the traced model computes as the eager one."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 8)).eval()
+    tb.quantize_model(model, CFG)
+    model.append(tb.QLinear(8, 8, CFG).eval())
+    x = torch.randn(4, 64)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch >= 2.11 deprecates it
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the layers' shape checks
+        traced = torch.jit.trace(model, x)  # check_trace: a second trace must agree
+        assert torch.equal(traced(x), model(x))
+        assert torch.equal(traced(2 * x), model(2 * x))
+
+
+def test_layers_made_under_inference_mode_run():
+    """Layers built or loaded under torch.inference_mode (inference tensors: no version
+    counter) run there and outside (without autograd, as torch's own layers), bit for bit as
+    the layers made outside; an in-place write there is read by the next call."""
+    torch.manual_seed(6)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),  # noqa: E731
+                                       torch.nn.Linear(32, 8))
+    model = make()
+    tb.quantize_model(model, CFG)
+    other = make()
+    tb.quantize_model(other, CFG)
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        served = tb.load_quantized(make(), model.state_dict())
+        assert torch.equal(served(x), model(x))
+        served.load_state_dict(other.state_dict())  # in place, into inference tensors
+        assert torch.equal(served(x), other(x))
+        layer = tb.QLinear(64, 32, CFG).eval()
+        y = layer(x)
+    with torch.no_grad():
+        assert torch.equal(served(x), other(x)) and torch.equal(layer(x), y)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # vmap, once
+def test_forward_mode_ad_is_refused_and_vmap_runs():
+    """A forward-mode tangent is refused (torch would drop it silently), also before a
+    rotation; torch.func.vmap takes the op and equals the batch."""
+    import torch.autograd.forward_ad as fwad
+    torch.manual_seed(7)
+    plain = tb.QuantizedLinear.from_linear(torch.nn.Linear(64, 48), CFG)
+    rotated = tb.QuantizedLinear.from_linear(torch.nn.Linear(64, 48), CFG,
+                                             rotation=hq.incoherence.Rotation(64, 1))
+    x = torch.randn(3, 5, 64)
+    for layer in (plain, rotated):
+        with fwad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+            layer(fwad.make_dual(x[0], torch.ones_like(x[0])))
+        with torch.no_grad():
+            mapped = torch.func.vmap(layer)(x)
+        with torch.no_grad():
+            assert torch.equal(mapped, layer(x))
+    codes = tb.encode_rows(torch.randn(48, 64), CFG)
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        tb.matmul(fwad.make_dual(x[0], torch.ones_like(x[0])), codes)

@@ -185,11 +185,12 @@ def matmul(x: torch.Tensor, codes: Codes, *, implementation=None) -> torch.Tenso
     Returns:
       ``[..., n]`` in x's dtype (float32, float64, bfloat16 or float16),
       differentiable in ``x`` and in the row scale, equal to :func:`hnlq_jax.matmul` bit for
-      bit (on CPU tensors below ``torch_bridge.ops.GEMM_ROWS`` rows; from there in torch's
-      GEMM's sum order).
+      bit (on CPU tensors whose row bucket is below ``torch_bridge.ops.GEMM_ROWS``: up to 32
+      rows; from there in torch's GEMM's sum order).
     """
     codes = check_codes_arg(codes, "torch_bridge.matmul")
     _check_tensor(x, "torch_bridge.matmul")
+    ops.refuse_forward_ad(x, "torch_bridge.matmul")
     return torch.ops.hnlq.matmul(x, *codes.op_args(), implementation,
                                  *ops.config_args(codes.config))
 

@@ -97,8 +97,16 @@ def to_jax(t: torch.Tensor) -> jax.Array:
 
 def tensor_state(t: torch.Tensor | None) -> tuple | None:
     """What identifies a tensor's contents between calls without reading them: its memory,
-    torch's version counter (bumped by every in-place write), shape, dtype and device."""
-    return None if t is None else (t.data_ptr(), t._version, t.shape, t.dtype, t.device)
+    torch's version counter (bumped by every in-place write), shape, dtype and device. An
+    inference tensor (made under ``torch.inference_mode``) has no version counter: its state
+    is the rest, so an in-place write into it (possible only under inference mode) is not
+    seen. What the callers derive is then still right (JAX views of the same memory, shapes,
+    addresses) except the codes' check, not repeated (an invalid code reads NaN, as under
+    ``jit``); rebuilding each call instead cost a layer 30x its time."""
+    if t is None:
+        return None
+    version = None if t.is_inference() else t._version
+    return (t.data_ptr(), version, t.shape, t.dtype, t.device)
 
 
 class TensorCache:

@@ -8,8 +8,9 @@ integer arrays, ``index`` and ``tfield`` (plus ``scale`` and ``n`` for row codes
 :class:`torch_bridge.Codes`); the config as the primitives of :func:`config_args`.
 
 ==================  ========================================================================
-op                  JAX function (same result bit for bit; ``matmul`` on CPU tensors: below
-                    :data:`GEMM_ROWS` rows, from there in torch's GEMM's sum order)
+op                  JAX function (same result bit for bit; ``matmul`` on CPU tensors: row
+                    buckets below :data:`GEMM_ROWS`, up to 32 rows; from there in torch's
+                    GEMM's sum order)
 ==================  ========================================================================
 ``encode``          :func:`hnlq_jax.encode` -> ``(index, tfield)``
 ``decode``          :func:`hnlq_jax.decode`
@@ -22,8 +23,8 @@ op                  JAX function (same result bit for bit; ``matmul`` on CPU ten
 
 On CPU tensors, where the native kernels are built, ``matmul`` calls them on the tensors' memory
 (:func:`hnlq_jax.kernels.cpu.decode_matmul_host`; no JAX dispatch per call): the same sums as
-the jitted :func:`hnlq_jax.matmul` below :data:`GEMM_ROWS` rows, torch's GEMM of the decoded
-weight from there; ``rotate`` likewise calls the rotation kernel
+the jitted :func:`hnlq_jax.matmul` while the row bucket is below :data:`GEMM_ROWS` (up to 32
+rows), torch's GEMM of the decoded weight from there; ``rotate`` likewise calls the rotation kernel
 (:func:`hnlq_jax.kernels.cpu.rotate_host`) where ``Rotation.apply`` takes it.
 
 Float64 inputs (or a float64 ``dtype``) run under JAX's x64 mode
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 import hnlq_jax as hq
 from hnlq_jax import HNLQConfig
@@ -47,9 +49,14 @@ from hnlq_jax.codes import check_weight_codes, row_length
 from torch_bridge.interop import (TensorCache, cached_jax, is_wide, tensor_state, to_jax,
                                   to_torch, x64_context, x64_for)
 
-__all__ = ["config_args", "config_of", "direct", "matmul_direct", "rotate_direct"]
+__all__ = ["config_args", "config_of", "direct", "matmul_direct", "refuse_forward_ad",
+           "rotate_direct"]
 
 ConfigArgs = tuple[str, int, int, float, float, int, Optional[list[float]]]
+# A tensor inside torch.func's vmap / grad / jvp (its type is a plain torch.Tensor); torch's own
+# check, private, so looked up where it exists
+_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None),
+                             "is_functorch_wrapped_tensor", lambda t: False)
 
 
 def config_args(config: HNLQConfig) -> ConfigArgs:
@@ -293,8 +300,8 @@ def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> 
     rows); from there the decoded weight, a slab of rows at a time, and torch's GEMM (sums in
     torch's order; ``hq.matmul`` itself switches to XLA's GEMM from
     ``hq.kernels.cpu.GEMM_ROWS``). ``bias`` (``[n]``), where given, is added as ``y + bias`` in
-    x's dtype would be: into the fresh output in place, and for float32 activations in the GEMM
-    as ``addmm`` (as ``F.linear`` adds it: no second pass over the output)."""
+    x's dtype would be, into the fresh output in place: the op's ``y + bias`` bit for bit (an
+    ``addmm``, as ``F.linear`` adds it, rounds otherwise from 33 rows on)."""
     cpu = hq.kernels.cpu
     if x.ndim == 0 or x.shape[-1] != host.k:  # as hq.matmul's check_activations
         raise ValueError(f"hnlq::matmul: x must be [..., k] with k = {host.k} (the codes' row "
@@ -311,8 +318,6 @@ def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> 
         slab = max(1, _SLAB_WEIGHTS // host.k)
         w = torch.empty(min(slab, host.n), host.k)
         parts = []
-        fold = bias is not None and x.dtype == torch.float32
-        b = bias.to(torch.float32) if fold else None
         for r0 in range(0, host.n, slab):
             part = host.rows(r0, min(host.n, r0 + slab))
             # On the calling thread: just after torch's GEMMs its OpenMP workers still spin on
@@ -320,10 +325,8 @@ def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> 
             # time of one (a 1536 x 384 weight, 2 cores: 0.19-0.33 ms against 0.73-0.81 ms).
             cpu.decode_host(w.data_ptr(), part, bf16, 1)
             wt = w[:part.n].T
-            parts.append(torch.addmm(b[r0:r0 + part.n], rows, wt) if fold else rows @ wt)
+            parts.append(rows @ wt)
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        if fold:
-            bias = None
     else:
         y = torch.empty(rows.shape[0], host.n)
         cpu.decode_matmul_host(y.data_ptr(), rows.data_ptr(), rows.shape[0], host, bf16,
@@ -475,16 +478,28 @@ rotate.register_autograd(_rotate_backward, setup_context=_rotate_setup)
 
 def direct(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether a call on ``tensors`` may skip a custom op's dispatch (about 60-90 us of torch's
-    Python layers per call) and run the host kernels itself: outside ``torch.compile`` and
-    ``torch.export`` tracing, with no autograd graph to record (gradients disabled, or nothing
-    requires them), on plain tensors (no subclass: fake or functorch tensors take the op)."""
-    if torch.compiler.is_compiling():
+    Python layers per call) and run the host kernels itself: outside ``torch.compile``,
+    ``torch.export`` and ``torch.jit.trace`` tracing (a tracer would not see the kernel write
+    its output) and forward-mode AD, with no autograd graph to record (gradients disabled, or
+    nothing requires them), on plain tensors (no subclass, no ``torch.func`` wrapper: fake,
+    batched and functorch tensors take the op)."""
+    if (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
+            or _forward_ad._current_level >= 0):
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:  # a loop: every call of a layer asks (generators cost microseconds)
-        if t is not None and (type(t) is not torch.Tensor or grad and t.requires_grad):
+        if t is not None and (type(t) is not torch.Tensor or grad and t.requires_grad
+                              or _functorch_wrapped(t)):
             return False
     return True
+
+
+def refuse_forward_ad(x: torch.Tensor, where: str) -> None:
+    """Raises where ``x`` carries a forward-mode tangent: the ops have no forward-mode rule,
+    and torch would return their results without one, silently."""
+    if _forward_ad._current_level >= 0 and _forward_ad.unpack_dual(x).tangent is not None:
+        raise NotImplementedError(f"{where}: forward-mode AD (torch.autograd.forward_ad) is not "
+                                  "supported; use reverse mode (backward, torch.func.vjp)")
 
 
 def matmul_direct(x: torch.Tensor, index: torch.Tensor, tfield: torch.Tensor,

@@ -216,6 +216,15 @@ class QLinear(CodesLayer, torch.nn.Linear):
             y = _Through.apply(y, self._weight_proxy(x).to(y.dtype))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
+    def _apply(self, fn, recurse=True):
+        # beta stays float32 (as the layer keeps it in any dtype, and QDense): .half() or
+        # .bfloat16() would round it, and every later refresh would code with another beta
+        beta = self.beta
+        super()._apply(fn, recurse)
+        if self.beta.dtype != torch.float32:
+            self.beta = beta.to(self.beta.device)
+        return self
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         key = prefix + "beta"

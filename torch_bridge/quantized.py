@@ -135,12 +135,12 @@ class CodesLayer:
                      ) -> torch.Tensor:
         """``x @ W_hat^T (+ bias)`` from the cached codes: ``torch.ops.hnlq.matmul``, whose
         body an inference call runs without the op's dispatch (:func:`torch_bridge.ops.
-        matmul_direct`: the same product bit for bit; on CPU tensors the native kernels, the
-        bias folded into the GEMM of a large float32 batch as ``F.linear`` folds it); else
-        ``y + bias``."""
+        matmul_direct`: the same product bit for bit, the bias added as ``y + bias``; on CPU
+        tensors the native kernels); else ``y + bias``."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{type(self).__name__}: expected input [..., {self.in_features}], "
                              f"got {tuple(x.shape)}")
+        ops.refuse_forward_ad(x, type(self).__name__)
         args = (x, self.index, self.tfield, self.scale, self.in_features, self.implementation)
         # A bias whose gradient autograd records is added outside the product.
         fold = bias is not None and not (torch.is_grad_enabled() and bias.requires_grad)
@@ -337,6 +337,7 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
             if x.shape[-1] != self.in_features:
                 raise ValueError(f"{type(self).__name__}: expected input [..., "
                                  f"{self.in_features}], got {tuple(x.shape)}")
+            ops.refuse_forward_ad(x, type(self).__name__)  # before the rotation drops it
             args = (x, self.rotation.n, self.rotation.seed, False)
             rotated = ops.rotate_direct(*args)
             x = torch.ops.hnlq.rotate(*args) if rotated is None else rotated
@@ -396,15 +397,20 @@ def _why_not(module: torch.nn.Linear) -> str | None:
 
 
 def _children(model: torch.nn.Module, kind):
-    """``(name, parent, child name, child)`` of every child of type ``kind`` of ``model``, once
-    per place it sits in (a module shared by several parents is listed under each)."""
-    seen = set()
-    for parent_name, parent in model.named_modules(remove_duplicate=False):
-        for child_name, child in parent.named_children():
-            if isinstance(child, kind) and (id(parent), child_name) not in seen:
-                seen.add((id(parent), child_name))
-                yield (f"{parent_name}.{child_name}" if parent_name else child_name, parent,
-                       child_name, child)
+    """``(name, parent, child name, child)`` of every module of type ``kind`` inside ``model``,
+    in ``named_modules`` order (a module before the modules inside it), once per place it sits
+    in: a module shared by several parents, or held by one under several names, is listed
+    under each (``named_children`` would list it once a parent)."""
+    def walk(prefix, parent, path):
+        for child_name, child in parent._modules.items():
+            if child is None:
+                continue
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if isinstance(child, kind):
+                yield name, parent, child_name, child
+            if id(child) not in path:  # a module inside itself: once
+                yield from walk(name, child, path | {id(child)})
+    yield from walk("", model, frozenset({id(model)}))
 
 
 def _split_attentions(model: torch.nn.Module, decide) -> None:
@@ -640,9 +646,11 @@ def load_quantized(model: torch.nn.Module, state_dict: dict, *, implementation=N
     """Restores a quantized model from its state dict into the float architecture, encoding
     nothing.
 
-    Each ``nn.Linear`` of ``model`` whose entry in ``state_dict`` holds HNLQ codes (the
-    ``_extra_state`` a :class:`QuantizedLinear` saves: format version, config, in_features,
-    rotation) is replaced, in place, by an empty ``QuantizedLinear`` built from that extra state
+    Each ``nn.Linear`` of ``model`` (a :class:`~torch_bridge.QLinear` too: the QAT model that
+    :func:`quantize_model` converted) whose entry in ``state_dict`` holds the codes of a
+    ``QuantizedLinear`` (the ``_extra_state`` it saves: format version, config, in_features,
+    rotation; and no float weight) is replaced, in place, by an empty ``QuantizedLinear`` built
+    from that extra state
     (on the linear's device; scales and bias in the saved scales' dtype), after each
     ``nn.MultiheadAttention`` whose projections were saved as ``q_proj`` / ``k_proj`` /
     ``v_proj`` is split as :func:`quantize_model` splits it; then the whole state dict loads,
@@ -682,8 +690,9 @@ def load_quantized(model: torch.nn.Module, state_dict: dict, *, implementation=N
             raise ValueError(f"{where}: the state dict holds codes for it, but the model has "
                              "no such module; build the model the state dict was saved "
                              "from") from None
-        if isinstance(module, CodesLayer):
-            continue  # holds codes already: it loads them itself
+        if isinstance(module, QuantizedLinear) or (isinstance(module, CodesLayer)
+                                                   and f"{name}.weight" in state_dict):
+            continue  # a layer of the saved kind (a QLinear saved as one): it loads itself
         config = read_saved_header(state, where)
         index, scale = state_dict.get(name + ".index"), state_dict.get(name + ".scale")
         if not isinstance(index, torch.Tensor) or not isinstance(scale, torch.Tensor):

@@ -30,7 +30,7 @@ import numpy as np
 
 from hnlq_jax import _numerics, kernels
 from hnlq_jax.codec import codebook, codebook_table, decode_blocks, default_float, to_blocks
-from hnlq_jax.codes import Codes, check_codes, concrete_all, unpack_t, valid_blocks
+from hnlq_jax.codes import Codes, check_codes, concrete_all, t_bits, unpack_t, valid_blocks
 from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = [
@@ -337,29 +337,31 @@ def dot_one_sided(codes_x, y):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _native_sums(U, E, idx, u, config):
-    """:func:`_gather_matmul`'s sums by the native kernel (float32), differentiable in U and E
-    as the XLA path (whose VJP its backward pass takes)."""
+def _native_sums(U, E, idx, tfield, config):
+    """:func:`_gather_matmul`'s sums by the native kernel (float32), which reads the codes' T
+    field itself (XLA's unpacking took longer than the sums), differentiable in U and E as the
+    XLA path (whose VJP its backward pass takes)."""
     M = config.M  # the steps by u: _block_scale of every u value (index 0 is always in range)
     steps = _block_scale(jnp.zeros((256, M), jnp.int32), jnp.arange(256), config, U.dtype)
-    return kernels.cpu.lut_matmul(U, E, idx, u.astype(jnp.uint8), steps, config.q)
+    return kernels.cpu.lut_matmul(U, E, idx, tfield, steps, config.q, t_bits(config))
 
 
-def _native_sums_fwd(U, E, idx, u, config):
-    return _native_sums(U, E, idx, u, config), (U, E, idx, u)
+def _native_sums_fwd(U, E, idx, tfield, config):
+    return _native_sums(U, E, idx, tfield, config), (U, E, idx, tfield)
 
 
 def _native_sums_bwd(config, res, g):
-    U, E, idx, u = res
-    _, vjp = jax.vjp(lambda U, E: _gather_matmul(U, E, idx, u, config, False), U, E)
-    zeros = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), (idx, u))
+    U, E, idx, tfield = res
+    u = unpack_t(tfield, config, idx.shape[1])
+    _, vjp = jax.vjp(lambda U, E: _gather_matmul(U, E, idx, u, config), U, E)
+    zeros = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), (idx, tfield))
     return vjp(g) + zeros
 
 
 _native_sums.defvjp(_native_sums_fwd, _native_sums_bwd)
 
 
-def _gather_matmul(U, E, idx, u, config, native: bool):
+def _gather_matmul(U, E, idx, u, config, tfield=None):
     """``out[m, n] = sum_k s[n, k] (sum_j q^j U[m, k, idx[n, k, j]] - E[m, k])``.
 
     Args:
@@ -367,15 +369,15 @@ def _gather_matmul(U, E, idx, u, config, native: bool):
       E: ``[m, nb]`` per-block offsets, or ``None``.
       idx: ``[n, nb, M]`` codebook indices of the n coded columns.
       u: ``[n, nb]`` their T field values: ``s`` is their block scales (NaN where invalid).
-      native: the sums by the native kernel (``kernels.cpu.lut_matmul``; float32), else by
-        XLA's gathers.
+      tfield: their packed T field, where the native kernel sums (``kernels.cpu.lut_matmul``;
+        float32; ``u`` is then unused), else ``None``: XLA's gathers.
     """
     m, nb, Q = U.shape
     n, M = idx.shape[0], config.M
     if m == 0 or n == 0 or nb == 0:
         return jnp.zeros((m, n), U.dtype)
-    if native:
-        return _native_sums(U, E, idx, u, config)
+    if tfield is not None:
+        return _native_sums(U, E, idx, tfield, config)
     s = _block_scale(idx, u, config, U.dtype)
     # Gathering along the table axis of each block (not from one flattened table) is ~1.7x
     # faster on XLA:CPU; columns go in chunks so the gathered [m, nb, chunk, M] stays small.
@@ -400,8 +402,9 @@ def _gather_matmul(U, E, idx, u, config, native: bool):
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _matmul(a, ua, b, ub, config, pad, native):
+def _matmul(a, ua, b, tb, config, pad, native):
     dtype = default_float()
+    ub = unpack_t(tb, config, b.shape[1])  # inside jit: unused (not computed) when native
     lead = ua.shape[:-1]
     m = int(np.prod(lead, dtype=np.int64))  # not -1: a reshape cannot infer it when nb = 0
     a = a.reshape((m,) + a.shape[-2:]).astype(jnp.int32)  # [m, nb, M]
@@ -416,7 +419,7 @@ def _matmul(a, ua, b, ub, config, pad, native):
         tz, zz = zt
         U = U - tz
         E = sA * (jnp.sum(tz[a] * _numerics.level_weights(config, dtype), -1) - zz)
-    out = _gather_matmul(sA[..., None] * U, E, b, ub, config, native)
+    out = _gather_matmul(sA[..., None] * U, E, b, ub, config, tb if native else None)
     if pad:
         out = out - jnp.matmul(_tail(a, ua, config, dtype, pad),
                                _tail(b, ub, config, dtype, pad).T, precision=_HIGHEST)
@@ -424,11 +427,13 @@ def _matmul(a, ua, b, ub, config, pad, native):
 
 
 def _matrix_codes(codes, fn: str, what: str):
-    index, u, scale = _block_codes(codes, fn)
-    if index.ndim != 3:
+    """``(index [n, nb, M], T field [n, tb], scale or None)`` of a coded matrix (its T field
+    unpacked inside the products' jit: a native product reads it itself)."""
+    check_codes(codes, fn)
+    if len(codes.blocks_shape) != 2:
         raise ValueError(f"{fn}: {what} must be coded as n rows of length k: blocks [n, nb], "
                          f"got blocks {list(codes.blocks_shape)}")
-    return index, u, scale
+    return codes.index, codes.tfield, codes.scale
 
 
 IMPLEMENTATIONS = ("xla", "native")
@@ -477,26 +482,27 @@ def matmul(codes_A, codes_B, *, implementation=None):
       rounding; NaN in entries that touch a block with ``T = -1``.
     """
     a, ua, sa = _block_codes(codes_A, "matmul")
-    b, ub, sb = _matrix_codes(codes_B, "matmul", "B")
+    b, tb, sb = _matrix_codes(codes_B, "matmul", "B")
     config = _same_config(codes_A, codes_B, "matmul")
     _check_two_sided(config, "matmul")
-    if ua.shape[-1] != ub.shape[-1]:
-        raise ValueError(f"matmul: A has {ua.shape[-1]} blocks per row, B {ub.shape[-1]} per column")
+    if ua.shape[-1] != b.shape[1]:
+        raise ValueError(f"matmul: A has {ua.shape[-1]} blocks per row, B {b.shape[1]} per column")
     native = _native(implementation, "matmul", default_float(), a, b)
-    out = _matmul(a, ua, b, ub, config, _padding(codes_A, codes_B, "matmul"), native)
+    out = _matmul(a, ua, b, tb, config, _padding(codes_A, codes_B, "matmul"), native)
     if sa is not None:
         out = out * sa.astype(out.dtype)[..., None]
     return _row_scale(out, sb)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
-def _matmul_one_sided(index, u, x, config, native):
+def _matmul_one_sided(index, tfield, x, config, native):
     lead = x.shape[:-1]
+    u = unpack_t(tfield, config, index.shape[1])  # inside jit: unused (not computed) if native
     t = _one_sided(x.reshape((-1, x.shape[-1])), config)  # [m, nb, Q]
     E = None
     if config.dither is not None:
         E = dither_dot(to_blocks(x.reshape((-1, x.shape[-1])).astype(t.dtype), config.d), config)
-    out = _gather_matmul(t, E, index, u, config, native)
+    out = _gather_matmul(t, E, index, u, config, tfield if native else None)
     return out.reshape(lead + out.shape[-1:])
 
 
@@ -517,13 +523,14 @@ def matmul_one_sided(codes_W, x, *, implementation=None):
     Raises:
       ValueError: an unknown implementation, or ``"native"`` where it cannot run.
     """
-    index, u, scale = _matrix_codes(codes_W, "matmul_one_sided", "W")
+    index, tfield, scale = _matrix_codes(codes_W, "matmul_one_sided", "W")
     config = codes_W.config
+    n, nb = codes_W.blocks_shape
     check_one_sided(config, "matmul_one_sided")
-    x = _check_real(x, u.shape[-1], config, "matmul_one_sided", "x", codes_W.n)
+    x = _check_real(x, nb, config, "matmul_one_sided", "x", codes_W.n)
     _check_implementation(implementation, "matmul_one_sided")
     dtype = jnp.promote_types(x.dtype, jnp.float32)  # the tables'
-    if x.size == 0 or u.shape[0] == 0:
-        return jnp.zeros(x.shape[:-1] + (u.shape[0],), dtype)
+    if x.size == 0 or n == 0:
+        return jnp.zeros(x.shape[:-1] + (n,), dtype)
     native = _native(implementation, "matmul_one_sided", dtype, index, x)
-    return _row_scale(_matmul_one_sided(index, u, x, config, native), scale)
+    return _row_scale(_matmul_one_sided(index, tfield, x, config, native), scale)

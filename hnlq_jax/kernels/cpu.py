@@ -268,18 +268,20 @@ def decode_matmul(x, codes: Codes, bf16_weights: bool = False):
     return call(x, *operands, **attrs)
 
 
-def lut_matmul(U, E, index, u, steps, q: int):
+def lut_matmul(U, E, index, tfield, steps, q: int, bits: int):
     """The lookup-table product's sums ``y[m, n] = sum_k steps[u[n, k]] (sum_j q^j U[m, k,
-    index[n, k, j]] - E[m, k])`` (NaN where an index is ``>= Q``): :mod:`hnlq_jax.lut`'s
-    one- and two-sided matrix products on a CPU.
+    index[n, k, j]] - E[m, k])`` (NaN where an index is ``>= Q``), ``u`` the T field's values:
+    :mod:`hnlq_jax.lut`'s one- and two-sided matrix products on a CPU.
 
     Args:
       U: ``[m, nb, Q]`` float32 per-block tables.
       E: ``[m, nb]`` float32 per-block offsets, or ``None``.
       index: ``[n, nb, M]`` uint8 or uint16 codebook indices.
-      u: ``[n, nb]`` uint8 T field values.
+      tfield: ``[n, tb]`` uint8: the codes' T field (``bits`` 4: two blocks a byte, low
+        nibble first, ``tb = ceil(nb / 2)``; 8: a byte a block).
       steps: ``[256]`` float32 block scales by ``u`` (NaN where ``u`` is not valid).
       q: the codes' q (level ``j`` weighs ``q^j``).
+      bits: the T field's bits a block, 4 or 8.
 
     Returns:
       ``[m, n]`` float32.
@@ -288,7 +290,7 @@ def lut_matmul(U, E, index, u, steps, q: int):
     call = jax.ffi.ffi_call("hnlq_lut_matmul",
                             jax.ShapeDtypeStruct((U.shape[0], index.shape[0]), jnp.float32),
                             vmap_method="sequential")
-    return call(U, E, index, u, steps, q=np.int64(q))
+    return call(U, E, index, tfield, steps, q=np.int64(q), t_bits=np.int64(bits))
 
 
 def rotate(x, signs, mixer, k: int, m: int, inverse: bool):

@@ -1,6 +1,6 @@
 // hnlq_lut_matmul: the lookup-table product's sums, y[m, n] = sum_k s[n, k] (sum_j q^j
 // U[m, k, idx[n, k, j]] - E[m, k]), with s[n, k] = steps[u[n, k]] (NaN where an index is
-// >= Q: an invalid block, as the reference's valid_blocks).
+// >= Q: an invalid block, as the reference's valid_blocks), u read from the codes' T field.
 //
 // The CPU twin of hnlq_jax.lut's _gather_matmul, which both lookup-table products end in: the
 // one-sided one (U[m, k, b] = <r(b), x_mk>, the tables of real activations: weight-only
@@ -11,10 +11,12 @@
 // (U's row m stays in L2 across the tile), else a block at a time. With AVX512-VBMI, two
 // levels of uint8 indices take tiles_vbmi instead: 64 columns a register, no gathers.
 //
-// Inputs: U f32[m, nb, Q]; E f32[m, nb] or f32[0] (no offsets); idx u8|u16[n, nb, M]; u
-// u8[n, nb] (the blocks' T field values); steps f32[256] (beta 2^(alpha T) by u, NaN where u
-// is not valid). Attribute q. Output y f32[m, n].
+// Inputs: U f32[m, nb, Q]; E f32[m, nb] or f32[0] (no offsets); idx u8|u16[n, nb, M];
+// tfield u8[n, tb] (the blocks' T field values u: 4-bit, two blocks a byte, low nibble first,
+// or a byte a block); steps f32[256] (beta 2^(alpha T) by u, NaN where u is not valid).
+// Attributes q, t_bits. Output y f32[m, n].
 
+#include <cstring>
 #include <vector>
 
 #include "decode_rows.h"
@@ -30,17 +32,23 @@ struct LutCall : Tasks {
   const float* U;
   const float* E;  // nullptr: no offsets
   const void* idx;
-  const uint8_t* u;
+  const uint8_t* tf;  // the T field, tb bytes a column
   const float* steps;
   float* y;
-  int64_t m, n, nb, Q, M, q;
-  bool u16;
+  int64_t m, n, nb, Q, M, q, tb;
+  bool u16, t4;
   int isa;
   const uint8_t* planes = nullptr;  // tiles_vbmi's tables (null: the other paths)
   int64_t vbmi_tiles = 0;           // the first tasks: span_vbmi's (kVbmiColumns wide tiles)
   int64_t vbmi_spans = 0;
   void (*work)(LutCall&) = nullptr;
 };
+
+// Block k's u in column c.
+inline int u_of(const LutCall& p, int64_t c, int64_t k) {
+  const uint8_t* t = p.tf + c * p.tb;
+  return p.t4 ? (t[k >> 1] >> (4 * (k & 1))) & 15 : t[k];
+}
 
 // Column c's sum with row r over blocks [k0, nb), a block at a time.
 template <typename Index>
@@ -57,7 +65,7 @@ float column_rest(const LutCall& p, int64_t r, int64_t c, int64_t k0) {
       v += weight * (b < p.Q ? U[k * p.Q + b] : 0.0f);
     }
     if (p.E) v -= p.E[r * p.nb + k];
-    const float s = bad ? std::numeric_limits<float>::quiet_NaN() : p.steps[p.u[c * p.nb + k]];
+    const float s = bad ? std::numeric_limits<float>::quiet_NaN() : p.steps[u_of(p, c, k)];
     sum += s * v;
   }
   return sum;
@@ -96,8 +104,16 @@ HNLQ_AVX512 void tile_avx512(const LutCall& p, int64_t r, int64_t c0, int64_t c1
                                                  _mm512_add_epi32(base, b1), U, 4);
       __m512 v = _mm512_add_ps(g0, _mm512_mul_ps(q, g1));
       if (E) v = _mm512_sub_ps(v, e);
-      const __m512i t = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.u + (c0 + c) * p.nb + k)));
+      const uint8_t* tf = p.tf + (c0 + c) * p.tb;
+      __m512i t;
+      if (p.t4) {  // byte k / 2 doubled, then its nibbles (as decode_rows.h's steps16)
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tf + (k >> 1)));
+        t = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b)),
+                                               _mm512_set1_epi64(int64_t{4} << 32)),
+                             _mm512_set1_epi32(15));
+      } else {
+        t = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tf + k)));
+      }
       const __m512 s = _mm512_mask_blend_ps(ok, nan, _mm512_i32gather_ps(t, p.steps, 4));
       acc[c] = _mm512_fmadd_ps(s, v, acc[c]);
     }
@@ -113,21 +129,20 @@ HNLQ_AVX512 void tile_avx512(const LutCall& p, int64_t r, int64_t c0, int64_t c1
 // Q = 256) is first split into its four byte planes (planes_of, once a call; entries >= Q
 // NaN, so that an invalid index makes its sum NaN); a block's lookup is then two two-register
 // byte permutes and a blend a plane and level, and the four planes' bytes of 16 lanes become
-// floats by two rounds of unpacks. The index bytes (and u) of 64 columns at a block come
-// from their rows, 64 bytes at a time, by transposes (transpose64). Each lane sums its
-// blocks in order, v = U0 + q U1 (- E), acc += s v, as tile_avx512's lanes do.
+// floats by two rounds of unpacks. The index bytes (and T fields) of 64 columns at a block
+// come from their rows, 64 bytes at a time, by transposes (transpose64); a last step of
+// fewer than 64 blocks from copies of the rows' ends. Each lane sums its blocks in order,
+// v = U0 + q U1 (- E), acc += s v, as tile_avx512's lanes do.
 
 constexpr int64_t kVbmiColumns = 64;
 constexpr int64_t kVbmiSpan = 8;    // tiles of 64 columns a task
-constexpr int64_t kVbmiBlocks = 64;  // blocks a step (u: 64 bytes a column)
+constexpr int64_t kVbmiBlocks = 64;  // blocks a step (the index: 128 bytes a column)
 
 #ifdef HNLQ_X86
-// Whether a call takes tiles_vbmi: the steps beyond u = 31 are NaN (a 4-bit T field's
-// u < 16 always; steps16_vbmi looks up 32 entries), so that a permute of 32 is exact.
+// Whether a call takes span_vbmi: the steps beyond u = 31 are NaN (a 4-bit T field's u < 16
+// always; span_vbmi looks up 32 entries), so that a permute of 32 is exact.
 bool vbmi_applies(const LutCall& p) {
-  if (p.isa < kVbmi || p.u16 || p.M != 2 || p.Q > 256 || p.n < kVbmiColumns ||
-      p.nb < kVbmiBlocks)
-    return false;
+  if (p.isa < kVbmi || p.u16 || p.M != 2 || p.Q > 256 || p.n < kVbmiColumns) return false;
   for (int i = 32; i < 256; ++i)
     if (!std::isnan(p.steps[i])) return false;
   return true;
@@ -193,20 +208,26 @@ HNLQ_AVX512 inline void transpose_pieces(const __m512i (&in)[8], __m512i (&out)[
   }
 }
 
-// out[e], byte lane c: byte e of the 64 bytes at src + c stride (64 rows' 64-byte pieces,
-// loaded whole: gathers of 8 bytes cost 3x the sums). Per group of 8 rows a transpose of
-// their 8-byte pieces and a byte transpose of each piece (a permute), then a transpose of
-// the groups' pieces.
+// out[e], byte lane c: byte e < Bytes of the Bytes (64 or 32) at src + c stride (64 rows'
+// pieces, loaded whole: gathers of 8 bytes cost 3x the sums). Per group of 8 rows a
+// transpose of their 8-byte pieces and a byte transpose of each piece (a permute), then a
+// transpose of the groups' pieces.
+template <int Bytes>
 HNLQ_VBMI void transpose64(const uint8_t* src, int64_t stride, __m512i* out) {
   const __m512i order = _mm512_load_si512(kTranspose8);
   __m512i t[8][8];  // [e][j]: piece p of row group j's bytes 8 e + p
   for (int j = 0; j < 8; ++j) {
     __m512i rows[8], pieces[8];
-    for (int i = 0; i < 8; ++i) rows[i] = _mm512_loadu_si512(src + (8 * j + i) * stride);
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t* row = src + (8 * j + i) * stride;
+      rows[i] = Bytes == 64 ? _mm512_loadu_si512(row)
+                            : _mm512_zextsi256_si512(
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+    }
     transpose_pieces(rows, pieces);  // pieces[e] piece i: row i's bytes 8 e ..
     for (int e = 0; e < 8; ++e) t[e][j] = _mm512_permutexvar_epi8(order, pieces[e]);
   }
-  for (int e = 0; e < 8; ++e) {
+  for (int e = 0; e < Bytes / 8; ++e) {
     __m512i o[8];
     transpose_pieces(t[e], o);
     for (int p = 0; p < 8; ++p) out[8 * e + p] = o[p];
@@ -237,27 +258,55 @@ HNLQ_VBMI inline void lookup_level(const __m512i (&t)[4][4], __m512i k, __m512 (
   for (int j = 0; j < 4; ++j) f[j] = _mm512_castsi512_ps(w[j]);
 }
 
-// Columns [c0, c0 + 64 T) (T <= kVbmiSpan tiles of 64) against every row of U, blocks
-// [0, nb / 64 * 64) in steps of 64, then the rest of each column's blocks as column_rest.
-// Steps outer: U's planes are read from memory once a span, not once a tile. acc: the sums
-// between steps (m x 64 T floats).
+// The index bytes and T fields of columns [c, c + 64), blocks [k0, k0 + 64) or the rest:
+// keys[2 e + l] level l of block k0 + e, u[e] its u, one byte lane a column.
+HNLQ_VBMI void step_keys(const LutCall& p, int64_t c, int64_t k0, __m512i* keys, __m512i* u) {
+  const uint8_t* idx = static_cast<const uint8_t*>(p.idx) + 2 * (c * p.nb + k0);
+  const uint8_t* tf = p.tf + c * p.tb + (p.t4 ? k0 / 2 : k0);
+  const int64_t count = std::min(kVbmiBlocks, p.nb - k0);
+  const int64_t tbytes = p.t4 ? (count + 1) / 2 : count;
+  alignas(64) uint8_t ends[kVbmiColumns][2 * kVbmiBlocks + kVbmiBlocks];  // the rows' ends
+  int64_t stride = 2 * p.nb, tstride = p.tb;
+  if (count < kVbmiBlocks) {  // a last step: its bytes copied, so that no load reads past
+    std::memset(ends, 0, sizeof(ends));
+    for (int64_t i = 0; i < kVbmiColumns; ++i) {
+      std::memcpy(ends[i], idx + i * stride, 2 * count);
+      std::memcpy(ends[i] + 2 * kVbmiBlocks, tf + i * tstride, tbytes);
+    }
+    idx = ends[0], tf = ends[0] + 2 * kVbmiBlocks;
+    stride = tstride = sizeof(ends[0]);
+  }
+  transpose64<64>(idx, stride, keys);
+  transpose64<64>(idx + 64, stride, keys + 64);
+  if (!p.t4) {
+    transpose64<64>(tf, tstride, u);
+    return;
+  }
+  __m512i bytes[32];  // block 2 i in the low nibble of byte i, 2 i + 1 in the high one
+  transpose64<32>(tf, tstride, bytes);
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int i = 0; i < 32; ++i) {
+    u[2 * i] = _mm512_and_si512(bytes[i], low);
+    u[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes[i], 4), low);
+  }
+}
+
+// Columns [c0, c0 + 64 T) (T <= kVbmiSpan tiles of 64) against every row of U, in steps of
+// 64 blocks. Steps outer: U's planes are read from memory once a span, not once a tile.
+// acc: the sums between steps (m x 64 T floats).
 HNLQ_VBMI void span_vbmi(const LutCall& p, int64_t c0, int64_t T, float* acc) {
-  const uint8_t* idx = static_cast<const uint8_t*>(p.idx);
   const __m512 q = _mm512_set1_ps(static_cast<float>(p.q));
   const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
   const __m512 steps_lo = _mm512_loadu_ps(p.steps), steps_hi = _mm512_loadu_ps(p.steps + 16);
   const __m512i zero = _mm512_setzero_si512(), big = _mm512_set1_epi32(31);
   const int64_t width = kVbmiColumns * T;
   std::fill(acc, acc + p.m * width, 0.0f);
-  const int64_t whole = p.nb / kVbmiBlocks * kVbmiBlocks;
-  __m512i keys[2 * kVbmiBlocks], u[kVbmiBlocks];  // level l of block k0 + e at keys[2 e + l]
-  for (int64_t k0 = 0; k0 < whole; k0 += kVbmiBlocks) {
+  __m512i keys[2 * kVbmiBlocks], u[kVbmiBlocks];
+  for (int64_t k0 = 0; k0 < p.nb; k0 += kVbmiBlocks) {
+    const int64_t count = std::min(kVbmiBlocks, p.nb - k0);
     for (int64_t tile = 0; tile < T; ++tile) {
-      const int64_t c = c0 + kVbmiColumns * tile;
-      transpose64(idx + 2 * (c * p.nb + k0), 2 * p.nb, keys);
-      transpose64(idx + 2 * (c * p.nb + k0) + 64, 2 * p.nb, keys + 64);
-      transpose64(p.u + c * p.nb + k0, p.nb, u);
-      for (int64_t e = 0; e < kVbmiBlocks; ++e) {
+      step_keys(p, c0 + kVbmiColumns * tile, k0, keys, u);
+      for (int64_t e = 0; e < count; ++e) {
         __m512 s[4];  // the block's steps, as widen's f
         __m512i w[4];
         widen(u[e], zero, zero, zero, w);
@@ -288,11 +337,9 @@ HNLQ_VBMI void span_vbmi(const LutCall& p, int64_t c0, int64_t T, float* acc) {
     for (int64_t tile = 0; tile < T; ++tile)
       for (int j = 0; j < 4; ++j)
         for (int L = 0; L < 4; ++L)
-          for (int i = 0; i < 4; ++i) {  // lane 4 L + i of sum j: column 16 L + 4 j + i
-            const int64_t c = c0 + kVbmiColumns * tile + 16 * L + 4 * j + i;
-            p.y[r * p.n + c] = acc[r * width + kVbmiColumns * tile + 16 * j + 4 * L + i] +
-                               column_rest<uint8_t>(p, r, c, whole);
-          }
+          for (int i = 0; i < 4; ++i)  // lane 4 L + i of sum j: column 16 L + 4 j + i
+            p.y[r * p.n + c0 + kVbmiColumns * tile + 16 * L + 4 * j + i] =
+                acc[r * width + kVbmiColumns * tile + 16 * j + 4 * L + i];
 }
 #endif
 
@@ -334,30 +381,35 @@ void run(LutCall& p) {
 }
 
 ffi::Error LutMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> U, ffi::Buffer<ffi::F32> E,
-                         ffi::AnyBuffer idx, ffi::Buffer<ffi::U8> u, ffi::Buffer<ffi::F32> steps,
-                         ffi::ResultBuffer<ffi::F32> y, int64_t q) {
+                         ffi::AnyBuffer idx, ffi::Buffer<ffi::U8> tfield,
+                         ffi::Buffer<ffi::F32> steps,
+                         ffi::ResultBuffer<ffi::F32> y, int64_t q, int64_t t_bits) {
   const auto ud = U.dimensions(), ed = E.dimensions(), id = idx.dimensions();
-  const auto td = u.dimensions(), yd = y->dimensions();
+  const auto td = tfield.dimensions(), yd = y->dimensions();
   const bool u16 = idx.element_type() == ffi::DataType::U16;
   ffi::Error e = check(u16 || idx.element_type() == ffi::DataType::U8, kName,
                        "idx must be u8/u16");
   if (e.failure()) return e;
   e = check(ud.size() == 3 && id.size() == 3 && td.size() == 2 && yd.size() == 2 &&
                 ed.size() >= 1,
-            kName, "ranks: U [m, nb, Q], idx [n, nb, M], u [n, nb], y [m, n]");
+            kName, "ranks: U [m, nb, Q], idx [n, nb, M], tfield [n, tb], y [m, n]");
   if (e.failure()) return e;
   auto call = std::make_shared<LutCall>();
   LutCall& p = *call;
   p.m = ud[0]; p.nb = ud[1]; p.Q = ud[2]; p.n = id[0]; p.M = id[2]; p.q = q; p.u16 = u16;
+  p.t4 = t_bits == 4;
+  p.tb = p.t4 ? (p.nb + 1) / 2 : p.nb;
   const bool offsets = E.element_count() != 0;
-  e = check(id[1] == p.nb && td[0] == p.n && td[1] == p.nb && yd[0] == p.m && yd[1] == p.n &&
+  e = check(t_bits == 4 || t_bits == 8, kName, "t_bits must be 4 or 8");
+  if (e.failure()) return e;
+  e = check(id[1] == p.nb && td[0] == p.n && td[1] == p.tb && yd[0] == p.m && yd[1] == p.n &&
                 p.M >= 1 && q >= 2 && p.Q >= 1 && steps.element_count() == 256 &&
                 (!offsets || (ed.size() == 2 && ed[0] == p.m && ed[1] == p.nb)),
-            kName, "shapes of U, E, idx, u, steps and y disagree");
+            kName, "shapes of U, E, idx, tfield, steps and y disagree");
   if (e.failure()) return e;
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   p.U = U.typed_data(); p.E = offsets ? E.typed_data() : nullptr; p.idx = idx.untyped_data();
-  p.u = u.typed_data(); p.steps = steps.typed_data(); p.y = y->typed_data();
+  p.tf = tfield.typed_data(); p.steps = steps.typed_data(); p.y = y->typed_data();
   p.isa = active_isa();
 #ifdef HNLQ_X86
   if (vbmi_applies(p)) {  // U's planes, 1 KiB a table, in this thread's buffer (kept: a
@@ -387,7 +439,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HnlqLutMatmul, LutMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // U
                                   .Arg<ffi::Buffer<ffi::F32>>()  // E
                                   .Arg<ffi::AnyBuffer>()         // idx
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // u
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // tfield
                                   .Arg<ffi::Buffer<ffi::F32>>()  // steps
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
-                                  .Attr<int64_t>("q"));
+                                  .Attr<int64_t>("q")
+                                  .Attr<int64_t>("t_bits"));

@@ -106,15 +106,15 @@ def compressed_mean(x, axis_name, config: HNLQConfig, method: str = "all_gather"
     Returns:
       The mean, shaped and typed as ``x``; identical on every device. NaN only where some
       device's input was not finite (in that device's chunk). On a one-device axis ``x``
-      itself (exact: nothing is communicated).
+      itself (``lax.pmean``'s: exact, nothing is communicated).
     """
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"compressed_mean: x must be floating, got {x.dtype}")
     n = jax.lax.axis_size(axis_name) if method == "reduce_scatter" else 1
     lay = _layout(x.size, config, method, n, chunk, t_capacity, "compressed_mean")
-    if jax.lax.axis_size(axis_name) == 1:  # nothing is sent: the mean of one value is itself
-        return x
+    if jax.lax.axis_size(axis_name) == 1:  # nothing is sent: the mean of one value is itself,
+        return jax.lax.pmean(x, axis_name)  # typed as the same on every device (x would vary)
     mean, _, _ = _compressed_mean(jnp.ravel(x).astype(jnp.float32), axis_name, lay,
                                   implementation)
     return mean[: x.size].reshape(x.shape).astype(x.dtype)

@@ -511,3 +511,14 @@ def test_two_processes_jax_distributed(tmp_path, free_port):
         got = np.load(tmp_path / f"out{i}.npy")
         for k in range(len(dist.METHODS)):
             np.testing.assert_array_equal(got[k], np.asarray(local[k])[0])
+
+
+@pytest.mark.parametrize("method", ["all_gather", "reduce_scatter"])
+def test_one_device_axis_is_replicated_as_pmean(method):
+    """On a one-device axis the mean is x, typed as pmean's (the same on every device), so
+    out_specs=P() takes it as docs/dist.md's example does."""
+    cfg = hq.HNLQConfig("D4", 4, 2)
+    g = jax.random.normal(jax.random.key(0), (1, 1000))
+    run = jax.jit(jax.shard_map(lambda g: dist.compressed_mean(g[0], "i", cfg, method),
+                                mesh=mesh(1), in_specs=P("i"), out_specs=P()))
+    np.testing.assert_array_equal(np.asarray(run(g)), np.asarray(g[0]))

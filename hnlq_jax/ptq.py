@@ -37,7 +37,8 @@ from hnlq_jax.codec import decode_blocks, default_float, from_blocks
 from hnlq_jax.codes import Codes, index_dtype, pack_t
 from hnlq_jax.config import HNLQConfig, check_beta, check_config, pow2_table
 from hnlq_jax.incoherence import Rotation
-from hnlq_jax.rows import calibrate_rows, check_finite_weight, divide_rows, row_rms, unit
+from hnlq_jax.rows import (calibrate_rows, check_finite_weight, divide_rows, row_rms, unit,
+                           zero_rows_scale)
 from hnlq_jax.stats import entropy_bits, t_counts
 
 __all__ = ["CALIBRATION_OPTIONS", "DAMP", "DEFAULT_GRID", "GROUP_COLUMNS", "PTQResult",
@@ -616,6 +617,6 @@ def gptq_rows(w, H, config: HNLQConfig, *, damp: float = DAMP, act_order: bool =
     if not bool(jnp.all(T >= 0)):
         raise ValueError(f"{fn}: the compensation produced non-finite values (H is badly "
                          "conditioned?); raise damp")
-    codes = Codes(index, pack_t(T, ucfg), ucfg).with_rows(scale=c, n=n)
+    codes = Codes(index, pack_t(T, ucfg), ucfg).with_rows(scale=zero_rows_scale(w, c), n=n)
     return PTQResult(codes, beta, float(jnp.sum(losses)), int(jnp.sum(shrunk)), rotation,
                      abs(float(chosen)))  # abs: no -0.0

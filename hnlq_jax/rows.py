@@ -22,7 +22,7 @@ from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.stats import search_beta
 
 __all__ = ["CALIBRATION_BLOCKS", "bucket_rows", "calibrate_rows", "check_row_failures",
-           "divide_rows", "encode_rows", "row_rms", "rows_codes", "unit"]
+           "divide_rows", "encode_rows", "row_rms", "rows_codes", "unit", "zero_rows_scale"]
 
 # Blocks the per-layer beta search looks at: a fixed-size sample compiles once for every layer.
 CALIBRATION_BLOCKS = 4096
@@ -45,7 +45,8 @@ def bucket_rows(rows: int, k: int, config: HNLQConfig) -> int:
 
 @jax.jit  # one program for an eager call (calibration), not one per operation
 def row_rms(w):
-    """RMS of each row of ``w[..., k]`` (1 for an all-zero row, which then codes to zeros).
+    """RMS of each row of ``w[..., k]`` (1 for an all-zero row, whose codes then store the
+    scale 0: :func:`zero_rows_scale`).
 
     Computed as ``m sqrt(mean((w/m)^2))`` with ``m = max |w_row|``, so an entry near the float
     range (1e20 squares to inf in float32) gives a finite scale instead of a NaN row; the
@@ -58,6 +59,13 @@ def row_rms(w):
     m = jnp.where(m > 0, m, 1.0)
     rms = m * sqrt(mean_square(divide_rows(w, m)))
     return jnp.where(rms > 0, rms, 1.0)
+
+
+def zero_rows_scale(w, c):
+    """The row scales ``c [...]`` codes of ``w[..., k]`` store: 0 for an all-zero row, which
+    then decodes to exactly 0 (its blocks decode to ``beta (Q(z) - z)``, not 0, with a dither
+    ``z``)."""
+    return jnp.where(jnp.any(w != 0, axis=-1), c, jnp.zeros_like(c))
 
 
 @jax.jit  # one program for an eager call (calibration), not one per operation
@@ -140,10 +148,11 @@ def rows_codes(w, config: HNLQConfig, beta, implementation: str = "xla") -> Code
 
 
 def _scaled_blocks(w, config: HNLQConfig, beta):
-    """``(blocks [..., ceil(k/d), d], c [...])``: the rows of ``w`` over ``c = beta * rms``."""
+    """``(blocks [..., ceil(k/d), d], c [...])``: the rows of ``w`` over ``c = beta * rms``,
+    and the scales to store (:func:`zero_rows_scale`)."""
     w = w.astype(jnp.promote_types(w.dtype, jnp.float32))  # half precision: code in float32
     c = beta * row_rms(w)
-    return to_blocks(divide_rows(w, c), config.d), c
+    return to_blocks(divide_rows(w, c), config.d), zero_rows_scale(w, c)
 
 
 def _assemble(index, T, c, config: HNLQConfig, n: int) -> Codes:

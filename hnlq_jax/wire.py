@@ -25,7 +25,9 @@ A payload is ``uint8 [parts, part_bytes]``; each part decodes on its own (:func:
   is what the collectives need: they code every step.
 * ``exponent``: int8 ``e``; the chunk's values are ``2^e`` times its decoded codes.
   ``e = -128`` (``FAILED``) marks a chunk that could not be sent (non-finite input, or in
-  principle a chunk that does not fit even at ``e = 127``): it decodes to NaN.
+  principle a chunk that does not fit even at ``e = 127``): it decodes to NaN; ``e = -127``
+  (``ZERO``) an all-zero chunk: it decodes to zeros (with a dither ``z`` its codes would
+  decode to ``beta (Q(z) - z)``).
 
 **Choosing e (rate control).** ``e`` starts at the power of two nearest the chunk's RMS (RMS in
 ``[0.71, 1.41)`` after scaling, so ``config.beta`` is the beta for unit-RMS data), raised if
@@ -62,15 +64,19 @@ from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.rows import row_rms
 from hnlq_jax.stats import gaussian_beta
 
-__all__ = ["CHUNK", "FAILED", "WIRE_VERSION", "default_t_capacity", "Layout", "Info", "layout", "chunk_config",
+__all__ = ["CHUNK", "FAILED", "WIRE_VERSION", "ZERO", "default_t_capacity", "Layout", "Info", "layout", "chunk_config",
            "encode", "decode", "decode_part"]
 
 CHUNK = 256  # blocks per scale
 # The payload layout's version. Payloads are not stored, so it is not FORMAT_VERSION (the codes'
 # stored form): parties exchanging payloads compare it (the DDP hook does). 1: T streams as in
-# ``pack`` (Rice-coded planes) and the Rice parameters at the end of each part; 2: flags + unary.
-WIRE_VERSION = 2
+# ``pack`` (Rice-coded planes) and the Rice parameters at the end of each part; 2: flags + unary;
+# 3: the exponent ZERO.
+WIRE_VERSION = 3
 FAILED = -128  # the exponent of a chunk that decodes to NaN
+# The exponent of an all-zero chunk, which decodes to zeros: its codes would decode to
+# beta (Q(z) - z) with a dither z, a steady bias on a parameter whose gradient is 0
+ZERO = -127
 _E_MIN, _E_MAX = -126, 127
 
 
@@ -312,7 +318,8 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
         cond, body, (e0, index, u, tstream, fits(u, used)))
     sent = ok & finite
     labels = jax.vmap(lambda i: packing.pack_labels(i, config))(index)
-    exponent = jnp.where(sent, e, FAILED).astype(jnp.int8)
+    zero = jnp.all(x == 0, axis=1)
+    exponent = jnp.where(sent, jnp.where(zero, ZERO, e), FAILED).astype(jnp.int8)
     records = jnp.concatenate([labels, tstream, jax.lax.bitcast_convert_type(
         exponent, jnp.uint8)[:, None]], axis=1)
     payload = records.reshape(lay.parts, -1)
@@ -364,6 +371,7 @@ def decode_part(part, lay: Layout, implementation=None, interpret=None):
     # beyond it, and an Inf would poison error feedback (x - Inf) for good.
     big = float(jnp.finfo(jnp.float32).max)
     x = jnp.clip(jnp.ldexp(x.reshape(lay.chunks, -1), e[:, None]), -big, big)
+    x = jnp.where((e == ZERO)[:, None], 0.0, x)
     good = ok & ~jnp.any(bad, axis=1) & (e != FAILED)
     return jnp.where(good[:, None], x, jnp.nan).reshape(-1)
 

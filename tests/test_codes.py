@@ -279,3 +279,21 @@ def test_saved_header_refuses_other_versions(version):
     cfg = hq.HNLQConfig("D4", 4, 2)
     with pytest.raises(ValueError, match="load: the codes were saved in format version"):
         check_saved_header({**saved_header(cfg), "format_version": version}, cfg, "load", "")
+
+
+@pytest.mark.parametrize("dither", [None, (0.1, -0.05, 0.02, 0.0)])
+def test_all_zero_rows_decode_to_zero(dither):
+    """An all-zero row (a pruned output) stores the scale 0 and decodes to exactly 0, with a
+    dither too (its blocks decode to beta (Q(z) - z) != 0); the other rows as before; in the
+    product, eager and under jit."""
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2016, dither=dither)
+    W = np.random.default_rng(3).standard_normal((4, 10)).astype(np.float32)
+    W[[0, 2]] = 0
+    for codes in (hq.encode_rows(W, cfg), jax.jit(lambda w: hq.encode_rows(w, cfg))(W)):
+        np.testing.assert_array_equal(np.asarray(codes.scale)[[0, 2]], 0)
+        assert np.all(np.asarray(codes.scale)[[1, 3]] > 0)
+        decoded = np.asarray(hq.decode(codes))
+        np.testing.assert_array_equal(decoded[[0, 2]], 0)
+        assert np.abs(decoded[[1, 3]] - W[[1, 3]]).max() < 0.5
+        y = np.asarray(hq.matmul(np.ones((2, 10), np.float32), codes))
+        np.testing.assert_array_equal(y[:, [0, 2]], 0)

@@ -522,3 +522,20 @@ def test_one_device_axis_is_replicated_as_pmean(method):
     run = jax.jit(jax.shard_map(lambda g: dist.compressed_mean(g[0], "i", cfg, method),
                                 mesh=mesh(1), in_specs=P("i"), out_specs=P()))
     np.testing.assert_array_equal(np.asarray(run(g)), np.asarray(g[0]))
+
+
+@pytest.mark.parametrize("dither", [None, (0.1, -0.05, 0.02, 0.0)])
+def test_all_zero_chunks_decode_to_zero(dither):
+    """An all-zero chunk (a frozen parameter's gradient) is sent with the exponent ZERO and
+    decodes to exactly 0, with a dither too; the chunk beside it as before."""
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2016, dither=dither)
+    lay = wire.layout(2 * wire.CHUNK * 4, cfg)
+    v = np.zeros(lay.size, np.float32)
+    v[lay.size // 2:] = np.random.default_rng(5).standard_normal(lay.size // 2)
+    payload, info = wire.encode(jnp.asarray(v), lay)
+    exponents = np.asarray(payload).reshape(-1, lay.record_bytes)[:, -1].view(np.int8)
+    np.testing.assert_array_equal(exponents, [wire.ZERO, exponents[1]])
+    assert exponents[1] > wire.ZERO and int(info.failed) == 0
+    out = np.asarray(wire.decode(payload, lay))
+    np.testing.assert_array_equal(out[:lay.size // 2], 0)
+    assert np.abs(out[lay.size // 2:] - v[lay.size // 2:]).max() < 0.5

@@ -347,3 +347,16 @@ def test_vocabulary_sentences(vocab, n, words, seed):
 def test_vocabulary_sentences_bad_input(kwargs):
     with pytest.raises(ValueError, match="vocabulary_sentences"):
         ptq.vocabulary_sentences(["word"], **{"n": 2, **kwargs})
+
+
+def test_all_zero_rows_decode_to_zero_with_a_dither():
+    """gptq_rows stores the scale 0 for an all-zero row (as encode_rows): it decodes to 0."""
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2016, dither=(0.1, -0.05, 0.02, 0.0))
+    rng = np.random.default_rng(4)
+    W = rng.standard_normal((3, 16)).astype(np.float32)
+    W[1] = 0
+    X = rng.standard_normal((64, 16)).astype(np.float32)
+    result = ptq.gptq_rows(W, X.T @ X, cfg)
+    decoded = np.asarray(hq.decode(result.codes))
+    np.testing.assert_array_equal(decoded[1], 0)
+    assert np.all(np.asarray(result.codes.scale)[[0, 2]] > 0)

@@ -64,8 +64,8 @@ from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.rows import row_rms
 from hnlq_jax.stats import gaussian_beta
 
-__all__ = ["CHUNK", "FAILED", "WIRE_VERSION", "ZERO", "default_t_capacity", "Layout", "Info", "layout", "chunk_config",
-           "encode", "decode", "decode_part"]
+__all__ = ["CHUNK", "FAILED", "WIRE_VERSION", "ZERO", "default_t_capacity", "Layout", "Info",
+           "layout", "chunk_config", "encode", "decode", "decode_part"]
 
 CHUNK = 256  # blocks per scale
 # The payload layout's version. Payloads are not stored, so it is not FORMAT_VERSION (the codes'

@@ -9,7 +9,7 @@
 // lookup and an add; per block one multiply by its step. Each task owns a tile of columns n
 // (weight rows) and sums them against every row m, 16 blocks a register with AVX-512 gathers
 // (U's row m stays in L2 across the tile), else a block at a time. With AVX512-VBMI, two
-// levels of uint8 indices take tiles_vbmi instead: 64 columns a register, no gathers.
+// levels of uint8 indices take span_vbmi instead: 64 columns a register, no gathers.
 //
 // Inputs: U f32[m, nb, Q]; E f32[m, nb] or f32[0] (no offsets); idx u8|u16[n, nb, M];
 // tfield u8[n, tb] (the blocks' T field values u: 4-bit, two blocks a byte, low nibble first,
@@ -38,7 +38,7 @@ struct LutCall : Tasks {
   int64_t m, n, nb, Q, M, q, tb;
   bool u16, t4;
   int isa;
-  const uint8_t* planes = nullptr;  // tiles_vbmi's tables (null: the other paths)
+  const uint8_t* planes = nullptr;  // span_vbmi's tables (null: the other paths)
   int64_t vbmi_tiles = 0;           // the first tasks: span_vbmi's (kVbmiColumns wide tiles)
   int64_t vbmi_spans = 0;
   void (*work)(LutCall&) = nullptr;
@@ -149,7 +149,7 @@ bool vbmi_applies(const LutCall& p) {
 }
 
 // Byte permutes: within 16 floats, byte i of entry e to 16 i + e (planes_of); an 8 x 8 byte
-// transpose, byte 8 c + e to 8 e + c (transposed8).
+// transpose, byte 8 c + e to 8 e + c (transpose64).
 template <int Rows, int Cols>
 struct Transpose {
   alignas(64) uint8_t at[64];
@@ -179,8 +179,10 @@ HNLQ_VBMI void planes_of(const float* U, int64_t Q, uint8_t* out) {
     }
     // z[t]'s 128-bit lane i: plane i of entries 64 h + 16 t ..; plane i's quarter h gathers
     // lane i of z[0..3]
-    const __m512i a = _mm512_shuffle_i32x4(z[0], z[1], 0x44), b = _mm512_shuffle_i32x4(z[2], z[3], 0x44);
-    const __m512i c = _mm512_shuffle_i32x4(z[0], z[1], 0xEE), d = _mm512_shuffle_i32x4(z[2], z[3], 0xEE);
+    const __m512i a = _mm512_shuffle_i32x4(z[0], z[1], 0x44);
+    const __m512i b = _mm512_shuffle_i32x4(z[2], z[3], 0x44);
+    const __m512i c = _mm512_shuffle_i32x4(z[0], z[1], 0xEE);
+    const __m512i d = _mm512_shuffle_i32x4(z[2], z[3], 0xEE);
     _mm512_store_si512(out + 64 * h, _mm512_shuffle_i32x4(a, b, 0x88));
     _mm512_store_si512(out + 256 + 64 * h, _mm512_shuffle_i32x4(a, b, 0xDD));
     _mm512_store_si512(out + 512 + 64 * h, _mm512_shuffle_i32x4(c, d, 0x88));

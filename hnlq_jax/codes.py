@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import weakref
 import zlib
 
@@ -81,6 +82,33 @@ def checksum(*arrays) -> int:
             a = np.ascontiguousarray(np.asarray(a))
             crc = zlib.crc32(a.reshape(-1).view(np.uint8), crc)
     return crc
+
+
+def header_checksum(header: dict) -> int:
+    """CRC-32 of what describes a saved artifact's arrays (its :func:`saved_header` and row
+    length, in_features, rotation...), as canonical JSON of their parsed values: recorded as
+    ``"header_crc32"`` beside :func:`checksum`'s ``"crc32"`` of the arrays, so that a flipped
+    bit in the saved config (alpha, max_T) cannot load as another valid config."""
+    return zlib.crc32(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+
+
+def check_header_checksum(state, header: dict, where: str) -> None:
+    """Compares the ``"header_crc32"`` a saved artifact records with :func:`header_checksum`
+    of ``header``, its fields as loaded (saved before it was recorded: nothing to compare).
+
+    Raises:
+      ValueError: the header is not the one that was saved (corrupted or edited).
+    """
+    saved = state.get("header_crc32") if isinstance(state, dict) else None
+    if saved is None:
+        return
+    if saved_int(saved) is None:
+        raise ValueError(f"{where}: the saved header checksum {saved!r} is not an int; save the "
+                         "codes again")
+    if header_checksum(header) != saved_int(saved):
+        raise ValueError(f"{where}: the saved header (format version, config, shape) does not "
+                         "match its saved CRC-32 (corrupted or edited since it was saved); load "
+                         "an intact copy, or quantize the float model again")
 
 
 def check_checksum(state, arrays, where: str) -> None:

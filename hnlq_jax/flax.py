@@ -56,8 +56,9 @@ import numpy as np
 
 from hnlq_jax import ops, ptq
 from hnlq_jax._numerics import straight_through
-from hnlq_jax.codes import (Codes, check_checksum, check_codes, check_saved_header, checksum,
-                            is_concrete, read_saved_header, saved_header)
+from hnlq_jax.codes import (Codes, check_checksum, check_codes, check_header_checksum,
+                            check_saved_header, checksum, header_checksum, is_concrete,
+                            read_saved_header, saved_header)
 from hnlq_jax.config import HNLQConfig, check_beta, check_config, saved_int
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.layouts import KernelLayout, LayerCall, dense_call, layer_call
@@ -960,11 +961,18 @@ def _progress(items, enabled: bool):
 # ------------------------------------------------------------- Codes in flax.serialization
 
 
+def _codes_header(config: HNLQConfig, n) -> dict:
+    """What describes saved codes' arrays: format version, config and row length."""
+    return {**saved_header(config), "n": n}
+
+
 def _codes_state(codes: Codes) -> dict:
-    """The saved form of codes: their arrays, format version, config and row length."""
-    return {**saved_header(codes.config), "n": codes.n, "index": codes.index,
-            "tfield": codes.tfield, "scale": codes.scale,
-            "crc32": checksum(codes.index, codes.tfield, codes.scale)}
+    """The saved form of codes: their arrays, format version, config and row length, the
+    arrays' CRC-32 and the header's."""
+    header = _codes_header(codes.config, codes.n)
+    return {**header, "index": codes.index, "tfield": codes.tfield, "scale": codes.scale,
+            "crc32": checksum(codes.index, codes.tfield, codes.scale),
+            "header_crc32": header_checksum(header)}
 
 
 def _codes_from_state(state, config: HNLQConfig | None, where: str) -> Codes:
@@ -984,6 +992,7 @@ def _codes_from_state(state, config: HNLQConfig | None, where: str) -> Codes:
     codes = check_codes(Codes(jnp.asarray(state["index"]), jnp.asarray(state["tfield"]), saved,
                               scale=scale, n=n), where)
     check_checksum(state, (state["index"], state["tfield"], state["scale"]), where)
+    check_header_checksum(state, _codes_header(saved, n), where)
     return codes
 
 

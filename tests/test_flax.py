@@ -580,6 +580,27 @@ def test_saved_codes_checksum(exported, field):
                                                        inference["hnlq"]["codes"].scale))
 
 
+@pytest.mark.parametrize("edit", [("alpha", 2.0), ("max_T", 13), ("n", 29)])
+def test_saved_codes_header_checksum(exported, edit):
+    """A saved header edited into another valid one (alpha, max_T, the row length), which
+    import_params without a config would take, is refused by the header's CRC-32; codes saved
+    before it was recorded load."""
+    inference = exported[0]
+    state = flax.serialization.msgpack_restore(flax.serialization.to_bytes(inference))
+    codes_state = dict(state["hnlq"]["codes"])
+    key, value = edit
+    if key == "n":
+        codes_state["n"] = value
+    else:
+        codes_state["config"] = {**codes_state["config"], key: value}
+    edited = {**state, "hnlq": {"codes": codes_state}}
+    with pytest.raises(ValueError, match=r"import_params: layer \(root\): the saved header "
+                                         r".* does not match its saved CRC-32"):
+        hf.import_params(edited)
+    del codes_state["header_crc32"]
+    hf.import_params(edited)  # unchecked: the older form
+
+
 def test_bad_knobs():
     for kw, msg in (({"ste": "round"}, "ste must be one of"),
                     ({"compute": "fast"}, "compute must be one of"),

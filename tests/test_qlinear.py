@@ -166,10 +166,10 @@ def test_state_dict_reloads_exactly_and_refuses_other_configs():
     sd = a.state_dict()
     assert {"weight", "bias", "beta", "index", "tfield", "scale", "step", "_extra_state"} == set(sd)
     raw = [sd[k].contiguous().view(torch.uint8).numpy() for k in ("index", "tfield", "scale")]
-    assert sd["_extra_state"] == {"format_version": hq.FORMAT_VERSION,
-                                  "config": dataclasses.asdict(CFG.replace(beta=1.0)),
-                                  "in_features": 64,
-                                  "crc32": hq.codes.checksum(*raw)}
+    header = {"format_version": hq.FORMAT_VERSION,
+              "config": dataclasses.asdict(CFG.replace(beta=1.0)), "in_features": 64}
+    assert sd["_extra_state"] == {**header, "crc32": hq.codes.checksum(*raw),
+                                  "header_crc32": hq.codes.header_checksum(header)}
     b = _reload(QLinear(64, 8, CFG), sd).eval()  # another random init, then the saved state
     assert torch.equal(b(x), a(x)) and float(b.beta) == float(a.beta)
     # another config: refused before anything is written, naming both configs

@@ -296,6 +296,28 @@ def test_state_dict_checksum_catches_a_valid_looking_flip(field):
         fresh.load_state_dict(sd)
 
 
+@pytest.mark.parametrize("edit", ["alpha", "max_T", "seed"])
+def test_state_dict_header_checksum(edit):
+    """An edited header (a flipped bit in the saved config, the rotation's seed) that
+    load_quantized would build its layer from is refused by the header's CRC-32; a state dict
+    saved before it was recorded still loads."""
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(24, 8))  # noqa: E731
+    model = make()
+    quantize_model(model, CFG, rotate=True)
+    sd = model.state_dict()
+    state = {**sd["0._extra_state"]}
+    if edit == "seed":
+        state["rotation"] = {**state["rotation"], "seed": state["rotation"]["seed"] + 1}
+    else:
+        state["config"] = {**state["config"], edit: {"alpha": 2.0, "max_T": 13}[edit]}
+    edited = {**sd, "0._extra_state": state}
+    with pytest.raises(ValueError, match=r"QuantizedLinear 0: the saved header .* does not "
+                                         r"match its saved CRC-32"):
+        load_quantized(make(), edited)
+    del state["header_crc32"]
+    load_quantized(make(), edited)  # unchecked: the older form
+
+
 def test_rotation_gradient_and_rtn_rotation():
     layer = QuantizedLinear.from_linear(torch.nn.Linear(24, 4), CFG, rotation=Rotation(24, 3))
     x = torch.randn(5, 24, requires_grad=True)

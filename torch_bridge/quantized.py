@@ -38,8 +38,9 @@ import torch
 
 from hnlq_jax import FORMAT_VERSION, HNLQConfig
 from hnlq_jax import ptq as hptq
-from hnlq_jax.codes import (check_checksum, check_saved_header, checksum, index_dtype,
-                            read_saved_header, saved_header, tfield_shape)
+from hnlq_jax.codes import (check_checksum, check_header_checksum, check_saved_header,
+                            checksum, header_checksum, index_dtype, read_saved_header,
+                            saved_header, tfield_shape)
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.ops import IMPLEMENTATIONS
 from hnlq_jax.rows import calibrate_rows, check_finite_weight, unit
@@ -152,10 +153,16 @@ class CodesLayer:
         return y if bias is None else y + bias.to(y.dtype)
 
     # -- state dict: format version, config and row length travel with the codes
+    def _header(self) -> dict:
+        """What describes the codes in the extra state (and its ``header_crc32`` covers): format
+        version, config, in_features (the codes' shape holds it only rounded up to whole
+        d-blocks)."""
+        return {**saved_header(self.codes_config), "in_features": self.in_features}
+
     def get_extra_state(self) -> dict:
-        # in_features too: the codes' shape holds it only rounded up to whole d-blocks.
-        return {**saved_header(self.codes_config), "in_features": self.in_features,
-                "crc32": checksum(*map(_raw, (self.index, self.tfield, self.scale)))}
+        header = self._header()
+        return {**header, "crc32": checksum(*map(_raw, (self.index, self.tfield, self.scale))),
+                "header_crc32": header_checksum(header)}
 
     def set_extra_state(self, state):
         self._check_saved(state, type(self).__name__)
@@ -179,6 +186,8 @@ class CodesLayer:
         extra = prefix + "_extra_state"
         if extra in state_dict:  # checked before any buffer is overwritten
             self._check_saved(state_dict[extra], where)
+            # the saved header equals this layer's (checked): its CRC then covers both
+            check_header_checksum(state_dict[extra], self._header(), where)
         elif any(prefix + name in state_dict for name in _CODES):
             # Without the header nothing says which config or format the codes are in.
             raise ValueError(f"{where}: the state dict holds codes but no {extra!r} (their "
@@ -344,11 +353,11 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
         return self.codes_matmul(x, self.bias)
 
     # -- the rotation travels in the extra state too
-    def get_extra_state(self) -> dict:
-        state = super().get_extra_state()
+    def _header(self) -> dict:
+        header = super()._header()
         if self.rotation is not None:
-            state["rotation"] = self.rotation.to_dict()
-        return state
+            header["rotation"] = self.rotation.to_dict()
+        return header
 
     def _check_saved(self, state, where: str):
         super()._check_saved(state, where)

@@ -501,8 +501,9 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
     (named so in the report and ``filter_fn``), whose linears are then converted like any
     other. Kept in float, with a warning and an entry in the report: subclasses with their own
     ``forward``, ``QLinear`` layers that quantize activations, and attentions with
-    ``add_bias_kv`` or ``add_zero_attn``. A layer shared by several parents is converted once
-    and replaced everywhere.
+    ``add_bias_kv`` or ``add_zero_attn``. A layer shared by several parents (or held by one
+    under several names) is converted once and replaced everywhere. Layers are coded in
+    ``named_modules`` order.
 
     **Calibration** (``calibration=run``): forward pre-hooks on the layers to convert collect
     ``H = sum x^T x`` of each one's inputs (:func:`hnlq_jax.ptq.hessian_update`, float32, or

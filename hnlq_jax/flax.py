@@ -608,7 +608,8 @@ def export_params(variables, config: HNLQConfig):
 
     Returns:
       ``(inference, report)``: ``inference = {"params": params without the quantized kernels,
-      "hnlq": {layer path: {"codes": Codes}}}``, and a :class:`hnlq_jax.sizes.QuantizeReport`
+      "hnlq": {layer path: {"codes": Codes}}}`` (and the other collections, e.g.
+      ``batch_stats``, as they were), and a :class:`hnlq_jax.sizes.QuantizeReport`
       (``converted``: the layers; ``sizes``: :func:`model_sizes` of ``inference``).
     """
     variables = _refresh(variables, config, "export_params")
@@ -616,10 +617,16 @@ def export_params(variables, config: HNLQConfig):
     layers = _layers(variables, "export_params")
     for path in layers:
         del params[path + ("kernel",)]
-    inference = {"params": traverse_util.unflatten_dict(params),
+    inference = {**_other_collections(variables), "params": traverse_util.unflatten_dict(params),
                  COLLECTION: traverse_util.unflatten_dict(
                      {path + ("codes",): codes for path, codes in layers.items()})}
     return inference, _report(inference, [(p, "QDense") for p in sorted(layers)])
+
+
+def _other_collections(variables) -> dict:
+    """The collections besides params and hnlq (batch statistics, ...), which the inference
+    form keeps as they are."""
+    return {k: v for k, v in variables.items() if k not in ("params", COLLECTION)}
 
 
 def model_sizes(inference) -> Sizes:
@@ -862,7 +869,8 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
     Returns:
       ``(inference, report)``: ``inference = {"params": params without the quantized kernels,
       "hnlq": {path: {"codes": Codes}}}`` (rotated: ``{"rotated_codes": Codes, "rotation":
-      Rotation}``; a kernel not ``[in, out]`` also ``"layout"``) and a
+      Rotation}``; a kernel not ``[in, out]`` also ``"layout"``; the other collections, e.g.
+      ``batch_stats``, as they were) and a
       :class:`hnlq_jax.sizes.QuantizeReport`: ``converted`` (the layers, named by their
       ``/``-joined paths, with their module type, in the order quantized), ``skipped`` (the
       kernels kept in float, with the reason), ``sizes`` and, with
@@ -877,6 +885,8 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
     """
     fn = "quantize_params"
     check_config(config, fn)
+    if isinstance(variables, flax.core.FrozenDict):  # as import_params takes them
+        variables = flax.core.unfreeze(variables)
     if not isinstance(variables, dict) or "params" not in variables:
         got = (f"a dict without 'params' (keys {sorted(variables)[:4]}; pass the whole "
                "variables of model.init, not variables['params'])"
@@ -923,6 +933,8 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
             if H is None:
                 w = w if rotation is None else rotation.rotate_weight(w)
                 codes = _kernel_codes(w.T, config, _weight_beta(w.T, config, calibrate))
+                # as export_params: a block beyond reach would decode to NaN (GPTQ clips it)
+                check_row_failures(codes, "raise", fn)
             else:
                 result = ptq.gptq_rows(w, H, config, damp=damp, act_order=act_order,
                                        beta=None if calibrate else config.beta, grid=grid,
@@ -942,7 +954,7 @@ def quantize_params(variables, config: HNLQConfig, calibration=None, *, filter_f
                                                        else rotation.inverse(w_hat))
     kept = {k: v for k, v in traverse_util.flatten_dict(variables["params"]).items()
             if k[:-1] not in layouts or k[-1] != "kernel"}
-    inference = {"params": traverse_util.unflatten_dict(kept),
+    inference = {**_other_collections(variables), "params": traverse_util.unflatten_dict(kept),
                  COLLECTION: traverse_util.unflatten_dict(hnlq)}
     return inference, _report(inference, [(p, kinds[p]) for p in order], skipped=skipped,
                               **report)

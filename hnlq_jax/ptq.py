@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -326,9 +327,22 @@ def _check_inputs(w, H, config, fn: str):
     return w, (H + H.T) / 2
 
 
+def _real(v) -> float | None:
+    """``v`` as a float where it is a real number (a Python, NumPy or 0-d array scalar; not a
+    bool), else ``None``."""
+    if isinstance(v, (bool, np.bool_)):
+        return None
+    if isinstance(v, numbers.Real):
+        return float(v)
+    if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number) and \
+            not np.issubdtype(np.asarray(v).dtype, np.complexfloating):
+        return float(np.asarray(v))
+    return None
+
+
 def _check_options(damp, grid, fn: str):
-    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not (
-            math.isfinite(damp) and damp >= 0):
+    real = _real(damp)
+    if real is None or not (math.isfinite(real) and real >= 0):
         raise ValueError(f"{fn}: damp must be a finite number >= 0, got {damp!r}")
     try:
         g = tuple(float(v) for v in grid)
@@ -337,7 +351,7 @@ def _check_options(damp, grid, fn: str):
             from None
     if not g or not all(math.isfinite(v) and v > 0 for v in g):
         raise ValueError(f"{fn}: grid must be a non-empty sequence of positive numbers, got {g}")
-    return float(damp), g
+    return real, g
 
 
 # ----------------------------------------------------------------------------- the core
@@ -346,11 +360,11 @@ def _check_options(damp, grid, fn: str):
 def _check_budget(t_budget, fn: str) -> float:
     if t_budget is None:
         return math.inf
-    if isinstance(t_budget, bool) or not isinstance(t_budget, (int, float)) or not (
-            math.isfinite(t_budget) and t_budget >= 0):
+    real = _real(t_budget)
+    if real is None or not (math.isfinite(real) and real >= 0):
         raise ValueError(f"{fn}: t_budget must be None or a finite number >= 0 (bits per "
                          f"weight), got {t_budget!r}")
-    return float(t_budget)
+    return real
 
 
 def _group_blocks(config: HNLQConfig, nb: int) -> int:
@@ -374,7 +388,11 @@ def _factor(w, H, damp, *, d: int, G: int, act_order: bool):
     N = nbp * d
     dg = jnp.diagonal(H)
     dead = dg == 0
-    H = H + jnp.diag(jnp.where(dead, 1, 0).astype(H.dtype))
+    # A dead column's H_ii: the live columns' mean (1 if none), not GPTQ's 1, which would make
+    # the damping and act_order's order depend on the scale of H
+    live = jnp.sum(~dead)
+    fill = jnp.where(live > 0, jnp.sum(dg) / jnp.maximum(live, 1), 1).astype(H.dtype)
+    H = H + jnp.diag(jnp.where(dead, fill, 0).astype(H.dtype))
     w = jnp.where(dead[None, :], 0, w)
     dg = jnp.diagonal(H)
     H = H + jnp.diag(jnp.full((n,), damp * jnp.mean(dg), H.dtype))
@@ -492,7 +510,8 @@ def _search(w, H, Wp, A, perm, betas, rms, mode, budget, *, ucfg: HNLQConfig, G:
         c = beta * rms
         index, T, yhat, shrunk = _compensate(Wp, c, A, ucfg, G, impl)
         index, T, yhat = index[:, :nb][:, inv], T[:, :nb][:, inv], yhat[:, :nb][:, inv]
-        w_hat = from_blocks(yhat, n) * c[:, None]
+        # the scales stored: an all-zero row decodes to 0 (with a dither, its blocks do not)
+        w_hat = from_blocks(yhat, n) * zero_rows_scale(w, c)[:, None]
         return index, T, c, shrunk, _row_losses(w, w_hat, H)
 
     index, T, c, shrunk, losses = jax.lax.map(one, betas)  # [K, ...]

@@ -404,3 +404,32 @@ def test_use_codes_computes_in_the_layers_dtype(dtype):
     assert y.dtype == want.dtype and y.shape == want.shape
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32),
                                rtol=0.02, atol=0.02)  # bfloat16 rounding
+
+
+def test_quantize_params_keeps_other_collections_and_refuses_overload():
+    """batch_stats travel into the inference form (export_params' too), a FrozenDict is
+    taken, and a kernel whose block lies beyond max_T's reach is refused (it would decode to
+    NaN), as export_params refuses it."""
+    class WithNorm(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.BatchNorm(use_running_average=True)(nn.Dense(16)(x)))
+
+    x = np.random.default_rng(6).standard_normal((8, 256)).astype(np.float32)
+    model = WithNorm()
+    variables = model.init(jax.random.key(0), x)
+    variables = {**variables, "batch_stats": jax.tree.map(lambda a: a + 0.5,
+                                                          variables["batch_stats"])}
+    inference, _ = quantize_params(flax.core.freeze(variables), CFG)
+    assert set(inference) == {"params", "batch_stats", "hnlq"}
+    with use_codes():
+        y = model.apply(inference, x)
+    assert np.all(np.isfinite(np.asarray(y)))
+    tight = CFG.replace(max_T=2)
+    first = variables["params"]["Dense_1"]  # Dense(16) of the 256 inputs (created second)
+    kernel = first["kernel"].at[0, 0].set(3.0)  # ~50 times its row's RMS
+    spiky = {**variables, "params": {**variables["params"], "Dense_1": {**first,
+                                                                        "kernel": kernel}}}
+    with pytest.raises(ValueError, match=r"quantize_params: layer 'Dense_1': .*still overload "
+                                         r"at max_T = 2"):
+        quantize_params(spiky, tight)

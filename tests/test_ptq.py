@@ -38,7 +38,7 @@ def reference(w, H, config, beta, damp=0.01, act_order=False):
     d, nb = config.d, -(-w.shape[1] // config.d)
     c = beta * np.asarray(rows.row_rms(jnp.asarray(w)))  # row scales of the original weight
     dead = np.diag(H) == 0
-    H[dead, dead] = 1
+    H[dead, dead] = np.diag(H)[~dead].mean() if (~dead).any() else 1
     w[:, dead] = 0
     dg = np.diag(H).copy()
     H += damp * np.mean(dg) * np.eye(n)
@@ -360,3 +360,36 @@ def test_all_zero_rows_decode_to_zero_with_a_dither():
     decoded = np.asarray(hq.decode(result.codes))
     np.testing.assert_array_equal(decoded[1], 0)
     assert np.all(np.asarray(result.codes.scale)[[0, 2]] > 0)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_dead_columns_leave_the_scale_of_h_free(act_order):
+    """With input channels never active, H and H * 2^-14 (a mean instead of a sum) give the
+    same codes: a dead column's H_ii is the live mean, not a fixed 1 (which made the damping
+    and the block order depend on the scale)."""
+    w, H = layer(dead=(1, 5, 6, 9))
+    H = np.asarray(H, np.float32)
+    a = ptq.gptq_rows(w, H, D4, act_order=act_order, beta=1.0)
+    b = ptq.gptq_rows(w, H * 2.0**-14, D4, act_order=act_order, beta=1.0)
+    np.testing.assert_array_equal(np.asarray(a.codes.index), np.asarray(b.codes.index))
+    np.testing.assert_array_equal(np.asarray(a.codes.tfield), np.asarray(b.codes.tfield))
+
+
+def test_numpy_scalars_as_options_and_zero_row_loss():
+    """NumPy float32 and 0-d array options are numbers like Python's; with a dither the
+    reported loss is that of the stored codes, all-zero rows (scale 0) included."""
+    w, H = layer()
+    base = ptq.gptq_rows(w, H, D4, damp=0.01, beta=1.0)
+    for damp in (np.float32(0.01), jnp.asarray(0.01), np.asarray(0.01)):
+        np.testing.assert_array_equal(
+            np.asarray(ptq.gptq_rows(w, H, D4, damp=damp, beta=1.0).codes.index),
+            np.asarray(base.codes.index))
+    ptq.gptq_rows(w, H, D4, t_budget=np.float32(2.0), per_row=False)
+    with pytest.raises(ValueError, match="damp must be a finite number"):
+        ptq.gptq_rows(w, H, D4, damp=np.bool_(True))
+    cfg = D4.replace(dither=(0.05, -0.02, 0.03, 0.01))
+    w0 = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    w0[1] = 0
+    res = ptq.gptq_rows(w0, np.eye(8, dtype=np.float32), cfg, beta=1.0)
+    np.testing.assert_allclose(res.loss, float(ptq.proxy_loss(w0, res.weight(), np.eye(8))),
+                               rtol=1e-5)

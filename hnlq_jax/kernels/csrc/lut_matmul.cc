@@ -413,11 +413,13 @@ ffi::Error LutMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> U, ffi::Buf
   p.U = U.typed_data(); p.E = offsets ? E.typed_data() : nullptr; p.idx = idx.untyped_data();
   p.tf = tfield.typed_data(); p.steps = steps.typed_data(); p.y = y->typed_data();
   p.isa = active_isa();
+  struct alignas(64) Line { uint8_t b[64]; };
+  // U's planes (1 KiB a table) in this thread's buffer, kept up to kKeptPlanes between calls:
+  // a fresh one each call cost as much as the sums (the pages mapped and zeroed anew)
+  thread_local std::vector<Line> planes;
+  constexpr size_t kKeptPlanes = (size_t{16} << 20) / sizeof(Line);
 #ifdef HNLQ_X86
-  if (vbmi_applies(p)) {  // U's planes, 1 KiB a table, in this thread's buffer (kept: a
-    // fresh one each call cost as much as the sums, the pages mapped and zeroed anew)
-    struct alignas(64) Line { uint8_t b[64]; };
-    thread_local std::vector<Line> planes;
+  if (vbmi_applies(p)) {
     planes.resize(p.m * p.nb * 16);
     uint8_t* out = reinterpret_cast<uint8_t*>(planes.data());
     for (int64_t t = 0; t < p.m * p.nb; ++t) planes_of(p.U + t * p.Q, p.Q, out + t * 1024);
@@ -430,6 +432,10 @@ ffi::Error LutMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> U, ffi::Buf
   p.tiles = p.vbmi_spans + (rest + kColumnTile - 1) / kColumnTile;
   p.work = run;
   run_on_pool(pool, call, p.m * p.n * p.nb * 4);  // ~4 weights' work a block and row
+  if (planes.capacity() > kKeptPlanes) {  // a large batch's tables: not held for good
+    planes.clear();
+    planes.shrink_to_fit();
+  }
   return ffi::Error::Success();
 }
 

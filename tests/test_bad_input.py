@@ -169,12 +169,15 @@ def _qlinear_state() -> dict:
 
 
 def _qlinear_state_with(*, version=None, config=None, **tensors) -> dict:
-    """The saved QLinear state dict with its format version, config fields or tensors changed."""
+    """The saved QLinear state dict with its format version, config fields or tensors changed
+    (its header's checksum made anew: the state a layer of that config would have saved)."""
     state = {**_qlinear_state(), **tensors}
     extra = dict(state["_extra_state"])
     if version is not None:
         extra["format_version"] = version
     extra["config"] = {**extra["config"], **(config or {})}
+    extra["header_crc32"] = hq.codes.header_checksum(
+        {k: extra[k] for k in ("format_version", "config", "in_features")})
     return {**state, "_extra_state": extra}
 
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from hnlq_jax import _numerics, kernels
 from hnlq_jax.codec import codebook, codebook_table, decode_blocks, default_float, to_blocks
-from hnlq_jax.codes import Codes, check_codes, concrete_all, t_bits, unpack_t, valid_blocks
+from hnlq_jax.codes import Codes, check_codes, t_bits, unpack_t, valid_blocks
 from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = [
@@ -147,7 +147,8 @@ def _block_codes(codes, fn: str):
 
 def _check_real(y, nb: int, config, fn: str, what: str, n: int | None = None):
     """Validates a real ``[..., k]`` array whose d-blocks pair with ``nb`` coded blocks (of row
-    codes of length ``n``, when given: then ``k = n``)."""
+    codes of length ``n``, when given: then ``k = n``). Its values are not checked: NaN and Inf
+    reach the results they touch, as in a float dot (and as :func:`hnlq_jax.matmul` does)."""
     y = jnp.asarray(y)
     d = config.d
     if not jnp.issubdtype(y.dtype, jnp.floating):
@@ -163,8 +164,6 @@ def _check_real(y, nb: int, config, fn: str, what: str, n: int | None = None):
             f"{fn}: {what} has shape {y.shape}; its last axis must split into the codes' "
             f"nb = {nb} blocks of d = {d}, i.e. have length {nb * d - d + 1}..{nb * d}"
         )
-    if not concrete_all(y, jnp.isfinite):
-        raise ValueError(f"{fn}: {what} has NaN or Inf entries; expected finite values")
     return y
 
 
@@ -289,7 +288,7 @@ def one_sided(y, config: HNLQConfig):
       numbers per entry of y (64 for D4 q=4, 8192 for E8 q=4), so batch large products.
 
     Raises:
-      ValueError: more than :data:`MAX_ONE_SIDED` entries per block, NaN/Inf in y.
+      ValueError: more than :data:`MAX_ONE_SIDED` entries per block.
     """
     check_one_sided(config, "one_sided")
     y = jnp.asarray(y)

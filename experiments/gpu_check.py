@@ -7,11 +7,12 @@ measured):
 1. **ceilings**: a device-to-device copy (bytes read + written) and a bfloat16 GEMV at
    8192^2, against the device's HBM peak: the GEMV row must read 70-90 % before any ratio
    against it means anything.
-2. **tests**: ``tests/test_kernels.py`` and ``tests/test_kernels_mosaic_gpu.py`` (or
-   ``--tests``) natively, in a process of their own, at most ``TESTS_LIMIT`` seconds: the
-   kernels compiled by Triton and Mosaic GPU against XLA on the GPU. First, so that a kernel
-   that faults (an illegal address breaks the whole process's CUDA context) or hangs is found
-   there: the sweep then leaves the Mosaic GPU kernels out (:func:`device_fault`).
+2. **tests_mosaic**: ``tests/test_kernels_mosaic_gpu.py`` (those of ``--tests``) natively,
+   in a process of their own, at most ``TESTS_LIMIT`` seconds (``--quick``:
+   ``QUICK_TESTS_LIMIT``): the Mosaic GPU kernels against XLA on the GPU. Before the sweep,
+   so that a kernel that faults (an illegal address breaks the whole process's CUDA context)
+   or hangs is found there: the sweep then leaves the Mosaic GPU kernels out
+   (:func:`device_fault`).
 3. **sweep**: the launch parameters (rows and blocks per program, warps, stages, split-K
    waves) of ``kernels.gemv`` (Triton) and ``kernels.mosaic_gpu.gemv`` (Mosaic GPU, the
    codebooks it holds: D4) at batch 1 and 8 and of ``kernels.decode_matmul`` and
@@ -37,8 +38,12 @@ measured):
    and with 20 queued: dispatch apart from the wait), and the layer's host time by function
    under cProfile (:func:`host_profile`: what the parts leave out).
 
+7. **tests**: the other tests of ``--tests`` (default ``tests/test_kernels.py``: Triton's
+   kernels against XLA, encode and decode bit-exact) natively, in the time left.
+
 and, between 3 and 4, **ncu**: Nsight Compute's sections for one ``gemv`` launch into
-``results/gpu_ncu.txt`` (what bounds the kernel).
+``results/gpu_ncu.txt`` (what bounds the kernel). Each test run's whole output goes to
+``results/gpu_check_<part>.txt`` (``-v``: a hang's log ends at the test it left running).
 
 A first run on a device is when kernels break, so the run protects what it has measured: a
 sweep candidate whose error shows a broken CUDA context ends the run's work on the device
@@ -49,13 +54,15 @@ sweep candidate whose error shows a broken CUDA context ends the run's work on t
 Every time is device time (:func:`hnlq_jax.timing.device_time`: CUPTI, the weight rotating
 through copies that together are 3x the L2), so neither side runs from cache.
 
-Writes ``results/gpu_check.json`` (after every part), ``results/gpu_check.md``,
-``results/gpu_check.png``; ``--report`` puts the Markdown into ``docs/gpu.md`` and
-``--write-tiles`` the sweep's winners into the tuning table, both from the saved JSON. Without
-a GPU it stops with exit status 2 unless ``--allow-cpu`` (a smoke run at tiny sizes).
+Writes ``results/gpu_check.json`` (after every part, and every row of the sweep, the
+product table and the codec), ``results/gpu_check.md``, ``results/gpu_check.png``
+(``--out``: another folder, e.g. a lent machine's ``$OUT``); ``--report`` puts the Markdown
+into ``docs/gpu.md`` and ``--write-tiles`` the sweep's winners into the tuning table, both
+from the saved JSON. Without a GPU it stops with exit status 2 unless ``--allow-cpu`` (a
+smoke run at tiny sizes).
 
 Usage: ``python experiments/gpu_check.py [--budget 420] [--quick] [--allow-cpu] [--skip-tests]
-[--no-mosaic]``
+[--no-mosaic] [--out DIR]``
 """
 
 from __future__ import annotations
@@ -77,25 +84,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import hnlq_jax as hq
-from hnlq_jax import kernels
-from hnlq_jax.kernels import gpu_tiles
-from hnlq_jax.timing import cache_copies, device_time
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import bench_kernels  # noqa: E402  (the environment row, next to this file)
+ROOT = pathlib.Path(__file__).parent.parent
+# The working tree's package, not an installed copy (a lent GPU machine has the repository,
+# not an install of it), and the scripts next to this file
+sys.path[:0] = [str(ROOT), str(pathlib.Path(__file__).parent)]
+import bench_kernels  # noqa: E402  (the environment row)
 import report  # noqa: E402
 
+import hnlq_jax as hq  # noqa: E402
+from hnlq_jax import kernels  # noqa: E402
+from hnlq_jax.kernels import gpu_tiles  # noqa: E402
+from hnlq_jax.timing import cache_copies, device_time  # noqa: E402
+
 RESULTS = pathlib.Path(__file__).parent / "results"
-ROOT = pathlib.Path(__file__).parent.parent
 # HBM peak by device kind (vendor figures, bytes/s); unknown devices report no roofline.
 HBM_PEAK = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "H100": 3.35e12}
 CONFIGS = {"D4": hq.HNLQConfig("D4", 4, 2), "E8": hq.HNLQConfig("E8", 4, 2)}
 SHAPES = [(4096, 4096), (8192, 8192), (28672, 8192)]  # (n, k): y[b, n] = x[b, k] W[n, k]^T
 BATCHES = (1, 4, 16, 64)
-# Seconds the native tests may take (they run first, in a process of their own) and one sweep
-# candidate (compile + 10 timed runs: ~5-20 s) before the run counts it as hung
+# Seconds the native tests may take (in processes of their own: the Mosaic GPU kernels' first,
+# the others last; --quick: QUICK_TESTS_LIMIT) and one sweep candidate (compile + 10 timed
+# runs: ~5-20 s) before the run counts it as hung
 TESTS_LIMIT = 240
+QUICK_TESTS_LIMIT = 90
 CANDIDATE_LIMIT = 120
 
 
@@ -158,30 +169,46 @@ class Watchdog:
 
 def pytest_command(*targets: str, workers: int = 4) -> list:
     """The pytest command line run from the repository root (several workers share the GPU:
-    ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` is set by :func:`run_tests`)."""
-    return [sys.executable, "-m", "pytest", "-q", "-x", "-n", str(workers),
-            *(targets or ("tests/test_kernels.py",))]
+    ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` is set by :func:`run_tests`): every test's result
+    on its own line (the log names the last one a hang left running), the failures' reasons
+    at the end, up to 10 failures (a first native run finds several at once), and a stack dump
+    of a test still running after 60 s."""
+    return [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-rfE", "--tb=short",
+            "--maxfail=10", "-o", "faulthandler_timeout=60", "-n", str(workers),
+            "--dist", "worksteal", *(targets or ("tests/test_kernels.py",))]
 
 
-def run_tests(targets, clock, limit: float = TESTS_LIMIT):
+def _summary(text: str) -> list:
+    """What a test run's JSON keeps of its output: the failures and errors, and the last
+    line (the full output is in the log file)."""
+    lines = text.strip().splitlines()
+    bad = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:20]
+    return bad + lines[-1:]
+
+
+def run_tests(targets, clock, limit: float = TESTS_LIMIT, log: pathlib.Path | None = None):
     """The kernel tests natively, in a process of their own (a kernel that faults or hangs
     there costs at most ``limit`` seconds). ``fault``: the sign of a kernel that broke its
-    process (:func:`device_fault`), or that the tests ran past ``limit``."""
+    process (:func:`device_fault`), or that the tests ran past ``limit``. ``log``: where the
+    whole output goes."""
     # the programs users run: JAX's default compilation, not the tests' fast settings
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "HNLQ_TEST_FAST_COMPILE": "0"}
     try:
         r = subprocess.run(pytest_command(*targets), cwd=ROOT, capture_output=True, text=True,
                            env=env, timeout=max(min(clock.left() - 5, limit), 1))
+        text, code = r.stdout + r.stderr, r.returncode
+        fault = device_fault(text)
+        stop = []
     except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        text = "".join(v.decode() if isinstance(v, bytes) else (v or "")
+                       for v in (e.stdout, e.stderr))
         budget = clock.left() < 10
-        return {"targets": list(targets), "returncode": None,
-                "fault": None if budget else f"the tests ran past {limit:.0f} s",
-                "summary": out.strip().splitlines()[-15:]
-                + ["(stopped at the time budget)" if budget else f"(stopped after {limit:.0f} s)"]}
-    text = r.stdout + r.stderr
-    return {"targets": list(targets), "returncode": r.returncode, "fault": device_fault(text),
-            "summary": text.strip().splitlines()[-15:]}
+        code, fault = None, None if budget else f"the tests ran past {limit:.0f} s"
+        stop = ["(stopped at the time budget)" if budget else f"(stopped after {limit:.0f} s)"]
+    if log is not None:
+        log.write_text("\n".join([text.rstrip("\n")] + stop) + "\n")
+    return {"targets": list(targets), "returncode": code, "fault": fault,
+            "summary": _summary(text) + stop, **({"log": log.name} if log else {})}
 
 
 def _copies(a, nbytes):
@@ -310,18 +337,21 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
 # Triton op names it ("backend", pick_backends) and hq.matmul takes it.
 # The tensor-core kernels also compete with both gemvs at 8 rows (Mosaic GPU's also at 1 in
 # the full run), Triton's with Triton's gemv at 4 too (its time at 16 rows: it pads to 16).
-QUICK_SWEEP = (("gemv", 1), ("gemv", 4), ("gemv", 8), ("gemv_mosaic", 1), ("gemv_mosaic", 8),
-               ("decode_matmul", 8), ("decode_matmul_mosaic", 8), ("decode_matmul", 16),
-               ("decode_matmul_mosaic", 16))
+# The Mosaic GPU kernels, never yet timed on a device, come first: a short budget cuts the end.
+QUICK_SWEEP = (("gemv_mosaic", 1), ("gemv_mosaic", 8), ("decode_matmul_mosaic", 8),
+               ("decode_matmul_mosaic", 16), ("gemv", 1), ("gemv", 4), ("gemv", 8),
+               ("decode_matmul", 8), ("decode_matmul", 16))
 SWEEP = QUICK_SWEEP + (("decode_matmul_mosaic", 1), ("decode_matmul", 64),
                        ("decode_matmul_mosaic", 64))
 _MOSAIC = {"gemv_mosaic": "gemv", "decode_matmul_mosaic": "decode_matmul"}
 
 
-def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None, reserve=0.0):
+def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None, reserve=0.0,
+          on_row=None):
     """The kernels' launch parameters per op, lattice and batch class, timed; returns every
-    row and the winners ({op: {lattice: {"batch<=B": entry}}}). No candidate starts with
-    less than ``reserve`` seconds (the parts after the sweep) and 20 more left.
+    row and the winners ({op: {lattice: {"batch<=B": entry}}}). No candidate (nor a
+    lattice's set-up) starts with less than ``reserve`` seconds (the parts after the sweep)
+    and 20 more left; ``on_row()`` is called after each row (the run saves its results).
 
     ``skip_mosaic``: why the Mosaic GPU kernels are not timed (``None``: they are).
     ``guard(label, seconds)``: a context each candidate runs in (:meth:`Watchdog.guard`). A
@@ -338,6 +368,8 @@ def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None, res
     if skip_mosaic:
         out["mosaic_skipped"] = skip_mosaic
     for lattice, cfg in CONFIGS.items():
+        if clock.left() < 20 + reserve:
+            break
         codes = hq.encode_rows(_weight(n, n), cfg)
         ws = _copies(codes, _nbytes(codes))
         ref_w = hq.decode(codes, implementation="xla")
@@ -381,6 +413,8 @@ def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None, res
                     except Exception as e:  # noqa: BLE001  (a candidate that fails to compile)
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     rows.append(row)
+                    if on_row:
+                        on_row()
                     if device_fault(row.get("error", "")):
                         out["fault"] = row["error"]
                         pick_backends(best, winners_of(rows))
@@ -436,12 +470,26 @@ def pick_backends(best: dict, winners: dict):
             by_class[cls] = {**by_class.get(cls, {}), "backend": fastest}
 
 
-def matmul_table(clock, peak, small, batches, shapes=SHAPES):
-    """Fused codes kernels against the dense bfloat16 dot, XLA's int4 and decode-then-dot."""
+def _cell(f, *args, **kwargs) -> dict:
+    """``f``'s row, or ``{"error": ...}`` where it raised, so that one case that fails (a
+    compile, a launch) loses nothing else of its part; an error that broke the device
+    context is raised on (nothing after it can run)."""
+    try:
+        return f(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001  (recorded in the row)
+        error = f"{type(e).__name__}: {e}"[:300]
+        if device_fault(error):
+            raise
+        return {"error": error}
+
+
+def matmul_table(clock, peak, small, batches, shapes=SHAPES, rows=None, on_row=None):
+    """Fused codes kernels against the dense bfloat16 dot, XLA's int4 and decode-then-dot;
+    each row appended to ``rows`` (returned) as it is measured, then ``on_row()``."""
     shapes = [(256, 256)] if small else shapes
     fused = functools.partial(hq.matmul, implementation="pallas")
     unfused = functools.partial(hq.matmul, implementation="xla")
-    rows = []
+    rows = [] if rows is None else rows
     for n, k in shapes:
         W = _weight(n, k)
         Wb = W.astype(jnp.bfloat16)
@@ -454,26 +502,37 @@ def matmul_table(clock, peak, small, batches, shapes=SHAPES):
                 return rows
             x = _x(b, k)
             row = {"n": n, "k": k, "batch": b, "bf16_bytes": Wb.nbytes,
-                   "bf16": _timed(dense_bf16, x, dense_ws, peak, Wb.nbytes),
-                   "int4": _timed(int4_weight_only, x, int4_ws, peak, _nbytes(q4)),
+                   "bf16": _cell(_timed, dense_bf16, x, dense_ws, peak, Wb.nbytes),
+                   "int4": _cell(_timed, int4_weight_only, x, int4_ws, peak, _nbytes(q4)),
                    "int4_bits": 8 * _nbytes(q4) / (n * k)}
             for lat, c in codes.items():
                 ref = jnp.dot(x.astype(jnp.float32),
                               hq.decode(c, implementation="xla").T, precision="highest")
-                row[lat] = {"fused": _timed(fused, x, code_ws[lat], peak, _nbytes(c), ref),
-                            "decode_then_dot": _timed(unfused, x, code_ws[lat], peak,
-                                                      _nbytes(c)),
+                row[lat] = {"fused": _cell(_timed, fused, x, code_ws[lat], peak, _nbytes(c),
+                                           ref),
+                            "decode_then_dot": _cell(_timed, unfused, x, code_ws[lat], peak,
+                                                     _nbytes(c)),
                             "bits": 8 * _nbytes(c) / (n * k)}
             rows.append(row)
+            if on_row:
+                on_row()
     return rows
 
 
-def codec_bandwidth(peak, small):
-    """encode and decode of N D4 vectors through the front doors: bytes in + out per second."""
+def codec_bandwidth(peak, small, rows=None, on_row=None):
+    """encode and decode of N D4 vectors through the front doors: bytes in + out per second;
+    each row appended to ``rows`` (returned) as it is measured (one that fails holds its
+    error), then ``on_row()``."""
     cfg = CONFIGS["D4"].replace(beta=hq.gaussian_beta(CONFIGS["D4"]))
     n = 4096 if small else 10**8
     x = jax.random.normal(jax.random.key(0), (n, cfg.d), jnp.float32)
-    rows = []
+    rows = [] if rows is None else rows
+
+    def add(row):
+        rows.append(row)
+        if on_row:
+            on_row()
+
     codes = hq.encode(x, cfg, implementation="pallas")
     nbytes = x.nbytes + _nbytes(codes)
     # (XLA's encode, ~100x slower on a GPU, is left out: it would take the run's budget);
@@ -487,30 +546,30 @@ def codec_bandwidth(peak, small):
                   (f"decode (block={b})", "pallas",
                    lambda _, c, b=b: kernels.decode(c, None, jnp.float32, block=b), codes)]
     for op, impl, f, arg in cases:
-        rows.append({"op": op, "implementation": impl, "N": n,
-                     **_timed(f, jnp.zeros(()), [arg], peak, nbytes, iterations=3)})
+        add({"op": op, "implementation": impl, "N": n,
+             **_cell(_timed, f, jnp.zeros(()), [arg], peak, nbytes, iterations=3)})
     # E8's decode with its codebook packed (512 KiB, gathered) or from the digits
     e8 = CONFIGS["E8"]
     ce = hq.encode(x.reshape(-1, e8.d), e8, implementation="pallas")
     for use_table in (True, False):
-        rows.append({"op": f"decode E8 (use_table={use_table})", "implementation": "pallas",
-                     "N": n // 2, **_timed(
-                         lambda _, c, t=use_table: kernels.decode(c, None, jnp.float32,
+        add({"op": f"decode E8 (use_table={use_table})", "implementation": "pallas",
+             "N": n // 2, **_cell(
+                 _timed, lambda _, c, t=use_table: kernels.decode(c, None, jnp.float32,
                                                                   use_table=t),
-                         jnp.zeros(()), [ce], peak, x.nbytes + _nbytes(ce), iterations=3)})
+                 jnp.zeros(()), [ce], peak, x.nbytes + _nbytes(ce), iterations=3)})
     # A mid-sized encode (two passes) beside its wall clock a call with calls queued: a host
     # sync inside a call (an XLA conditional copies its branch index to the host) would
     # serialize them, and the wall clock would exceed the device time by a dispatch a call
     xs = x[:n // 64]
     f = jax.jit(lambda v: hq.encode(v, cfg, implementation="pallas"))
     small_bytes = xs.nbytes + _nbytes(f(xs))
-    rows.append({"op": f"encode {xs.shape[0]:.0e} (device)", "implementation": "pallas",
-                 "N": xs.shape[0], **_timed(lambda _, v: f(v), jnp.zeros(()), [xs], peak,
-                                            small_bytes, iterations=3)})
+    add({"op": f"encode {xs.shape[0]:.0e} (device)", "implementation": "pallas",
+         "N": xs.shape[0], **_cell(_timed, lambda _, v: f(v), jnp.zeros(()), [xs], peak,
+                                   small_bytes, iterations=3)})
     wall = _queued_wall(lambda: f(xs))
-    rows.append({"op": f"encode {xs.shape[0]:.0e} (wall clock a call, 20 queued)",
-                 "implementation": "pallas", "N": xs.shape[0], "seconds": wall,
-                 "GBps": small_bytes / wall / 1e9})
+    add({"op": f"encode {xs.shape[0]:.0e} (wall clock a call, 20 queued)",
+         "implementation": "pallas", "N": xs.shape[0], "seconds": wall,
+         "GBps": small_bytes / wall / 1e9})
     return rows
 
 
@@ -547,18 +606,26 @@ def torch_path(small):
         xj = to_jax(x)
         jitted = jax.jit(hq.matmul)
         y = jitted(xj, codes)
+        cases = {"quantized_s": lambda: _torch_wall(lambda: q(x)),
+                 "F.linear_s": lambda: _torch_wall(lambda: F.linear(x, lin.weight)),
+                 "to_jax_s": lambda: _torch_wall(lambda: to_jax(x)),
+                 "cai_s": lambda: _torch_wall(lambda: jnp.asarray(x.view(torch.int16))),
+                 "jax_call_s": lambda: _torch_wall(
+                     lambda: jitted(xj, codes).block_until_ready()),
+                 "jax_queued_s": lambda: _queued_wall(lambda: jitted(xj, codes)),
+                 "to_torch_s": lambda: _torch_wall(lambda: to_torch(y)),
+                 "host_profile": lambda: host_profile(lambda: q(x))}
+        if device != "cuda":  # (no CUDA array interface on the CPU)
+            del cases["cai_s"]
+        row = {"lattice": lattice, "n": n}
         with torch.no_grad():
-            rows.append({
-                "lattice": lattice, "n": n,
-                "quantized_s": _torch_wall(lambda: q(x)),
-                "F.linear_s": _torch_wall(lambda: F.linear(x, lin.weight)),
-                "to_jax_s": _torch_wall(lambda: to_jax(x)),
-                **({"cai_s": _torch_wall(lambda: jnp.asarray(x.view(torch.int16)))}
-                   if device == "cuda" else {}),
-                "jax_call_s": _torch_wall(lambda: jitted(xj, codes).block_until_ready()),
-                "jax_queued_s": _queued_wall(lambda: jitted(xj, codes)),
-                "to_torch_s": _torch_wall(lambda: to_torch(y)),
-                "host_profile": host_profile(lambda: q(x))})
+            for key, f in cases.items():  # each on its own: one that fails loses no other
+                got = _cell(lambda: {"value": f()})
+                if "error" in got:
+                    row.setdefault("errors", {})[key] = got["error"]
+                else:
+                    row[key] = got["value"]
+        rows.append(row)
     return rows
 
 
@@ -592,7 +659,7 @@ def profile_target():
         f(x, codes).block_until_ready()
 
 
-def ncu_profile(clock):
+def ncu_profile(clock, results: pathlib.Path):
     """Nsight Compute's view of one ``gemv`` launch (speed of light, memory, warp stalls,
     occupancy), as text: what bounds the kernel. ``--clock-control none`` leaves the clocks as
     they are."""
@@ -605,7 +672,7 @@ def ncu_profile(clock):
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
                        timeout=max(min(clock.left() - 5, 150), 1))
     text = r.stdout + r.stderr
-    (RESULTS / "gpu_ncu.txt").write_text(text)
+    (results / "gpu_ncu.txt").write_text(text)
     return {"returncode": r.returncode, "lines": len(text.splitlines())}
 
 
@@ -663,6 +730,8 @@ def markdown(out) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in mm:
             def ratio(lat):
+                if "seconds" not in r["bf16"] or "seconds" not in r[lat]["fused"]:
+                    return "n/a"
                 return f"{r['bf16']['seconds'] / r[lat]['fused']['seconds']:.2f}x"
             lines.append(
                 f"| {r['n']} x {r['k']} | {r['batch']} | {_us(r['bf16'])} ({_pct(r['bf16'])}) "
@@ -670,12 +739,19 @@ def markdown(out) -> str:
                 f"{_us(r['E8']['fused'])} | {ratio('E8')} | {_us(r['D4']['decode_then_dot'])} | "
                 f"{_us(r['E8']['decode_then_dot'])} |")
         bits = {lat: mm[0][lat]["bits"] for lat in CONFIGS}
-        worst = max(r[lat]["fused"]["rel_diff"] for r in mm for lat in CONFIGS)
+        worst = max((r[lat]["fused"]["rel_diff"] for r in mm for lat in CONFIGS
+                     if "rel_diff" in r[lat]["fused"]), default=float("nan"))
         lines += ["", f"Bits per weight in memory: D4 {bits['D4']:.2f}, E8 {bits['E8']:.2f} "
                   "(codes, T field and row scales), int4 4.125, bf16 16. Largest relative "
                   "difference of a fused product from the float32 product of the decoded "
                   f"weights: {worst:.1e}.",
                   ""]
+        cells = [(f"{r['n']} x {r['k']} batch {r['batch']} {name}", cell["error"])
+                 for r in mm for name, cell in [("bf16", r["bf16"]), ("int4", r["int4"])]
+                 + [(f"{lat} {kind}", r[lat][kind]) for lat in CONFIGS
+                    for kind in ("fused", "decode_then_dot")] if "error" in cell]
+        lines += [f"{where} failed: `{err.splitlines()[0][:200]}`" for where, err in cells]
+        lines += [""] if cells else []
         split = [(r, lat) for r in mm for lat in CONFIGS if r[lat]["fused"].get("kernels")]
         if split:  # the glue: what runs on the device besides the product's main kernel
             lines += ["Where a fused call's device time goes (CUPTI, per call):", "",
@@ -711,6 +787,10 @@ def markdown(out) -> str:
         lines += ["| op | implementation | N | time | GB/s | % of HBM peak |",
                   "|---|---|---|---|---|---|"]
         for r in out["codec"]:
+            if "error" in r:
+                lines.append(f"| {r['op']} | {r['implementation']} | {r['N']:.0e} | failed: "
+                             f"`{r['error'].splitlines()[0][:120]}` | | |")
+                continue
             lines.append(f"| {r['op']} | {r['implementation']} | {r['N']:.0e} | "
                          f"{r['seconds'] * 1e3:.3f} ms | {r['GBps']:.0f} | {_pct(r)} |")
         lines.append("")
@@ -721,11 +801,12 @@ def markdown(out) -> str:
                   "|---|---|---|---|---|---|---|---|"]
         for r in out["torch"]:
             parts = " | ".join(f"{r[k] * 1e6:.0f} µs" if k in r else "n/a"
-                               for k in ("to_jax_s", "cai_s", "jax_call_s", "jax_queued_s",
-                                         "to_torch_s"))
-            lines.append(f"| {r['lattice']} {r['n']}² | {r['quantized_s'] * 1e6:.0f} µs | "
-                         f"{r['F.linear_s'] * 1e6:.0f} µs | {parts} |")
+                               for k in ("quantized_s", "F.linear_s", "to_jax_s", "cai_s",
+                                         "jax_call_s", "jax_queued_s", "to_torch_s"))
+            lines.append(f"| {r['lattice']} {r['n']}² | {parts} |")
         lines.append("")
+        lines += [f"`{r['lattice']}` {key} failed: `{err.splitlines()[0][:200]}`"
+                  for r in out["torch"] for key, err in r.get("errors", {}).items()]
         first = out["torch"][0]
         if first.get("host_profile"):
             lines += [f"Where `QuantizedLinear`'s host time goes ({first['lattice']}, cProfile "
@@ -734,9 +815,14 @@ def markdown(out) -> str:
             lines += [f"| `{p['function']}` | {p['calls']:g} | {p['own_us']:.1f} | "
                       f"{p['cumulative_us']:.1f} |" for p in first["host_profile"]]
             lines.append("")
-    tests = out.get("tests")
-    if tests:
-        lines += [f"`pytest {' '.join(tests['targets'])}` natively: {tests['summary'][-1]}", ""]
+    for name in ("tests_mosaic", "tests"):
+        tests = out.get(name)
+        if tests:
+            log = f" (the whole output: `{tests['log']}`)" if tests.get("log") else ""
+            lines += [f"`pytest {' '.join(tests['targets'])}` natively: "
+                      f"{tests['summary'][-1] if tests['summary'] else 'no output'}{log}"]
+            lines += [f"* `{ln[:300]}`" for ln in tests["summary"][:-1]
+                      if ln.startswith(("FAILED", "ERROR"))] + [""]
     return "\n".join(lines)
 
 
@@ -799,7 +885,11 @@ def main(argv=None):
                         "results/gpu_check_quick.*")
     p.add_argument("--tests", nargs="+",
                    default=["tests/test_kernels.py", "tests/test_kernels_mosaic_gpu.py"],
-                   help="test files (or node ids) to run natively")
+                   help="test files (or node ids) to run natively: those of "
+                        "tests/test_kernels_mosaic_gpu.py before the sweep, the others last")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS,
+                   help="the folder the results go to (on a lent machine: $OUT, whose files "
+                        "come back; default: experiments/results)")
     p.add_argument("--no-mosaic", action="store_true",
                    help="leave the Mosaic GPU kernels out of the sweep (a rerun after one "
                         "faulted or hung: the report names it)")
@@ -820,6 +910,8 @@ def main(argv=None):
         if out.get("sweep"):  # the backends as this version picks them from the run's times
             pick_backends(out["sweep"]["best"], winners_of(out["sweep"]["rows"]))
         if args.write_tiles:
+            if not (out.get("sweep") or {}).get("best"):
+                p.error("the saved run has no sweep winners to write")
             write_tiles(out["sweep"]["best"], out["environment"]["generation"],
                         ROOT / "hnlq_jax" / "kernels" / "gpu_tiles.py")
         if args.report:
@@ -840,18 +932,19 @@ def main(argv=None):
     peak = peak_bandwidth(env["device"])
     out = {"environment": {**env, "hbm_peak_Bps": peak}}
     suffix = ("_cpu_smoke" if small else "") + ("_quick" if args.quick else "")
-    RESULTS.mkdir(exist_ok=True)
+    results = args.out
+    results.mkdir(parents=True, exist_ok=True)
 
     def save():
-        (RESULTS / f"gpu_check{suffix}.json").write_text(json.dumps(out, indent=1))
+        (results / f"gpu_check{suffix}.json").write_text(json.dumps(out, indent=1))
 
     def finish():
-        out["timing"] = "CUPTI" if not small else "wall clock (no GPU)"
+        out["timing"] = timing_of(out)
         save()
         md = markdown(out)
-        (RESULTS / f"gpu_check{suffix}.md").write_text(md + "\n")
+        (results / f"gpu_check{suffix}.md").write_text(md + "\n")
         try:
-            plot(out, RESULTS / f"gpu_check{suffix}.png")
+            plot(out, results / f"gpu_check{suffix}.png")
         except Exception:  # noqa: BLE001  (a missing matplotlib must not lose the numbers)
             traceback.print_exc()
         print(md, flush=True)
@@ -859,8 +952,10 @@ def main(argv=None):
     def hung(label):
         out["hung"] = label
         print(f"gpu_check: {label} ran past its limit; results written, stopping", flush=True)
-        finish()
-        os._exit(3)  # the main thread waits on the device: only the process can end
+        try:
+            finish()
+        finally:
+            os._exit(3)  # the main thread waits on the device: only the process can end
 
     watchdog = Watchdog(hung)
 
@@ -878,40 +973,73 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001  (reported, not handled)
             traceback.print_exc()
             out.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
+            if device_fault(out["errors"][name]):
+                out["fault"] = out["errors"][name]
         out.setdefault("part_seconds", {})[name] = round(time.monotonic() - t, 1)
         print(f"gpu_check: {name} done in {time.monotonic() - t:.0f} s, "
               f"{clock.left():.0f} s left", flush=True)
         save()
 
     section("ceilings", ceilings, peak, small)
-    # The native tests first, in a process of their own: a kernel that faults or hangs on
-    # the device is found there, and the sweep then leaves the Mosaic GPU kernels out
-    # (Triton's have run on an H100 before; the Mosaic GPU ones had not)
-    if not args.skip_tests:
-        section("tests", run_tests, args.tests, clock, need=30)
-    fault = (out.get("tests") or {}).get("fault")
+    # The Mosaic GPU kernels' tests first, in a process of their own: a kernel that faults or
+    # hangs on the device is found there, and the sweep then leaves them out (Triton's
+    # kernels have run on an H100 before; the Mosaic GPU ones had not). The other tests run
+    # last, in the time left.
+    tests = {"tests_mosaic": [t for t in args.tests if "test_kernels_mosaic_gpu" in t],
+             "tests": [t for t in args.tests if "test_kernels_mosaic_gpu" not in t]}
+    limit = QUICK_TESTS_LIMIT if args.quick else TESTS_LIMIT
+
+    def tests_part(name):
+        if not args.skip_tests and tests[name]:
+            section(name, run_tests, tests[name], clock, limit,
+                    results / f"gpu_check{suffix}_{name}.txt", need=30)
+
+    tests_part("tests_mosaic")
+    fault = (out.get("tests_mosaic") or {}).get("fault")
     skip_mosaic = ("--no-mosaic" if args.no_mosaic else
                    f"the native tests broke their process ({fault})" if fault else None)
     out["sweep"] = {}  # filled row by row: a run the watchdog stops keeps what was timed
     # the time the parts after the sweep took on the H100 (product table, codec, torch: 190 s
-    # in all, about 80 s of them at --quick's sizes) stays theirs
+    # in all, about 80 s of them at --quick's sizes) stays theirs, and the other tests' (at
+    # most a minute at --quick)
     section("sweep", sweep, clock, small, args.quick, skip_mosaic, watchdog.guard,
-            out["sweep"], 90 if args.quick else 190, need=60)
+            out["sweep"], 150 if args.quick else 190, save, need=60)
     if out.get("sweep"):  # this run's products use the winners, as the table will
         if out["sweep"].get("fault"):
             out["fault"] = out["sweep"]["fault"]
         gpu_tiles.TILES[env["generation"]] = merged_tiles(
             gpu_tiles.TILES.get(env["generation"], {}), out["sweep"]["best"])
     if not small and not args.quick:  # what bounds gemv: where the next kernel change starts
-        section("ncu", ncu_profile, clock, need=60)
+        section("ncu", ncu_profile, clock, results, need=60)
+    out["matmul"], out["codec"] = [], []  # filled row by row, saved after each
     section("matmul", matmul_table, clock, peak, small,
             (1, 16) if small else (1, 4, 16) if args.quick else BATCHES,
-            [(8192, 8192)] if args.quick else SHAPES, need=60)
-    section("codec", codec_bandwidth, peak, small)
+            [(8192, 8192)] if args.quick else SHAPES, out["matmul"], save, need=60)
+    section("codec", codec_bandwidth, peak, small, out["codec"], save)
     section("torch", torch_path, small)
+    tests_part("tests")
     finish()
-    tests_ok = out.get("tests") is None or out["tests"]["returncode"] == 0
+    tests_ok = all(out[t]["returncode"] == 0 for t in tests if t in out)
     return 0 if tests_ok and not out.get("errors") and not out.get("fault") else 1
+
+
+def timing_of(out) -> str:
+    """How the run's rows were timed, from their ``method``s (:func:`_timed`)."""
+    methods = set()
+
+    def walk(v):
+        if isinstance(v, dict):
+            if isinstance(v.get("method"), str):
+                methods.add(v["method"])
+            for w in v.values():
+                walk(w)
+        elif isinstance(v, list):
+            for w in v:
+                walk(w)
+    walk(out)
+    if methods == {"cupti"}:
+        return "CUPTI"
+    return "wall clock" + (" (some rows; the others CUPTI)" if "cupti" in methods else "")
 
 
 if __name__ == "__main__":

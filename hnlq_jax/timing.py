@@ -47,11 +47,14 @@ def device_time(fn, x, operands, *, iterations: int = 10):
     """
     prog = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
     if jax.default_backend() == "gpu":
+        # Compiled and run once first: a kernel's own error (a failed compile, a fault on
+        # launch: JaxRuntimeError, a RuntimeError too) is raised here, not taken for CUPTI's
+        jax.block_until_ready(prog(x, operands))
         try:
             from jax.experimental.mosaic.gpu import profiler
             out, runs = profiler.measure(prog, aggregate=False, iterations=iterations)(
                 x, operands)
-        except (ImportError, RuntimeError):
+        except (ImportError, RuntimeError):  # no CUPTI: the wall clock below
             runs = None
         if runs:
             runs = [runs] if iterations == 1 else runs  # one run: its list itself

@@ -1093,16 +1093,66 @@ def test_gpu_check_stops_at_a_broken_device_context(monkeypatch):
 @pytest.mark.parametrize("script,fault", [
     ("print('3 passed')", None),
     ("import sys; print('Fatal Python error: Aborted'); sys.exit(134)", "Fatal Python error"),
-    ("import time; time.sleep(30)", "the tests ran past 1 s")])
-def test_gpu_check_tests_report_a_fault_or_hang(monkeypatch, script, fault):
+    ("import time; print('[gw0] PASSED t1', flush=True); time.sleep(30)",
+     "the tests ran past 2 s")])
+def test_gpu_check_tests_report_a_fault_or_hang(monkeypatch, tmp_path, script, fault):
     """The native tests' process: a crash's sign or a run past the limit is a fault (the sweep
-    then leaves the Mosaic GPU kernels out); a run that only ends the budget is not."""
+    then leaves the Mosaic GPU kernels out); a run that only ends the budget is not. The
+    whole output goes to the log, a hang's too (what it left running follows its last line)."""
     gpu_check = experiment("gpu_check")
     monkeypatch.setattr(gpu_check, "pytest_command", lambda *t: [sys.executable, "-c", script])
-    r = gpu_check.run_tests(["t"], gpu_check.Clock(3600), limit=1)
-    assert r["fault"] == fault
+    r = gpu_check.run_tests(["t"], gpu_check.Clock(3600), limit=2, log=tmp_path / "t.txt")
+    assert r["fault"] == fault and r["log"] == "t.txt"
+    log = (tmp_path / "t.txt").read_text()
     if fault is None:
-        assert r["returncode"] == 0 and r["summary"] == ["3 passed"]
+        assert r["returncode"] == 0 and r["summary"] == ["3 passed"] and log == "3 passed\n"
+    if fault and "past" in fault:
+        assert log == "[gw0] PASSED t1\n(stopped after 2 s)\n"
+
+
+def test_gpu_check_test_summary_keeps_every_failure():
+    """The JSON keeps each FAILED / ERROR line of a run and its last line, not the durations
+    around them (the log has everything)."""
+    gpu_check = experiment("gpu_check")
+    text = "\n".join(["[gw0] PASSED a", "==== slowest 40 durations ====", "1.0s call a",
+                      "FAILED tests/x.py::b - AssertionError: 0.2 > 0.1",
+                      "ERROR tests/x.py::c - RuntimeError: ptxas", "0.5s call d",
+                      "1 failed, 1 passed, 1 error in 3.0s"])
+    assert gpu_check._summary(text) == [
+        "FAILED tests/x.py::b - AssertionError: 0.2 > 0.1",
+        "ERROR tests/x.py::c - RuntimeError: ptxas", "1 failed, 1 passed, 1 error in 3.0s"]
+    cmd = gpu_check.pytest_command("tests/t.py")
+    assert "-x" not in cmd and "--maxfail=10" in cmd and cmd[-1] == "tests/t.py"
+
+
+def test_gpu_check_a_failing_case_loses_only_itself(monkeypatch):
+    """A product-table cell or codec row that raises holds its error, its row and the part's
+    other rows are kept (each saved as it comes) and the report says what failed; an error
+    that broke the device context ends the part."""
+    gpu_check = experiment("gpu_check")
+    real = functools.partial(gpu_check._timed, iterations=1)
+
+    def timed(fn, x, ws, *a, **k):
+        if fn is gpu_check.int4_weight_only:
+            raise RuntimeError("INTERNAL: ptxas out of resource")
+        return real(fn, x, ws, *a, **k)
+
+    monkeypatch.setattr(gpu_check, "_timed", timed)
+    rows, saved = [], []
+    got = gpu_check.matmul_table(gpu_check.Clock(3600), None, True, (1, 16), rows=rows,
+                                 on_row=lambda: saved.append(len(rows)))
+    assert got is rows and [r["batch"] for r in rows] == [1, 16] and saved == [1, 2]
+    assert all("ptxas" in r["int4"]["error"] and "seconds" in r["D4"]["fused"] for r in rows)
+    env = dict(device="cpu", backend="cpu", jax=jax.__version__, python="3")
+    md = gpu_check.markdown({"environment": env, "matmul": rows})
+    assert "256 x 256 batch 16 int4 failed: `RuntimeError: INTERNAL: ptxas" in md
+    assert "| 256 x 256 | 1 |" in md
+    monkeypatch.setattr(gpu_check, "_timed", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")))
+    with pytest.raises(RuntimeError, match="ILLEGAL_ADDRESS"):
+        gpu_check.matmul_table(gpu_check.Clock(3600), None, True, (1,))
+    assert gpu_check.timing_of({"matmul": rows}) == "wall clock"
+    assert gpu_check.timing_of({"a": [{"b": {"method": "cupti"}}]}) == "CUPTI"
 
 
 def test_sass_profile_unpacks_riegeli_and_snappy():

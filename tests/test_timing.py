@@ -1,5 +1,8 @@
 """hnlq_jax.timing: device time per call and its split by kernel."""
 
+import sys
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +36,25 @@ def test_device_time_without_cupti_is_wall_clock(monkeypatch):
                                             iterations=2)
     assert how == "wall" and kernels is None and 0 < t < 1
     np.testing.assert_array_equal(y, np.zeros((1, 4)))
+
+
+def test_device_time_raises_a_kernels_error_at_once(monkeypatch):
+    """On a GPU a call that fails (a compile, a launch: a RuntimeError like CUPTI's own) is
+    raised from its first compile, not taken for a missing CUPTI and compiled again."""
+    monkeypatch.setattr(timing.jax, "default_backend", lambda: "gpu")
+    gpu = types.ModuleType("jax.experimental.mosaic.gpu")  # CUPTI's measure, as jax's calls
+    gpu.profiler = types.SimpleNamespace(  # the function it measures (here: a failing one)
+        measure=lambda f, **_: lambda *args: (f(*args), None))
+    monkeypatch.setitem(sys.modules, "jax.experimental.mosaic.gpu", gpu)
+    traced = []
+
+    def failing(x, w):
+        traced.append(1)
+        raise RuntimeError("INTERNAL: ptxas fatal: out of registers")
+
+    with pytest.raises(RuntimeError, match="ptxas"):
+        timing.device_time(failing, jnp.ones((1, 4)), [jnp.ones((4, 4))], iterations=2)
+    assert traced == [1]
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="CUPTI times a GPU's kernels")

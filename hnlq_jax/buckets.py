@@ -43,7 +43,8 @@ def run_rows(fn, x: jax.Array, *args) -> jax.Array:
 
     Returns:
       ``[..., n]``: ``fn``'s rows for ``x``'s rows, a JAX array that owns its memory (on a
-      CPU a copy of the bucket's rows: ``jax.device_put`` copies a NumPy array).
+      CPU a copy of the bucket's rows: ``jax.device_put`` copies a NumPy array), on ``x``'s
+      device where ``x`` is committed to one (as the unpadded call's result is).
     """
     batch = math.prod(x.shape[:-1])
     pad = row_bucket(batch) - batch
@@ -53,7 +54,8 @@ def run_rows(fn, x: jax.Array, *args) -> jax.Array:
         return _rows_out(fn(_pad_rows(x.reshape(batch, x.shape[-1]), pad), *args), x.shape[:-1])
     rows = np.pad(np.asarray(x).reshape(batch, x.shape[-1]), ((0, pad), (0, 0)))
     y = np.asarray(fn(rows, *args))
-    return jax.device_put(y[:batch].reshape(x.shape[:-1] + y.shape[-1:]))  # a copy
+    device = next(iter(x.devices())) if isinstance(x, jax.Array) and x.committed else None
+    return jax.device_put(y[:batch].reshape(x.shape[:-1] + y.shape[-1:]), device)  # a copy
 
 
 @functools.partial(jax.jit, static_argnums=1)

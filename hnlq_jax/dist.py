@@ -41,7 +41,8 @@ from hnlq_jax import wire
 from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = ["METHODS", "CHUNK", "compressed_mean", "wire_bytes", "compress_gradients",
-           "CompressState", "compression_stats"]
+           "CompressState", "compression_stats", "decode_parts", "mean_of_parts",
+           "feedback_residual", "saturate"]
 
 METHODS = ("all_gather", "reduce_scatter")
 CHUNK = wire.CHUNK
@@ -61,15 +62,44 @@ def _ordered_mean(dec):
     """Mean over the leading (device) axis, summed in device order.
 
     A fixed order makes the mean the same function on every backend (a tree reduction's order
-    is the compiler's choice), which matters where the mean is quantized again.
+    is the compiler's choice), which matters where the mean is quantized again. The values are
+    scaled by ``2^-k`` (``2^k >= n``) before the sum and back after the division: exact
+    (powers of two), so the result is ``sum / n`` bit for bit, but the sum of n values near
+    the float maximum stays finite (a finite mean never turns into Inf).
     """
-    total = jax.lax.fori_loop(1, dec.shape[0], lambda i, acc: acc + dec[i], dec[0])
-    return total / dec.shape[0]
+    n = dec.shape[0]
+    k = max(0, (n - 1).bit_length())
+    down = dec * jnp.asarray(2.0**-k, dec.dtype)
+    total = jax.lax.fori_loop(1, n, lambda i, acc: acc + down[i], down[0])
+    return total / n * jnp.asarray(2.0**k, dec.dtype)
 
 
-def _decode_parts(parts, lay: wire.Layout, implementation):
-    """``[n, part_values]`` values of parts ``uint8 [n, part_bytes]``."""
+def decode_parts(parts, lay: wire.Layout, implementation=None):
+    """``[n, lay.part_values]`` float32 values of wire parts ``uint8 [n, lay.part_bytes]``
+    (each part one device's, :func:`hnlq_jax.wire.decode_part`)."""
     return jax.vmap(lambda p: wire.decode_part(p, lay, implementation))(parts)
+
+
+def mean_of_parts(parts, lay: wire.Layout, implementation=None):
+    """The mean ``[lay.part_values]`` float32 of wire parts ``uint8 [n, lay.part_bytes]``,
+    summed in the parts' (device) order: the same bits on every device and backend, and
+    finite wherever every part's value is (the sum cannot overflow)."""
+    return _ordered_mean(decode_parts(parts, lay, implementation))
+
+
+def feedback_residual(v, sent, previous):
+    """Error feedback's next residual ``v - sent`` (``v`` the gradient plus ``previous``,
+    ``sent`` its decoded payload), but ``previous`` where ``sent`` is NaN: a chunk of
+    non-finite values (sent as NaN) leaves the residual as it was, so one overflowed step (a
+    loss scaler then skips it) does not make every later step's chunk NaN too."""
+    return jnp.where(jnp.isnan(sent), previous, v - sent)
+
+
+def saturate(x, dtype):
+    """``x`` as ``dtype``, finite values clipped to its range (a float32 mean near float16's
+    maximum would round to Inf), NaN kept."""
+    big = jnp.finfo(dtype).max
+    return jnp.clip(x, -big, big).astype(dtype)
 
 
 def _compressed_mean(v, axis_name, lay: wire.Layout, implementation):
@@ -77,13 +107,13 @@ def _compressed_mean(v, axis_name, lay: wire.Layout, implementation):
     mine, info = wire.encode(v, lay, implementation)
     if lay.parts == 1:  # all_gather
         everyone = jax.lax.all_gather(mine[0], axis_name, to="invarying")  # [n, part_bytes]
-        return _ordered_mean(_decode_parts(everyone, lay, implementation)), mine, info
+        return mean_of_parts(everyone, lay, implementation), mine, info
     # reduce_scatter: part i of every device goes to device i.
     parts = jax.lax.all_to_all(mine, axis_name, 0, 0)
-    avg = _ordered_mean(_decode_parts(parts, lay, implementation))
+    avg = mean_of_parts(parts, lay, implementation)
     part, _ = wire.encode(avg, lay.slice(), implementation)
     everyone = jax.lax.all_gather(part[0], axis_name, to="invarying")  # part i from device i
-    return _decode_parts(everyone, lay, implementation).reshape(-1), mine, info
+    return decode_parts(everyone, lay, implementation).reshape(-1), mine, info
 
 
 def compressed_mean(x, axis_name, config: HNLQConfig, method: str = "all_gather", *,
@@ -104,9 +134,10 @@ def compressed_mean(x, axis_name, config: HNLQConfig, method: str = "all_gather"
       implementation: encode/decode implementation (as for :func:`hnlq_jax.encode`).
 
     Returns:
-      The mean, shaped and typed as ``x``; identical on every device. NaN only where some
-      device's input was not finite (in that device's chunk). On a one-device axis ``x``
-      itself (``lax.pmean``'s: exact, nothing is communicated).
+      The mean, shaped and typed as ``x`` (:func:`saturate`: a mean near a half-precision
+      maximum stays finite); identical on every device. NaN only where some device's input
+      was not finite (in that device's chunk). On a one-device axis ``x`` itself
+      (``lax.pmean``'s: exact, nothing is communicated).
     """
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -117,7 +148,7 @@ def compressed_mean(x, axis_name, config: HNLQConfig, method: str = "all_gather"
         return jax.lax.pmean(x, axis_name)  # typed as the same on every device (x would vary)
     mean, _, _ = _compressed_mean(jnp.ravel(x).astype(jnp.float32), axis_name, lay,
                                   implementation)
-    return mean[: x.size].reshape(x.shape).astype(x.dtype)
+    return saturate(mean[: x.size].reshape(x.shape), x.dtype)
 
 
 def wire_bytes(x, config: HNLQConfig, axis_size: int, method: str = "all_gather", *,
@@ -187,11 +218,12 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
     """An optax transformation replacing each device's gradient by its compressed mean.
 
     Use inside ``jax.shard_map`` / ``jax.pmap`` over ``axis_name``, first in an
-    ``optax.chain``. Leaves with fewer than ``min_size`` entries, and every leaf during the
-    first ``warmup_steps`` updates, take the exact mean (``lax.pmean``). With error feedback,
-    what quantization left out is kept per leaf and added to the next gradient:
-    ``v = g + r``, send codes of v, ``r' = v - sent`` where ``sent`` is v's decoded codes, the
-    very values the other devices receive.
+    ``optax.chain``. Leaves with fewer than ``min_size`` entries, every leaf during the
+    first ``warmup_steps`` updates, and all of them on a one-device axis (nothing to send)
+    take the exact mean (``lax.pmean``). With error feedback, what quantization left out is
+    kept per leaf and added to the next gradient: ``v = g + r``, send codes of v,
+    ``r' = v - sent`` where ``sent`` is v's decoded codes, the very values the other devices
+    receive (:func:`feedback_residual`: a chunk of non-finite values keeps ``r``).
 
     Args:
       config: the quantizer (``beta`` for unit-RMS chunks: :func:`hnlq_jax.gaussian_beta`,
@@ -230,9 +262,10 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
         if error_feedback:
             v = v + jnp.ravel(r)
         mean, mine, info = _compressed_mean(v, axis_name, lay, implementation)
-        mean = mean[: g.size].reshape(g.shape).astype(g.dtype)
+        mean = saturate(mean[: g.size].reshape(g.shape), g.dtype)
         if error_feedback:  # what this device sent, as every receiver decodes it
-            r = (v - wire.decode(mine, lay, implementation)).reshape(g.shape)
+            sent = wire.decode(mine, lay, implementation)
+            r = feedback_residual(v, sent, jnp.ravel(r)).reshape(g.shape)
         return mean, r, info
 
     def update(updates, state, params=None):
@@ -267,7 +300,9 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
             return outs, new_rs, jax.lax.psum(total, axis_name)
 
         args = (leaves, residuals)
-        if warmup_steps:
+        if n == 1:  # one device: the mean is its own gradient, nothing is sent
+            out, new_res, info = exact(args)
+        elif warmup_steps:
             out, new_res, info = jax.lax.cond(state.step < warmup_steps, exact, coded, args)
             sent = jnp.where(state.step < warmup_steps, sum(f32), sent)
         else:

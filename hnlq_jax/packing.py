@@ -19,9 +19,11 @@ final run, so a plane with ``n`` blocks and ``m`` ones is ``m + 1`` runs summing
 Each run ``r`` is Rice coded with the plane's parameter ``k``: the quotient ``r >> k`` in unary
 (that many 0 bits, then a 1) and the remainder ``r mod 2^k`` in ``k`` bits. Planes with no block
 are skipped, and only planes ``0 .. P-1`` are coded with ``P`` the largest ``v`` (blocks still
-eligible after the last plane have ``v = P``). For iid T this is within about 0.03 bits per
-block of ``H(T)`` (the chain rule splits ``H(T)`` over the binary planes, and Rice codes are
-near-optimal for geometric runs).
+eligible after the last plane have ``v = P``). For iid T concentrated at 0, as at a
+calibrated beta, this is within about 0.03 bits per block of ``H(T)`` (the chain rule splits
+``H(T)`` over the binary planes, and Rice codes are near-optimal for geometric runs); every
+plane costs at least a bit per block that reaches it, so T mostly above 0 (a beta far too
+small) costs up to several bits a block more than ``H(T)``.
 
 The codewords go into one buffer of ``C`` bits from both ends: the unary parts of all planes
 (in plane order) forward from bit 0, the ``k``-bit remainders backward from bit ``C`` (the
@@ -74,7 +76,8 @@ def label_chunk(q: int) -> tuple[int, int]:
 
     ``k`` minimizes ``B / k`` with ``B = bit_length(q^k - 1)`` over ``q^k <= 2^32`` (ties: the
     largest ``k``), e.g. q = 3: 17 digits in 27 bits (1.588 bits per digit against
-    log2 3 = 1.585); q = 5: 3 digits in 7 bits. For q a power of two, ``B / k = log2 q``.
+    log2 3 = 1.585); q = 5: 12 digits in 28 bits (3 in 7 has the same ratio; ties take the
+    larger k). For q a power of two, ``B / k = log2 q``.
     """
     best, k = None, 1
     while q**k <= 2**32:

@@ -307,7 +307,8 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
 
     def body(s):
         e, _, _, _, ok = s
-        e = jnp.where(ok | ~finite, e, e + 1)
+        # (a chunk that fails at the largest exponent stays there, failed, while others rise)
+        e = jnp.where(ok | ~finite | (e >= _E_MAX), e, e + 1)
         index, u = attempt(e)
         tstream, used = _t_streams(u, lay)
         return e, index, u, tstream, fits(u, used)

@@ -30,7 +30,7 @@ import numpy as np
 
 import hnlq_jax as hq
 from torch_bridge import HNLQHookState, hnlq_hook
-from torch_bridge.ddp import METHODS, _compress, _decode_parts, _encode, _mean
+from torch_bridge.ddp import METHODS, _compress, _decode_parts, _encode, _mean, _saturated
 
 D4_Q4_M2 = hq.HNLQConfig("D4", 4, 2, beta=0.2016)  # hq.gaussian_beta, rounded
 D4_Q16_M4 = hq.HNLQConfig("D4", 16, 4, beta=4.353e-5)
@@ -102,6 +102,8 @@ def hook_programs():
             v = committed(N, np.float32)
             progs.append((_compress, (v, committed(N, np.float32)), kw))
             progs.append((_mean, (committed((2, lay.part_bytes), np.uint8),), kw))
+            progs.append((_saturated, (committed(lay.parts * lay.part_values, np.float32),),
+                          {"n": N, "dtype": np.dtype(np.float32)}))
             if lay.parts > 1:
                 progs.append((_encode, (committed(lay.part_values, np.float32), lay.slice(),
                                         None), {}))

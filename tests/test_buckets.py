@@ -57,3 +57,16 @@ def test_run_rows_output_owns_its_memory():
     for _ in range(3):
         run_rows(_affine, -x[:, None, :], w, b)
     np.testing.assert_array_equal(first, kept)
+
+
+@pytest.mark.parametrize("shape", [(8, 4), (9, 4), (2, 3, 4)])
+def test_run_rows_keeps_a_committed_inputs_device(shape):
+    """Padded or reshaped, the result lands on the device x is committed to, as the unpadded
+    call's does (not on the default device)."""
+    dev = jax.devices()[1]
+    x = jax.device_put(np.ones(shape, np.float32), dev)
+    w, b = jax.device_put(np.eye(4, 2, dtype=np.float32), dev), np.zeros(2, np.float32)
+    y = run_rows(_affine, x, w, b)
+    assert y.devices() == {dev} and y.committed
+    assert run_rows(_affine, np.ones(shape, np.float32), np.eye(4, 2, dtype=np.float32),
+                    b).devices() == {jax.devices()[0]}

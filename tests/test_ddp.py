@@ -62,6 +62,32 @@ def test_residual_is_what_was_not_sent():
     assert int(info.overloaded) > 0 and int(info.failed) == 0
 
 
+def test_a_failed_chunk_keeps_its_residual():
+    """A chunk with an Inf is sent as NaN; its residual stays what it was (one overflowed
+    step must not make the chunk NaN on every later step), the other chunks' as before."""
+    rng = np.random.default_rng(2)
+    v = rng.standard_normal(N).astype(np.float32)
+    v[5] = np.inf
+    r = jnp.asarray(rng.standard_normal(N) * 0.01, jnp.float32)
+    kw = {"lay": wire.layout(N, CFG), "implementation": None}
+    payload, r2, info = _compress(jnp.asarray(v), r, **kw)
+    sent = np.asarray(_mean(payload, **kw)[:N])
+    chunk = wire.CHUNK * CFG.d  # the first chunk's values
+    assert int(info.failed) == 1 and np.isnan(sent[:chunk]).all()
+    np.testing.assert_array_equal(r2[:chunk], r[:chunk])
+    np.testing.assert_array_equal(r2[chunk:], (v + r)[chunk:] - sent[chunk:])
+
+
+def test_means_into_half_precision_buckets_saturate():
+    """A float16 bucket takes the float32 mean saturated at 65504, not rounded to Inf."""
+    import torch
+    buffer = torch.zeros(4, dtype=torch.float16)
+    values = jnp.asarray([70000.0, -1e6, 1.5, np.nan, 9.0], jnp.float32)  # one of padding
+    out = tb_ddp._into(buffer, values)
+    assert out is buffer
+    np.testing.assert_array_equal(buffer.float().numpy(), [65504, -65504, 1.5, np.nan])
+
+
 def test_fresh_residual_is_placed_like_a_carried_one():
     """A new bucket's zero residual is committed to the bucket's device like the residual a
     later step carries, so the hook's compress step compiles once per layout, not twice."""
@@ -100,8 +126,10 @@ def test_state_validation_and_pickling():
         HNLQHookState(CFG, min_size=1.5)
     state = HNLQHookState(CFG, process_group=object(), warmup_steps=3)
     state.residuals[0] = (((1, (2,)),), jnp.ones(2))
+    state._agreed = True  # its group's ranks agreed; a restored state's new group must again
     s = pickle.loads(pickle.dumps(state))
     assert s.config == CFG and s.warmup_steps == 3 and s.process_group is None
+    assert not s._agreed
     np.testing.assert_array_equal(s.residuals[0][1], [1, 1])
     with pytest.raises(TypeError, match="HNLQHookState"):
         hnlq_hook(CFG, None)
@@ -129,6 +157,26 @@ def test_ranks_running_another_format_disagree(monkeypatch, module, name):
     assert f"rank 0: format/wire version {peer}, config=" in str(e.value)
     assert f"rank 1: format/wire version {tb_ddp.FORMAT_VERSION}/{wire.WIRE_VERSION}," in str(
         e.value)
+
+
+@pytest.mark.parametrize("knob", [{"min_size": 5000}, {"warmup_steps": 2}])
+def test_ranks_disagreeing_on_which_buckets_are_coded_are_refused(monkeypatch, knob):
+    """warmup_steps and min_size decide whether a bucket takes the exact all-reduce or the
+    coded exchange: ranks that disagree would wait on different collectives, so the first
+    bucket refuses them with a clear error instead of a hang until the group's timeout."""
+    sent = []
+
+    def all_gather_object(out, mine, group=None):  # rank 0: the peer, rank 1: this process
+        sent.append(mine)
+        out[:] = sent[-len(out):]
+
+    monkeypatch.setattr(tb_ddp.dist, "all_gather_object", all_gather_object)
+    HNLQHookState(CFG, **knob)._check_agreement(None, 1)  # the peer
+    with pytest.raises(ValueError, match="ranks disagree") as e:
+        HNLQHookState(CFG)._check_agreement(None, 2)
+    (name, value), = knob.items()
+    assert "rank 0: " in str(e.value) and f"{name}={value}" in str(e.value)
+    assert "warmup_steps and min_size" in str(e.value)
 
 
 @pytest.mark.slow

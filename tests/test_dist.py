@@ -328,6 +328,21 @@ def test_rate_control_and_failed_chunks():
     assert np.all(np.isnan(out[chunk])) and np.all(np.isfinite(np.delete(out, chunk)))
 
 
+def test_a_chunk_failing_at_the_largest_exponent_counts_as_failed():
+    """A chunk that cannot be coded even at the largest exponent is failed (NaN) and counted
+    so, also while another chunk's rescaling keeps the loop going (its exponent does not
+    wrap into the FAILED byte uncounted)."""
+    lay = wire.layout(512, CFG, chunk=64, t_capacity=1.0)  # 2 chunks
+    big = np.full(256, 3e38, np.float32)
+    for rest, rescaled in ((np.zeros(256, np.float32), 0),
+                           (np.random.default_rng(0).standard_normal(256).astype(np.float32),
+                            1)):
+        payload, info = wire.encode(jnp.asarray(np.concatenate([big, rest])), lay)
+        assert (int(info.failed), int(info.rescaled)) == (1, rescaled)
+        out = np.asarray(wire.decode(payload, lay))
+        assert np.isnan(out[:256]).all() and np.isfinite(out[256:]).all()
+
+
 @pytest.mark.parametrize("max_T", [14, 5])
 def test_wire_exponent_at_a_power_of_two_is_ieees(max_T):
     """A chunk's exponent is one value on every backend: its largest block's norm is the
@@ -470,9 +485,61 @@ def test_one_device_sends_nothing_and_reports_ratio_one():
     g = jnp.asarray(np.random.default_rng(0).standard_normal(256), jnp.float32)
     f = jax.jit(jax.shard_map(lambda u, s: tx.update(u, s), mesh=mesh(1), in_specs=(P(), P()),
                               out_specs=(P(), P()), check_vma=False))
-    stats = dist.compression_stats(f(g, tx.init(g))[1])
+    u, state = f(g, tx.init(g))
+    stats = dist.compression_stats(state)
     assert float(stats["bytes_sent"]) == 0 and float(stats["float32_bytes"]) == 0
     assert float(stats["ratio_to_float32"]) == 1.0
+    # nothing is sent, so nothing is quantized (as compressed_mean on one device)
+    np.testing.assert_array_equal(u, g)
+    assert float(stats["overload_rate"]) == 0
+
+
+def test_one_nonfinite_step_leaves_later_steps_finite():
+    """An Inf in one device's gradient makes its chunk's mean NaN at that step only (a loss
+    scaler skips the step): the chunk's residual stays as it was instead of turning NaN, so
+    every later step with finite gradients is finite again."""
+    tx = dist.compress_gradients(CFG, "i", min_size=16)
+    w = jnp.zeros(4096)
+    state = placed(jax.tree.map(lambda a: jnp.broadcast_to(a, (2,) + a.shape), tx.init(w)),
+                   P("i"), n=2)
+
+    def step(g, st):
+        u, st = tx.update(g[0], jax.tree.map(lambda a: a[0], st))
+        return u, jax.tree.map(lambda a: a[None], st)
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh(2), in_specs=(P("i"), P("i")),
+                              out_specs=(P(), P("i"))))
+    rng = np.random.default_rng(9)
+    for t in range(3):
+        g = rng.standard_normal((2, 4096)).astype(np.float32)
+        if t == 0:
+            g[0, 5] = np.inf
+        before = np.asarray(state.residual)
+        u, state = f(jnp.asarray(g), state)
+        u, r = np.asarray(u), np.asarray(state.residual)
+        assert np.isfinite(r).all()
+        if t == 0:  # the first chunk (256 blocks of 4) failed; its residual is the old one
+            assert np.isnan(u[:1024]).all() and np.isfinite(u[1024:]).all()
+            np.testing.assert_array_equal(r[0, :1024], before[0, :1024])
+            assert int(dist.compression_stats(state)["failed_chunks"][0]) == 1
+        else:
+            assert np.isfinite(u).all()
+
+
+@pytest.mark.parametrize("method", dist.METHODS)
+def test_means_near_the_float_maximum_stay_finite(method):
+    """A finite mean stays finite: float16 values near 65504 (a loss scaler's range) come back
+    saturated, not Inf, and 4 devices' float32 values of 1e38 (the wire codes them; their sum
+    is beyond float32) do not overflow the sum."""
+    rng = np.random.default_rng(2)
+    f16 = rng.uniform(60000, 65504, (4, 64)).astype(np.float16)
+    f32 = rng.uniform(0.9e38, 1e38, (4, 64)).astype(np.float32)
+    for x, big in ((f16, 65504), (f32, np.finfo(np.float32).max)):
+        got = np.asarray(sharded(functools.partial(dist.compressed_mean, axis_name="i",
+                                                   config=CFG, method=method), n=4)(x))
+        assert got.dtype == x.dtype and np.isfinite(got).all() and np.abs(got).max() <= big
+        exact = np.mean(x.astype(np.float64), axis=0)
+        np.testing.assert_allclose(got[0], exact, rtol=0.15)
 
 
 @pytest.mark.parametrize("method", ["all_gather", "reduce_scatter"])

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import torch
 import torch.distributed as dist
 
+from hnlq_jax import dist as hq_dist
 from hnlq_jax import wire
 from hnlq_jax.codes import FORMAT_VERSION
 from hnlq_jax.config import HNLQConfig, check_config
@@ -39,23 +40,37 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 @functools.partial(jax.jit, static_argnames=("lay", "implementation"))
 def _compress(v, r, *, lay, implementation):
-    """``(payload [parts, part_bytes] uint8, v + r - sent, wire.Info)`` of a flat float32 v."""
+    """``(payload [parts, part_bytes] uint8, the next residual, wire.Info)`` of a flat float32
+    v with the residual r (:func:`hnlq_jax.dist.feedback_residual`)."""
     v = v + r
     payload, info = wire.encode(v, lay, implementation)
-    return payload, v - wire.decode(payload, lay, implementation), info
+    return payload, hq_dist.feedback_residual(v, wire.decode(payload, lay, implementation), r), info
 
 
 @functools.partial(jax.jit, static_argnames=("lay", "implementation"))
 def _mean(parts, *, lay, implementation):
-    """Rank-order mean ``[lay.part_values]`` float32 of parts ``[world, part_bytes]``."""
-    dec = jax.vmap(lambda p: wire.decode_part(p, lay, implementation))(parts)
-    return jax.lax.fori_loop(1, dec.shape[0], lambda i, acc: acc + dec[i], dec[0]) / dec.shape[0]
+    """Rank-order mean ``[lay.part_values]`` float32 of parts ``[world, part_bytes]``
+    (:func:`hnlq_jax.dist.mean_of_parts`)."""
+    return hq_dist.mean_of_parts(parts, lay, implementation)
 
 
 @functools.partial(jax.jit, static_argnames=("lay", "implementation"))
 def _decode_parts(parts, *, lay, implementation):
     """Values ``[world * lay.part_values]`` float32 of parts ``[world, part_bytes]``, in order."""
-    return jax.vmap(lambda p: wire.decode_part(p, lay, implementation))(parts).reshape(-1)
+    return hq_dist.decode_parts(parts, lay, implementation).reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnames=("n", "dtype"))
+def _saturated(values, *, n, dtype):
+    """The first ``n`` float32 values as ``dtype`` (:func:`hnlq_jax.dist.saturate`: a mean
+    near float16's maximum stays finite)."""
+    return hq_dist.saturate(values[:n], dtype)
+
+
+def _into(buffer: torch.Tensor, values) -> torch.Tensor:
+    """The bucket's mean, its first ``buffer.numel()`` float32 ``values``, into its buffer."""
+    dtype = jnp.dtype(str(buffer.dtype).removeprefix("torch."))
+    return buffer.copy_(to_torch(_saturated(values, n=buffer.numel(), dtype=dtype)))
 
 
 _encode = jax.jit(wire.encode, static_argnums=(1, 2))
@@ -73,7 +88,8 @@ class HNLQHookState:
       config: the quantizer; beta for unit-RMS data (chunks are scaled to RMS ~ 1 by a power
         of two; :func:`hnlq_jax.gaussian_beta`, which is used when beta is the default 1.0).
         Every rank must pass the same config: the first call compares them (and the format
-        version) across ranks and raises ``ValueError`` if they differ.
+        version, method, chunk, t_capacity, warmup_steps and min_size, which decide each
+        bucket's collectives) across ranks and raises ``ValueError`` if they differ.
       process_group: the group to average over (default: the default group).
       error_feedback: add what quantization left out of a bucket to its next gradient.
       warmup_steps: iterations that use the exact all-reduce first (as PowerSGD's
@@ -136,17 +152,20 @@ class HNLQHookState:
 
     def _check_agreement(self, group, world: int):
         """All ranks must decode each other's payloads with the same quantizer and format."""
+        # (warmup_steps and min_size decide which collective a bucket takes: ranks that
+        # disagreed would wait on different ones until the group's timeout)
         mine = (f"{FORMAT_VERSION}/{wire.WIRE_VERSION}", repr(self.config), self.method,
-                self.chunk, self.t_capacity)
+                self.chunk, self.t_capacity, self.warmup_steps, self.min_size)
         everyone = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
         if any(other != mine for other in everyone):
             lines = "\n".join(f"  rank {i}: format/wire version {v}, config={c}, method={m}, "
-                              f"chunk={k}, t_capacity={t}"
-                              for i, (v, c, m, k, t) in enumerate(everyone))
+                              f"chunk={k}, t_capacity={t}, warmup_steps={w}, min_size={z}"
+                              for i, (v, c, m, k, t, w, z) in enumerate(everyone))
             raise ValueError("hnlq_hook: ranks disagree on the quantizer; every rank must "
                              "run the same hnlq_jax and build HNLQHookState with the same "
-                             f"config, method, chunk and t_capacity:\n{lines}")
+                             "config, method, chunk, t_capacity, warmup_steps and min_size:"
+                             f"\n{lines}")
         self._agreed = True
 
     def _residual(self, bucket, like):
@@ -181,6 +200,7 @@ class HNLQHookState:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.process_group = None
+        self._agreed = False  # a new group (perhaps other versions on other nodes): ask again
 
 
 def hnlq_hook(state: HNLQHookState,
@@ -241,8 +261,7 @@ def hnlq_hook(state: HNLQHookState,
         def finish(fut):
             # On gloo the future's value is not the gathered tensor: read ``out``.
             fut.wait()
-            mean = _mean(to_jax(out).reshape(world, -1), **kw)[:n]
-            return buffer.copy_(to_torch(mean))
+            return _into(buffer, _mean(to_jax(out).reshape(world, -1), **kw))
 
         return work.get_future().then(finish)
 
@@ -255,7 +274,6 @@ def hnlq_hook(state: HNLQHookState,
         mine_part, _ = _encode(avg, lay.slice(), state.implementation)
         work2, out = gather(to_torch(mine_part))
         work2.wait()
-        mean = _decode_parts(to_jax(out).reshape(world, -1), **kw)[:n]
-        return buffer.copy_(to_torch(mean))
+        return _into(buffer, _decode_parts(to_jax(out).reshape(world, -1), **kw))
 
     return work.get_future().then(reduce_then_gather)

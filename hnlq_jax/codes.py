@@ -106,20 +106,25 @@ def check_header_checksum(state, header: dict, where: str) -> None:
         raise ValueError(f"{where}: the saved header checksum {saved!r} is not an int; save the "
                          "codes again")
     if header_checksum(header) != saved_int(saved):
-        raise ValueError(f"{where}: the saved header (format version, config, shape) does not "
-                         "match its saved CRC-32 (corrupted or edited since it was saved); load "
+        raise ValueError(f"{where}: the saved header (format version, config, row length) does "
+                         "not match its saved CRC-32 (corrupted or edited since it was saved); load "
                          "an intact copy, or quantize the float model again")
 
 
 def check_checksum(state, arrays, where: str) -> None:
     """Compares the ``"crc32"`` a saved artifact records with :func:`checksum` of its arrays
-    (saved before checksums were recorded, it has none: nothing to compare).
+    (saved before checksums were recorded, it has none: nothing to compare; one that records
+    a ``"header_crc32"``, written since, must have it).
 
     Raises:
       ValueError: the arrays are not those that were saved (corrupted or edited).
     """
     saved = state.get("crc32") if isinstance(state, dict) else None
     if saved is None:
+        if isinstance(state, dict) and "header_crc32" in state:  # written with both, always
+            raise ValueError(f"{where}: the saved codes carry a header checksum but no checksum "
+                             "of their arrays (corrupted or edited since they were saved); "
+                             "load an intact copy, or quantize the float model again")
         return
     if saved_int(saved) is None:
         raise ValueError(f"{where}: the saved checksum {saved!r} is not an int; save the codes "

@@ -536,7 +536,7 @@ def test_other_config_or_format_version_refused(variables, exported):
     # Codes without their row scales would decode W / c: refused however they arrive.
     # (without a checksum too, which would refuse the edit before the layer sees it)
     unscaled = {**state, "hnlq": {"codes": {**{k: v for k, v in codes_state.items()
-                                                if k != "crc32"}, "scale": None}}}
+                                                if "crc32" not in k}, "scale": None}}}
     with pytest.raises(ValueError, match="do not match their saved CRC-32"):
         hf.import_params({**state, "hnlq": {"codes": {**codes_state, "scale": None}}}, CFG)
     for restored in (hf.import_params(unscaled, CFG),
@@ -572,9 +572,14 @@ def test_saved_codes_checksum(exported, field):
         hf.import_params(flipped, CFG)
     with pytest.raises(ValueError, match="do not match their saved CRC-32"):
         flax.serialization.from_state_dict(inference, flipped)
+    # both checksums gone: saved before they were recorded (one alone: an edit)
     unchecked = {**state, "hnlq": {"codes": {k: v for k, v in flipped["hnlq"]["codes"].items()
-                                             if k != "crc32"}}}
+                                             if "crc32" not in k}}}
     hf.import_params(unchecked, CFG)
+    renamed = {**state, "hnlq": {"codes": {("crc3x" if k == "crc32" else k): v
+                                           for k, v in flipped["hnlq"]["codes"].items()}}}
+    with pytest.raises(ValueError, match="a header checksum but no checksum of their arrays"):
+        hf.import_params(renamed, CFG)
     assert codes_state["crc32"] == hq.codes.checksum(*(inference["hnlq"]["codes"].index,
                                                        inference["hnlq"]["codes"].tfield,
                                                        inference["hnlq"]["codes"].scale))

@@ -289,8 +289,12 @@ def test_state_dict_checksum_catches_a_valid_looking_flip(field):
     with pytest.raises(ValueError, match=r"QuantizedLinear \(root\): the code arrays do not "
                                          r"match their saved CRC-32"):
         fresh.load_state_dict(sd)
+    header_crc = sd["_extra_state"].pop("header_crc32")
     del sd["_extra_state"]["crc32"]
-    fresh.load_state_dict(sd)  # unchecked: the older form
+    fresh.load_state_dict(sd)  # unchecked: the older form, saved before either was recorded
+    sd["_extra_state"]["header_crc32"] = header_crc  # one without the other: edited
+    with pytest.raises(ValueError, match="a header checksum but no checksum of their arrays"):
+        fresh.load_state_dict(sd)
     sd["_extra_state"]["crc32"] = "abc"
     with pytest.raises(ValueError, match="saved checksum 'abc' is not an int"):
         fresh.load_state_dict(sd)

@@ -16,8 +16,9 @@ calls, after a warm-up call that compiles; the float paths, ``native`` and the t
 Weights stream from memory as in a real model: every path cycles through enough copies of its
 weight (float or codes) that together they exceed ``--rotate-mb`` (default 320 MB, beyond any
 CPU cache here), so no call finds its weight in cache. Ratios are quantized time / float32 dot
-time, measured side by side. Also: the per-call cost of the torch bridge at a tiny layer, and
-the native rotation of a rotated layer's activations beside the float layer it precedes.
+time, measured side by side. Also: the per-call cost of the torch bridge at a tiny layer, the
+native rotation of a rotated layer's activations beside the float layer it precedes, and the
+native decode kernel beside a float32 copy of the weight (``--only decode``).
 
 Writes ``results/bench_cpu_matmul.json`` and ``.png`` and the table in
 ``docs/performance.md``. Usage: ``python experiments/bench_cpu_matmul.py [--quick]
@@ -163,6 +164,68 @@ def bridge_overhead(repeat, rng):
     return out
 
 
+def decode_cost(repeat, rotate_mb, rng):
+    """Seconds of the native decode kernel at the large shapes as the torch layer runs it for
+    a batch of ``torch_bridge.ops.GEMM_ROWS`` rows or more (``decode_host`` into a buffer
+    that is reused, so no call pays the page faults of a fresh one; one thread, and two),
+    beside a float32 copy of the weight into a reused buffer (``np.copyto``: the memory
+    traffic of a decode that cost nothing), the codes and the copied weights rotating through
+    copies beyond the caches, interleaved; D4 also limited to the AVX-512 code
+    (``use_isa("avx512")``: its pair table's gathers instead of VBMI's byte permutes) where
+    the CPU has VBMI. ``None`` where the extension is not built."""
+    cpu = hq.kernels.cpu
+    if not cpu.available():
+        return None
+    out = {}
+    for n_out, k in SHAPES[1:]:
+        w = rng.standard_normal((n_out, k)).astype(np.float32)
+        dst = np.empty_like(w)
+        cands = {"float32 copy": (lambda a: np.copyto(dst, a),
+                                  [w.copy() for _ in range(n_copies(w.nbytes, rotate_mb))], {})}
+        keep = []  # the buffers the HostCodes point into, alive through the timing
+        for lattice in LATTICES:
+            codes = hq.encode_rows(w, config(lattice))
+            hosts = []
+            for _ in range(n_copies(codes.nbytes, rotate_mb)):
+                arrays = [np.array(a) for a in (codes.index, codes.tfield, codes.scale)]
+                keep.append(arrays)
+                hosts.append(cpu.HostCodes(codes.config, n_out, k,
+                                           *(a.ctypes.data for a in arrays)))
+            isas = [(lattice, None)]
+            if lattice == "D4" and cpu.isa() == "avx512vbmi":
+                isas.append(("D4 avx512", "avx512"))
+            for name, isa in isas:
+                for threads in (1, 2):
+                    def run(h, isa=isa, threads=threads):
+                        with cpu.use_isa(isa or cpu.isa()):
+                            cpu.decode_host(dst.ctypes.data, h, False, threads)
+                    cands[f"{name} {threads} thread(s)"] = (run, hosts, {})
+        times = interleaved(cands, repeat, ROUNDS)
+        out[f"{n_out}x{k}"] = times
+        del keep
+    return out
+
+
+def decode_line(d) -> str:
+    if not d:
+        return ""
+    parts = []
+    for shape, v in d.items():
+        n_out, k = map(int, shape.split("x"))
+        copy = v["float32 copy"]
+
+        def at(name):
+            t1, t2 = v[f"{name} 1 thread(s)"], v[f"{name} 2 thread(s)"]
+            return (f"{t1 * 1e3:.1f} ms on one thread ({n_out * k / t1 / 1e9:.1f} G weights/s, "
+                    f"{t1 / copy:.2f}x the copy), {t2 * 1e3:.1f} ms on two")
+        gathers = f"; D4 with AVX-512 gathers {at('D4 avx512')}" if "D4 avx512 1 thread(s)" in v \
+            else ""
+        parts.append(f"{n_out} x {k}: a float32 copy of the weight {copy * 1e3:.1f} ms, D4 "
+                     f"{at('D4')}, E8 {at('E8')}{gathers}")
+    return (" The native decode kernel into a reused buffer (what the torch layer runs before "
+            "its GEMM from `GEMM_ROWS` rows): " + "; ".join(parts) + ".")
+
+
 def rotation_cost(repeat, rng, rows=1280):
     """Seconds of the native rotation of ``[rows, n]`` float32 activations as a rotated
     ``QuantizedLinear`` runs it (``hq.kernels.cpu.rotate_host`` on the calling thread) beside
@@ -238,7 +301,8 @@ def table(results) -> str:
             f"as a call that records autograd does: "
             f"{b.get('torch hnlq::matmul op', float('nan')) * 1e6:.0f} us), `nn.Linear` "
             f"{b['torch nn.Linear'] * 1e6:.0f} us."
-            + minilm_line(results.get("minilm")) + rotation_line(results.get("rotation")))
+            + minilm_line(results.get("minilm")) + rotation_line(results.get("rotation"))
+            + decode_line(results.get("decode")))
 
 
 def minilm_line(m) -> str:
@@ -287,7 +351,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="1024^2 and 4096^2, batch 1, 16")
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--rotate-mb", type=float, default=320.0)
-    parser.add_argument("--only", nargs="+", choices=["bridge", "minilm", "rotation"],
+    parser.add_argument("--only", nargs="+", choices=["bridge", "minilm", "rotation", "decode"],
                         help="measure only these parts, keeping the results file's others (the "
                              "product table among them)")
     add_report_flag(parser)
@@ -295,7 +359,8 @@ def main():
     rng = np.random.default_rng(0)
     parts = {"bridge": lambda: bridge_overhead(max(200, args.repeat), rng),
              "minilm": lambda: minilm(max(5, args.repeat // 3)),
-             "rotation": lambda: rotation_cost(max(20, args.repeat), rng)}
+             "rotation": lambda: rotation_cost(max(20, args.repeat), rng),
+             "decode": lambda: decode_cost(max(5, args.repeat // 3), args.rotate_mb, rng)}
     if args.only and not args.report:
         results = load_results("bench_cpu_matmul")
         results.update({part: parts[part]() for part in args.only})

@@ -80,13 +80,15 @@ def test_a_row_does_not_depend_on_the_batch(name, isa):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_decode_bit_for_bit(name):
+def test_decode_bit_for_bit(name, isa):
     """hq.decode's native kernel equals the XLA path exactly: row codes of a ragged row
-    (scale applied), block codes with leading axes, eagerly (a bucket's flat batch as rows of
-    64 blocks) and under jit, and half precision rounded from the same float32 values."""
+    (scale applied; D4's pair codes by planes in its two whole steps of 256 weights, then
+    registers, then the ragged end), block codes with leading axes, eagerly (a bucket's flat
+    batch as rows of 64 blocks) and under jit, and half precision rounded from the same
+    float32 values."""
     cfg = CONFIGS[name]
     rng = np.random.default_rng(5)
-    rows = _weight(cfg, 13, 203)
+    rows = _weight(cfg, 13, 603)
     blocks = hq.encode(rng.standard_normal((3, 5, cfg.d)).astype(np.float32), cfg)
     for codes in (rows, blocks):
         want = np.asarray(hq.decode(codes, implementation="xla"))
@@ -217,6 +219,10 @@ def test_a_failed_block_in_whole_registers(name, k, isa):
     y = np.asarray(jax.jit(lambda x, c: hq.matmul(x, c, implementation="native"))(
         np.ones((2, k), np.float32), bad))
     assert np.isnan(y[:, 1]).all() and np.isfinite(y[:, [0, 2]]).all()
+    w = np.asarray(hq.decode(bad, implementation="native"))  # NaN in the failed block only
+    np.testing.assert_array_equal(w, hq.decode(bad, implementation="xla"))
+    block = k + np.arange(5 * cfg.d, 6 * cfg.d)  # row 1's block 5 in the flat weight
+    assert np.isnan(w.ravel()[block]).all() and np.isfinite(np.delete(w, block)).all()
 
 
 def test_isa_levels_and_refusals():

@@ -16,8 +16,40 @@ using namespace hnlq;  // NOLINT: this file's kernel is built from decode_rows.h
 
 constexpr int64_t kTileWeights = 1 << 14;  // weights per task (rows of one tile)
 
-// One call's row tiles: whole blocks inside K straight into the output row, a block that K
-// cuts through a buffer.
+#ifdef HNLQ_X86
+// Row r's whole steps of 64 blocks by coordinate planes (kVbmi, kPairs codes): decode_step's
+// weights (finish_avx512's: the reference's bits), each group of 16 blocks' four coordinate
+// registers interleaved back into block order (a 4 x 4 transpose of floats, then of 128-bit
+// lanes). Returns the first block not decoded.
+HNLQ_VBMI int64_t row_planes(const Problem& p, int64_t r, const PlaneConsts& c, float* out) {
+  const RowConsts512 k = row_consts512_of<4>(p, r);
+  const int64_t steps = p.K / 256;
+  for (int64_t g = 0; g < steps; ++g, out += 256) {
+    PlaneStep st;
+    decode_step<false>(p, r, g, c, k, st);
+    for (int h = 0; h < 4; ++h) {  // lane l of v[i][h]: coordinate i of block 16h + l
+      const __m512 t0 = _mm512_unpacklo_ps(st.v[0][h], st.v[1][h]);
+      const __m512 t1 = _mm512_unpackhi_ps(st.v[0][h], st.v[1][h]);
+      const __m512 t2 = _mm512_unpacklo_ps(st.v[2][h], st.v[3][h]);
+      const __m512 t3 = _mm512_unpackhi_ps(st.v[2][h], st.v[3][h]);
+      // u_m's 128-bit lane j: block 4j + m of the group, coordinates 0..3
+      const __m512 u0 = _mm512_shuffle_ps(t0, t2, 0x44), u1 = _mm512_shuffle_ps(t0, t2, 0xEE);
+      const __m512 u2 = _mm512_shuffle_ps(t1, t3, 0x44), u3 = _mm512_shuffle_ps(t1, t3, 0xEE);
+      const __m512 v0 = _mm512_shuffle_f32x4(u0, u1, 0x44), v1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
+      const __m512 v2 = _mm512_shuffle_f32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_f32x4(u2, u3, 0xEE);
+      float* o = out + 64 * h;
+      _mm512_storeu_ps(o, _mm512_shuffle_f32x4(v0, v1, 0x88));       // blocks 0..3
+      _mm512_storeu_ps(o + 16, _mm512_shuffle_f32x4(v0, v1, 0xDD));  // blocks 4..7
+      _mm512_storeu_ps(o + 32, _mm512_shuffle_f32x4(v2, v3, 0x88));  // blocks 8..11
+      _mm512_storeu_ps(o + 48, _mm512_shuffle_f32x4(v2, v3, 0xDD));  // blocks 12..15
+    }
+  }
+  return 64 * steps;
+}
+#endif
+
+// One call's row tiles: whole blocks inside K straight into the output row (by planes first
+// where they apply), a block that K cuts through a buffer.
 template <typename Index, int D, int Isa>
 struct Decode {
   static void run(Shared& call) {
@@ -26,12 +58,22 @@ struct Decode {
     const int64_t rows = std::max<int64_t>(1, kTileWeights / p.K);
     const int64_t whole = p.K / d;
     float tail[8];
+#ifdef HNLQ_X86
+    PlaneConsts planes{};  // (set where the planes apply)
+    if constexpr (Isa == kVbmi && D == 4) {
+      if (p.mode == kPairs) planes = plane_consts(p);
+    }
+#endif
     for (int64_t t; (t = call.next.fetch_add(1)) < call.tiles;) {
       for (int64_t r = t * rows; r < std::min(p.N, (t + 1) * rows); ++r) {
         float* out = p.y + r * p.K;
 #ifdef HNLQ_X86
+        int64_t j = 0;  // (even: pairs_avx2 starts at an even block)
+        if constexpr (Isa == kVbmi && D == 4) {
+          if (p.mode == kPairs) j = row_planes(p, r, planes, out);
+        }
         if constexpr (Isa >= kAvx2 && D > 0)  // the same bits on every level
-          decode_row_avx2<Index, D>(p, r, 0, whole, out);
+          decode_row_avx2<Index, D>(p, r, j, whole, out + j * D);
         else
 #endif
           decode_row<Index, D>(p, r, 0, whole, out);

@@ -577,6 +577,90 @@ struct Store {
   }
 };
 
+// kPairs codes with AVX512-VBMI (kVbmi), 64 blocks (256 weights) a step by coordinate planes
+// (decode_step: decode_matmul.cc's products and decode.cc): the keys' bytes split into levels
+// 0 and 1 (two byte permutes); each level looked up in r's planes (p.planes, a plane's 256
+// bytes in four registers) by two two-register byte permutes and a blend on the key's top bit;
+// c_i = r_i(k0) + q r_i(k1) summed in int8 lanes (q = 4; _mode checked that the sums fit). No
+// table is read from memory: a step costs the same after a GEMM has emptied the caches.
+
+// A byte of each lane of k looked up in a 256-byte table (four registers).
+HNLQ_VBMI inline __m512i lookup256(const __m512i* t, __m512i k, __mmask64 top) {
+  return _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t[0], k, t[1]),
+                                _mm512_permutex2var_epi8(t[2], k, t[3]));
+}
+
+// The steps of blocks j..j + 15 of a row (T field tf), one a lane.
+HNLQ_VBMI inline __m512 steps16(const Problem& p, const uint8_t* tf, int64_t j, __m512 pow2) {
+  if (p.t4) {  // u < 16: a permute of pow2[0..15]; byte j / 2 doubled, then its nibbles
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tf + (j >> 1)));
+    const __m512i u = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b)),
+                          _mm512_set1_epi64(int64_t{4} << 32)),
+        _mm512_set1_epi32(15));
+    return _mm512_permutexvar_ps(u, pow2);
+  }
+  const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tf + j)));
+  return _mm512_i32gather_ps(u, p.pow2, 4);
+}
+
+// A decoded step of one weight row: folded, c (by plane i and lanes h) and the steps; else
+// the weights.
+struct PlaneStep {
+  __m512 v[4][4];  // [i][h]
+  __m512 s[4];     // [h], folded only
+};
+
+// What decode_step needs of a call, in registers.
+struct PlaneConsts {
+  __m512i t[4][4];  // r's planes
+  __m512i even, odd;
+  __m512 pow2;
+  __m512 z[4];
+};
+
+HNLQ_VBMI inline PlaneConsts plane_consts(const Problem& p) {
+  PlaneConsts c;
+  for (int i = 0; i < 4; ++i)
+    for (int h = 0; h < 4; ++h) c.t[i][h] = _mm512_load_si512(p.planes + 256 * i + 64 * h);
+  alignas(64) uint8_t pick[2][64];  // the even (level 0) and odd (level 1) bytes of 128
+  for (int l = 0; l < 64; ++l) pick[0][l] = static_cast<uint8_t>(2 * l), pick[1][l] = 2 * l + 1;
+  c.even = _mm512_load_si512(pick[0]);
+  c.odd = _mm512_load_si512(pick[1]);
+  c.pow2 = _mm512_loadu_ps(p.pow2);
+  for (int i = 0; i < 4; ++i) c.z[i] = _mm512_set1_ps(p.dither[i]);
+  return c;
+}
+
+template <bool Fold>
+HNLQ_VBMI inline void decode_step(const Problem& p, int64_t r, int64_t g, const PlaneConsts& pc,
+                                  const RowConsts512& k, PlaneStep& out) {
+  const uint8_t* key = static_cast<const uint8_t*>(p.index) + (r * p.nb + 64 * g) * 2;
+  const uint8_t* tf = p.tfield + r * p.tb;
+  const __m512i lo = _mm512_loadu_si512(key), hi = _mm512_loadu_si512(key + 64);
+  const __m512i k0 = _mm512_permutex2var_epi8(lo, pc.even, hi);
+  const __m512i k1 = _mm512_permutex2var_epi8(lo, pc.odd, hi);
+  const __mmask64 top0 = _mm512_movepi8_mask(k0), top1 = _mm512_movepi8_mask(k1);
+  __m512 s[4];
+  for (int h = 0; h < 4; ++h) s[h] = steps16(p, tf, 64 * g + 16 * h, pc.pow2);
+  alignas(64) int8_t cb[4][64];  // widened from memory: no extracts
+  for (int i = 0; i < 4; ++i) {
+    const __m512i r1 = lookup256(pc.t[i], k1, top1);
+    const __m512i c = _mm512_add_epi8(r1, r1);
+    _mm512_store_si512(cb[i], _mm512_add_epi8(lookup256(pc.t[i], k0, top0), _mm512_add_epi8(c, c)));
+  }
+  for (int i = 0; i < 4; ++i) {
+    RowConsts512 ki = k;
+    ki.z = pc.z[i];
+    for (int h = 0; h < 4; ++h) {
+      const __m512 cf = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(cb[i] + 16 * h))));
+      out.v[i][h] = Fold ? cf : finish_avx512(ki, cf, s[h]);
+    }
+  }
+  for (int h = 0; h < 4; ++h) out.s[h] = s[h];
+}
+
 // Decodes blocks [j0, j1) of row r into out with the register layouts where they apply.
 template <typename Index, int D, bool Unscaled = false>
 __attribute__((target("avx2,fma"))) void decode_row_avx2(const Problem& p, int64_t r,

@@ -58,11 +58,11 @@ def check_x(x, config: HNLQConfig, fn: str, given=None):
     if not concrete_all(x, jnp.isfinite):
         bad = ~np.all(np.isfinite(np.asarray(x)), axis=-1)
         first = [int(i) for i in np.argwhere(bad)[0]]
-        narrowed = given is not None and np.dtype(given).itemsize > np.dtype(x.dtype).itemsize
+        narrowed = getattr(given, "itemsize", 0) > x.dtype.itemsize  # (torch dtypes have it)
         raise ValueError(
             f"{fn}: input has NaN or Inf in {int(np.sum(bad))} block(s) (the first at block "
             f"{first}); expected finite values (under jit such blocks are marked T = -1 and "
-            "decode to NaN)" + (f". The {np.dtype(given)} input became {x.dtype} (JAX without "
+            "decode to NaN)" + (f". The {given} input became {x.dtype} (JAX without "
                                "jax_enable_x64), where entries beyond its range are Inf: "
                                "scale it down or enable x64" if narrowed else "")
         )

@@ -277,8 +277,10 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
         lays = [_layout(g.size, config, method, n, chunk, t_capacity, "compress_gradients")
                 if c else None for g, c in zip(leaves, which)]
         f32 = [2 * (n - 1) * 4 * g.size / n for g in leaves]
+        # what pmean sends of a leaf: a ring all-reduce in the leaf's own dtype
+        plain = [2 * (n - 1) * jnp.dtype(g.dtype).itemsize * g.size / n for g in leaves]
         sent = sum(wire_bytes(g, config, n, method, chunk=chunk, t_capacity=t_capacity)["sent"]
-                   if c else b for g, c, b in zip(leaves, which, f32))
+                   if c else b for g, c, b in zip(leaves, which, plain))
         blocks = max(1, sum(-(-g.size // config.d) for g, c in zip(leaves, which) if c))
         none = wire.Info(*(jnp.zeros((), jnp.int32) for _ in wire.Info._fields))
 
@@ -304,7 +306,7 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
             out, new_res, info = exact(args)
         elif warmup_steps:
             out, new_res, info = jax.lax.cond(state.step < warmup_steps, exact, coded, args)
-            sent = jnp.where(state.step < warmup_steps, sum(f32), sent)
+            sent = jnp.where(state.step < warmup_steps, sum(plain), sent)
         else:
             out, new_res, info = coded(args)
         total = sum(f32)

@@ -494,6 +494,26 @@ def test_one_device_sends_nothing_and_reports_ratio_one():
     assert float(stats["overload_rate"]) == 0
 
 
+def test_bytes_sent_count_plain_leaves_in_their_dtype():
+    """A leaf that takes the exact mean sends a ring all-reduce of its own dtype (a bfloat16
+    bias: 2 bytes a value), as the DDP hook counts it; the float32 baseline stays float32."""
+    tx = dist.compress_gradients(CFG, "i", min_size=16)
+    params = {"w": jnp.zeros(2048), "b": jnp.zeros(8, jnp.bfloat16)}
+    state = placed(jax.tree.map(lambda a: jnp.broadcast_to(a, (2,) + a.shape), tx.init(params)),
+                   P("i"), n=2)
+
+    def step(g, st):
+        u, st = tx.update(jax.tree.map(lambda a: a[0], g), jax.tree.map(lambda a: a[0], st))
+        return jax.tree.map(lambda a: a[None], st)
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh(2), in_specs=(P("i"), P("i")), out_specs=P("i")))
+    g = jax.tree.map(lambda a: jnp.ones((2,) + a.shape, a.dtype), params)
+    stats = dist.compression_stats(f(g, state))
+    coded = dist.wire_bytes(params["w"], CFG, 2)["sent"]
+    assert float(stats["bytes_sent"][0]) == coded + 2 * 1 * 2 * 8 / 2
+    assert float(stats["float32_bytes"][0]) == 2 * 1 * 4 * (2048 + 8) / 2
+
+
 def test_one_nonfinite_step_leaves_later_steps_finite():
     """An Inf in one device's gradient makes its chunk's mean NaN at that step only (a loss
     scaler skips the step): the chunk's residual stays as it was instead of turning NaN, so

@@ -417,13 +417,13 @@ def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None, res
                         on_row()
                     if device_fault(row.get("error", "")):
                         out["fault"] = row["error"]
-                        pick_backends(best, winners_of(rows))
+                        pick_backends(best, winners_of(rows), attempted_of(rows))
                         return out
             winner = winners_of(rows).get(key)
             if winner:
                 best.setdefault(op, {}).setdefault(lattice, {})[f"batch<={batch}"] = \
                     winner["entry"]
-    pick_backends(best, winners_of(rows))
+    pick_backends(best, winners_of(rows), attempted_of(rows))
     return out
 
 
@@ -439,9 +439,16 @@ def winners_of(rows: list) -> dict:
     return winners
 
 
-def pick_backends(best: dict, winners: dict):
+def attempted_of(rows: list) -> set:
+    """The ``(op, lattice, batch)`` the sweep's rows timed or tried (an error too)."""
+    return {(r["op"], r["lattice"], r["batch"]) for r in rows}
+
+
+def pick_backends(best: dict, winners: dict, attempted=None):
     """Names in ``best`` the backend of each lattice and batch class where another kernel's
-    winner beat what ``hq.matmul`` would run instead (or that had none): up to ``GEMV_ROWS``
+    winner beat what ``hq.matmul`` would run instead (or that had none, every candidate of it
+    failing; where ``attempted``, the ``(op, lattice, batch)`` of the sweep's rows, shows it
+    never timed, a sweep cut short, nothing is named): up to ``GEMV_ROWS``
     rows the ``gemv`` entry says ``"mosaic_gpu"`` (Mosaic GPU's gemv beat Triton's),
     ``"mosaic_gpu_mma"`` (Mosaic GPU's tensor-core kernel beat both gemvs) or ``"triton_mma"``
     (Triton's ``decode_matmul``, which pads x to 16 rows: timed at the batch, else its time
@@ -454,6 +461,10 @@ def pick_backends(best: dict, winners: dict):
             row = winners.get((op, lattice, 16))
         return row["seconds"] if row else float("inf")
 
+    def timed(op, lattice, batch):
+        return attempted is None or (op, lattice, batch) in attempted or (
+            op == "decode_matmul" and batch <= 16 and (op, lattice, 16) in attempted)
+
     for lattice, batch in sorted({(lat, b) for _, lat, b in winners}):
         mma = seconds("decode_matmul_mosaic", lattice, batch)
         if batch <= kernels.GEMV_ROWS:
@@ -464,7 +475,7 @@ def pick_backends(best: dict, winners: dict):
         else:  # beyond gemv's rows the tensor-core kernel is the entry's own Mosaic GPU one
             entry, others = "decode_matmul", {"mosaic_gpu": mma}
         fastest = min(others, key=others.get)
-        if others[fastest] < seconds(entry, lattice, batch):
+        if timed(entry, lattice, batch) and others[fastest] < seconds(entry, lattice, batch):
             by_class = best.setdefault(entry, {}).setdefault(lattice, {})
             cls = f"batch<={batch}"
             by_class[cls] = {**by_class.get(cls, {}), "backend": fastest}
@@ -836,12 +847,13 @@ def plot(out, path):
     fig, ax = plt.subplots(figsize=(9, 4))
     labels = [f"{r['n']}x{r['k']}\nb{r['batch']}" for r in mm]
     pos = np.arange(len(mm))
-    for i, (name, get) in enumerate([
-            ("int4 XLA", lambda r: r["int4"]["seconds"]),
-            ("D4 fused", lambda r: r["D4"]["fused"]["seconds"]),
-            ("E8 fused", lambda r: r["E8"]["fused"]["seconds"])]):
-        ax.bar(pos + 0.27 * (i - 1), [r["bf16"]["seconds"] / get(r) for r in mm], 0.27,
-               label=name)
+    def speed(r, cell):  # NaN (no bar) where a cell holds an error
+        return r["bf16"].get("seconds", np.nan) / cell.get("seconds", np.nan)
+
+    for i, (name, get) in enumerate([("int4 XLA", lambda r: r["int4"]),
+                                     ("D4 fused", lambda r: r["D4"]["fused"]),
+                                     ("E8 fused", lambda r: r["E8"]["fused"])]):
+        ax.bar(pos + 0.27 * (i - 1), [speed(r, get(r)) for r in mm], 0.27, label=name)
     ax.axhline(1, color="k", lw=0.8)
     ax.set_xticks(pos, labels, fontsize=7)
     ax.set_ylabel("speed vs bf16 dot (device time)")
@@ -908,7 +920,8 @@ def main(argv=None):
                     "results/gpu_check_quick.md")
         out = report.load_results("gpu_check_quick" if args.quick else "gpu_check")
         if out.get("sweep"):  # the backends as this version picks them from the run's times
-            pick_backends(out["sweep"]["best"], winners_of(out["sweep"]["rows"]))
+            rows = out["sweep"]["rows"]
+            pick_backends(out["sweep"]["best"], winners_of(rows), attempted_of(rows))
         if args.write_tiles:
             if not (out.get("sweep") or {}).get("best"):
                 p.error("the saved run has no sweep winners to write")

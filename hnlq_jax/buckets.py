@@ -44,7 +44,8 @@ def run_rows(fn, x: jax.Array, *args) -> jax.Array:
     Returns:
       ``[..., n]``: ``fn``'s rows for ``x``'s rows, a JAX array that owns its memory (on a
       CPU a copy of the bucket's rows: ``jax.device_put`` copies a NumPy array), on ``x``'s
-      device where ``x`` is committed to one (as the unpadded call's result is).
+      device where ``x`` is committed to one (as the unpadded call's result is; an ``x``
+      sharded over several gives an uncommitted result).
     """
     batch = math.prod(x.shape[:-1])
     pad = row_bucket(batch) - batch
@@ -54,7 +55,8 @@ def run_rows(fn, x: jax.Array, *args) -> jax.Array:
         return _rows_out(fn(_pad_rows(x.reshape(batch, x.shape[-1]), pad), *args), x.shape[:-1])
     rows = np.pad(np.asarray(x).reshape(batch, x.shape[-1]), ((0, pad), (0, 0)))
     y = np.asarray(fn(rows, *args))
-    device = next(iter(x.devices())) if isinstance(x, jax.Array) and x.committed else None
+    one = isinstance(x, jax.Array) and x.committed and len(x.devices()) == 1
+    device = next(iter(x.devices())) if one else None
     return jax.device_put(y[:batch].reshape(x.shape[:-1] + y.shape[-1:]), device)  # a copy
 
 

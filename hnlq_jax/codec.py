@@ -63,8 +63,9 @@ def check_x(x, config: HNLQConfig, fn: str, given=None):
             f"{fn}: input has NaN or Inf in {int(np.sum(bad))} block(s) (the first at block "
             f"{first}); expected finite values (under jit such blocks are marked T = -1 and "
             "decode to NaN)" + (f". The {given} input became {x.dtype} (JAX without "
-                               "jax_enable_x64), where entries beyond its range are Inf: "
-                               "scale it down or enable x64" if narrowed else "")
+                               "jax_enable_x64): entries beyond its range, if it had any, "
+                               "became Inf there; scale it down or enable x64"
+                               if narrowed else "")
         )
     return x
 

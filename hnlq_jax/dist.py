@@ -62,16 +62,20 @@ def _ordered_mean(dec):
     """Mean over the leading (device) axis, summed in device order.
 
     A fixed order makes the mean the same function on every backend (a tree reduction's order
-    is the compiler's choice), which matters where the mean is quantized again. The values are
-    scaled by ``2^-k`` (``2^k >= n``) before the sum and back after the division: exact
-    (powers of two), so the result is ``sum / n`` bit for bit, but the sum of n values near
-    the float maximum stays finite (a finite mean never turns into Inf).
+    is the compiler's choice), which matters where the mean is quantized again. Where the sum
+    overflows (n values near the float maximum) the mean is that of the values scaled by
+    ``2^-k`` (``2^k >= n``; exact for such values) and scaled back, so a finite mean never
+    turns into Inf; elsewhere it is ``sum / n`` (scaling would flush tiny values).
     """
     n = dec.shape[0]
     k = max(0, (n - 1).bit_length())
-    down = dec * jnp.asarray(2.0**-k, dec.dtype)
-    total = jax.lax.fori_loop(1, n, lambda i, acc: acc + down[i], down[0])
-    return total / n * jnp.asarray(2.0**k, dec.dtype)
+
+    def mean(v):
+        return jax.lax.fori_loop(1, n, lambda i, acc: acc + v[i], v[0]) / n
+
+    plain = mean(dec)
+    scaled = mean(dec * jnp.asarray(2.0**-k, dec.dtype)) * jnp.asarray(2.0**k, dec.dtype)
+    return jnp.where(jnp.isfinite(plain), plain, scaled)
 
 
 def decode_parts(parts, lay: wire.Layout, implementation=None):
@@ -96,10 +100,12 @@ def feedback_residual(v, sent, previous):
 
 
 def saturate(x, dtype):
-    """``x`` as ``dtype``, finite values clipped to its range (a float32 mean near float16's
-    maximum would round to Inf), NaN kept."""
+    """``x`` as ``dtype``, finite values clipped to its range where it is narrower (a float32
+    mean near float16's maximum would round to Inf), NaN kept."""
     big = jnp.finfo(dtype).max
-    return jnp.clip(x, -big, big).astype(dtype)
+    if big < jnp.finfo(x.dtype).max:
+        x = jnp.clip(x, -big, big)
+    return x.astype(dtype)
 
 
 def _compressed_mean(v, axis_name, lay: wire.Layout, implementation):

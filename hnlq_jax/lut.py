@@ -148,7 +148,8 @@ def _block_codes(codes, fn: str):
 def _check_real(y, nb: int, config, fn: str, what: str, n: int | None = None):
     """Validates a real ``[..., k]`` array whose d-blocks pair with ``nb`` coded blocks (of row
     codes of length ``n``, when given: then ``k = n``). Its values are not checked: NaN and Inf
-    reach the results they touch, as in a float dot (and as :func:`hnlq_jax.matmul` does)."""
+    make the results they touch non-finite, as in a float dot (NaN where a dot could give
+    ±Inf: each level's table entry is a product of its own)."""
     y = jnp.asarray(y)
     d = config.d
     if not jnp.issubdtype(y.dtype, jnp.floating):

@@ -300,8 +300,8 @@ CASES = [
                  id="encode-nan-inf"),
     pytest.param(lambda: hq.encode_rows(np.full((2, 8), 1e300), C), ValueError,
                  r"encode_rows: input has NaN or Inf in 4 block\(s\) .*\. The float64 input "
-                 r"became float32 \(JAX without jax_enable_x64\), where entries beyond its "
-                 r"range are Inf", id="encode_rows-float64-beyond-float32",
+                 r"became float32 \(JAX without jax_enable_x64\): entries beyond its range, "
+                 r"if it had any, became Inf there", id="encode_rows-float64-beyond-float32",
                  marks=pytest.mark.filterwarnings("ignore:overflow encountered in cast")),
     pytest.param(lambda: hq.encode(1e7 * X, C), ValueError,
                  r"encode: 16 block\(s\) still overload at max_T = 14 \(the largest has norm "

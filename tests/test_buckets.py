@@ -70,3 +70,14 @@ def test_run_rows_keeps_a_committed_inputs_device(shape):
     assert y.devices() == {dev} and y.committed
     assert run_rows(_affine, np.ones(shape, np.float32), np.eye(4, 2, dtype=np.float32),
                     b).devices() == {jax.devices()[0]}
+
+
+def test_run_rows_of_a_sharded_input_is_not_committed_to_one_device():
+    """x sharded over several devices: the padded result is not committed to one of them (it
+    combines with x, as the unpadded call's sharded result does)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    mesh = jax.make_mesh((2,), ("i",), devices=jax.devices()[:2])
+    x = jax.device_put(np.ones((2, 5, 4), np.float32), NamedSharding(mesh, PartitionSpec("i")))
+    y = run_rows(_affine, x, np.eye(4, dtype=np.float32), np.zeros(4, np.float32))
+    assert not y.committed
+    np.testing.assert_array_equal(y + x, 2 * np.ones((2, 5, 4)))

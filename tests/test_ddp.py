@@ -86,6 +86,9 @@ def test_means_into_half_precision_buckets_saturate():
     out = tb_ddp._into(buffer, values)
     assert out is buffer
     np.testing.assert_array_equal(buffer.float().numpy(), [65504, -65504, 1.5, np.nan])
+    wide = torch.zeros(4, dtype=torch.float64)  # widened, not clipped (and no warning)
+    tb_ddp._into(wide, values)
+    np.testing.assert_array_equal(wide.numpy(), [70000.0, -1e6, 1.5, np.nan])
 
 
 def test_fresh_residual_is_placed_like_a_carried_one():
@@ -159,11 +162,15 @@ def test_ranks_running_another_format_disagree(monkeypatch, module, name):
         e.value)
 
 
-@pytest.mark.parametrize("knob", [{"min_size": 5000}, {"warmup_steps": 2}])
-def test_ranks_disagreeing_on_which_buckets_are_coded_are_refused(monkeypatch, knob):
-    """warmup_steps and min_size decide whether a bucket takes the exact all-reduce or the
-    coded exchange: ranks that disagree would wait on different collectives, so the first
-    bucket refuses them with a clear error instead of a hang until the group's timeout."""
+@pytest.mark.parametrize("knob,iters,shown", [
+    ({"min_size": 5000}, 0, "min_size=5000"), ({"warmup_steps": 2}, 0, "warmup_steps=2"),
+    ({"warmup_steps": 3}, 5, "warmup_steps=3 (3 done)")])  # a peer restored past warm-up
+def test_ranks_disagreeing_on_which_buckets_are_coded_are_refused(monkeypatch, knob, iters,
+                                                                  shown):
+    """warmup_steps, the warm-up iterations done (a restored state's own) and min_size decide
+    whether a bucket takes the exact all-reduce or the coded exchange: ranks that disagree
+    would wait on different collectives, so the first bucket refuses them with a clear error
+    instead of a hang until the group's timeout."""
     sent = []
 
     def all_gather_object(out, mine, group=None):  # rank 0: the peer, rank 1: this process
@@ -171,11 +178,12 @@ def test_ranks_disagreeing_on_which_buckets_are_coded_are_refused(monkeypatch, k
         out[:] = sent[-len(out):]
 
     monkeypatch.setattr(tb_ddp.dist, "all_gather_object", all_gather_object)
-    HNLQHookState(CFG, **knob)._check_agreement(None, 1)  # the peer
+    peer = HNLQHookState(CFG, **knob)
+    peer.iter = iters
+    peer._check_agreement(None, 1)
     with pytest.raises(ValueError, match="ranks disagree") as e:
-        HNLQHookState(CFG)._check_agreement(None, 2)
-    (name, value), = knob.items()
-    assert "rank 0: " in str(e.value) and f"{name}={value}" in str(e.value)
+        HNLQHookState(CFG, **({"warmup_steps": 3} if iters else {}))._check_agreement(None, 2)
+    assert "rank 0: " in str(e.value) and shown in str(e.value)
     assert "warmup_steps and min_size" in str(e.value)
 
 

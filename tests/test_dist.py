@@ -546,6 +546,20 @@ def test_one_nonfinite_step_leaves_later_steps_finite():
             assert np.isfinite(u).all()
 
 
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_ordered_mean_is_the_plain_sum_unless_it_overflows(n):
+    """The devices' mean is XLA's sum / n in device order, bit for bit, tiny values too
+    (scaling them would flush bits); only where that sum overflows is it the scaled values'
+    mean."""
+    rng = np.random.default_rng(n)
+    plain = jax.jit(lambda d: functools.reduce(jnp.add, list(d)) / d.shape[0])
+    for scale in (1.0, 1e-37, 3e-38):
+        d = (rng.standard_normal((n, 512)) * scale).astype(np.float32)
+        np.testing.assert_array_equal(jax.jit(dist._ordered_mean)(d), plain(d))
+    big = np.full((n, 4), 3e38, np.float32)
+    np.testing.assert_allclose(jax.jit(dist._ordered_mean)(big), 3e38, rtol=1e-6)
+
+
 @pytest.mark.parametrize("method", dist.METHODS)
 def test_means_near_the_float_maximum_stay_finite(method):
     """A finite mean stays finite: float16 values near 65504 (a loss scaler's range) come back

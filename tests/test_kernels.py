@@ -935,7 +935,8 @@ def test_lowers_for_cuda_mosaic_gpu(monkeypatch):
 
 def test_gpu_check_picks_the_faster_backend():
     """The sweep names a Mosaic GPU kernel the backend only where its winner beat what
-    hq.matmul would run instead (or that had none): up to 8 rows, Mosaic's gemv against
+    hq.matmul would run instead (or that had none, having failed; not where it was never
+    timed): up to 8 rows, Mosaic's gemv against
     Triton's and the tensor-core kernel against both; beyond, the tensor-core kernel against
     Triton's decode_matmul. The report still finds each winner's time (the entry with a
     backend is Triton's tiles)."""
@@ -950,6 +951,10 @@ def test_gpu_check_picks_the_faster_backend():
     rows = [dict(op=op, lattice="D4", batch=b, entry=mos if "mosaic" in op else tri,
                  seconds=us * 1e-6) for (op, b), us in t.items()]
     rows.append(dict(op="decode_matmul_mosaic", lattice="E8", batch=16, entry=mos, seconds=1.0))
+    # E8's Triton decode_matmul ran and failed every candidate; its gemv was never reached (a
+    # sweep cut short): no backend is named against a kernel that was not timed
+    rows.append(dict(op="decode_matmul", lattice="E8", batch=16, entry=tri, error="ptxas"))
+    rows.append(dict(op="gemv_mosaic", lattice="E8", batch=1, entry=mos, seconds=1e-6))
     # Triton's decode_matmul at up to 8 rows: Z2 from its time at 16 (x padded to 16 rows
     # either way), A2 from its own time at 8 (at 16 it would lose); slower rows do not count
     for lat, op, b, us in (("Z2", "gemv", 8, 200), ("Z2", "decode_matmul", 16, 80),
@@ -960,7 +965,8 @@ def test_gpu_check_picks_the_faster_backend():
                      "Z2": {"batch<=8": dict(tri)}, "A2": {"batch<=8": dict(tri)}},
             "gemv_mosaic": {"D4": {"batch<=1": dict(mos), "batch<=8": dict(mos)}},
             "decode_matmul": {"D4": {"batch<=16": dict(tri), "batch<=64": dict(tri)}}}
-    gpu_check.pick_backends(best, gpu_check.winners_of(rows))
+    gpu_check.pick_backends(best, gpu_check.winners_of(rows), gpu_check.attempted_of(rows))
+    assert "E8" not in best["gemv"]
     assert best["gemv"]["D4"] == {"batch<=1": dict(tri, backend="mosaic_gpu"),
                                   "batch<=4": dict(tri, backend="mosaic_gpu_mma"),
                                   "batch<=8": tri}  # (Triton's decode_matmul: 70 at 16)
@@ -1125,7 +1131,7 @@ def test_gpu_check_test_summary_keeps_every_failure():
     assert "-x" not in cmd and "--maxfail=10" in cmd and cmd[-1] == "tests/t.py"
 
 
-def test_gpu_check_a_failing_case_loses_only_itself(monkeypatch):
+def test_gpu_check_a_failing_case_loses_only_itself(monkeypatch, tmp_path):
     """A product-table cell or codec row that raises holds its error, its row and the part's
     other rows are kept (each saved as it comes) and the report says what failed; an error
     that broke the device context ends the part."""
@@ -1147,6 +1153,9 @@ def test_gpu_check_a_failing_case_loses_only_itself(monkeypatch):
     md = gpu_check.markdown({"environment": env, "matmul": rows})
     assert "256 x 256 batch 16 int4 failed: `RuntimeError: INTERNAL: ptxas" in md
     assert "| 256 x 256 | 1 |" in md
+    png = tmp_path / "t.png"  # the chart too: no bar where a cell failed
+    gpu_check.plot({"environment": env, "matmul": rows}, png)
+    assert png.stat().st_size > 0
     monkeypatch.setattr(gpu_check, "_timed", lambda *a, **k: (_ for _ in ()).throw(
         RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")))
     with pytest.raises(RuntimeError, match="ILLEGAL_ADDRESS"):

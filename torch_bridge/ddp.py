@@ -68,8 +68,10 @@ def _saturated(values, *, n, dtype):
 
 
 def _into(buffer: torch.Tensor, values) -> torch.Tensor:
-    """The bucket's mean, its first ``buffer.numel()`` float32 ``values``, into its buffer."""
+    """The bucket's mean, its first ``buffer.numel()`` float32 ``values``, into its buffer
+    (a float64 one widens the float32 values)."""
     dtype = jnp.dtype(str(buffer.dtype).removeprefix("torch."))
+    dtype = dtype if dtype.itemsize <= 4 else jnp.dtype(jnp.float32)
     return buffer.copy_(to_torch(_saturated(values, n=buffer.numel(), dtype=dtype)))
 
 
@@ -152,20 +154,23 @@ class HNLQHookState:
 
     def _check_agreement(self, group, world: int):
         """All ranks must decode each other's payloads with the same quantizer and format."""
-        # (warmup_steps and min_size decide which collective a bucket takes: ranks that
+        # (warmup_steps, the warm-up iterations done -- a state restored from a checkpoint
+        # carries its own -- and min_size decide which collective a bucket takes: ranks that
         # disagreed would wait on different ones until the group's timeout)
         mine = (f"{FORMAT_VERSION}/{wire.WIRE_VERSION}", repr(self.config), self.method,
-                self.chunk, self.t_capacity, self.warmup_steps, self.min_size)
+                self.chunk, self.t_capacity, self.warmup_steps,
+                min(self.iter, self.warmup_steps), self.min_size)
         everyone = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
         if any(other != mine for other in everyone):
             lines = "\n".join(f"  rank {i}: format/wire version {v}, config={c}, method={m}, "
-                              f"chunk={k}, t_capacity={t}, warmup_steps={w}, min_size={z}"
-                              for i, (v, c, m, k, t, w, z) in enumerate(everyone))
+                              f"chunk={k}, t_capacity={t}, warmup_steps={w} ({d} done), "
+                              f"min_size={z}"
+                              for i, (v, c, m, k, t, w, d, z) in enumerate(everyone))
             raise ValueError("hnlq_hook: ranks disagree on the quantizer; every rank must "
                              "run the same hnlq_jax and build HNLQHookState with the same "
-                             "config, method, chunk, t_capacity, warmup_steps and min_size:"
-                             f"\n{lines}")
+                             "config, method, chunk, t_capacity, warmup_steps and min_size "
+                             f"(and restore states of the same iteration):\n{lines}")
         self._agreed = True
 
     def _residual(self, bucket, like):

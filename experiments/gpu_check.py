@@ -74,6 +74,7 @@ import json
 import os
 import pathlib
 import pprint
+import signal
 import subprocess
 import sys
 import threading
@@ -193,15 +194,19 @@ def run_tests(targets, clock, limit: float = TESTS_LIMIT, log: pathlib.Path | No
     whole output goes."""
     # the programs users run: JAX's default compilation, not the tests' fast settings
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "HNLQ_TEST_FAST_COMPILE": "0"}
+    # a session of its own: on a timeout its whole process group goes (the xdist workers,
+    # which may hold the GPU, with the main process)
+    proc = subprocess.Popen(pytest_command(*targets), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
-        r = subprocess.run(pytest_command(*targets), cwd=ROOT, capture_output=True, text=True,
-                           env=env, timeout=max(min(clock.left() - 5, limit), 1))
-        text, code = r.stdout + r.stderr, r.returncode
+        out, err = proc.communicate(timeout=max(min(clock.left() - 5, limit), 1))
+        text, code = out + err, proc.returncode
         fault = device_fault(text)
         stop = []
-    except subprocess.TimeoutExpired as e:
-        text = "".join(v.decode() if isinstance(v, bytes) else (v or "")
-                       for v in (e.stdout, e.stderr))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        text = out + err
         budget = clock.left() < 10
         code, fault = None, None if budget else f"the tests ran past {limit:.0f} s"
         stop = ["(stopped at the time budget)" if budget else f"(stopped after {limit:.0f} s)"]
@@ -1050,6 +1055,8 @@ def timing_of(out) -> str:
             for w in v:
                 walk(w)
     walk(out)
+    if not methods:
+        return "n/a (nothing timed)"
     if methods == {"cupti"}:
         return "CUPTI"
     return "wall clock" + (" (some rows; the others CUPTI)" if "cupti" in methods else "")

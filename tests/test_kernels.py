@@ -1162,6 +1162,7 @@ def test_gpu_check_a_failing_case_loses_only_itself(monkeypatch, tmp_path):
         gpu_check.matmul_table(gpu_check.Clock(3600), None, True, (1,))
     assert gpu_check.timing_of({"matmul": rows}) == "wall clock"
     assert gpu_check.timing_of({"a": [{"b": {"method": "cupti"}}]}) == "CUPTI"
+    assert gpu_check.timing_of({"matmul": [{"error": "x"}]}).startswith("n/a")
 
 
 def test_sass_profile_unpacks_riegeli_and_snappy():

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import wire
+from hnlq_jax._numerics import saturating_cast as saturate  # (public here: the DDP hook's too)
 from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = ["METHODS", "CHUNK", "compressed_mean", "wire_bytes", "compress_gradients",
@@ -97,15 +98,6 @@ def feedback_residual(v, sent, previous):
     non-finite values (sent as NaN) leaves the residual as it was, so one overflowed step (a
     loss scaler then skips it) does not make every later step's chunk NaN too."""
     return jnp.where(jnp.isnan(sent), previous, v - sent)
-
-
-def saturate(x, dtype):
-    """``x`` as ``dtype``, finite values clipped to its range where it is narrower (a float32
-    mean near float16's maximum would round to Inf), NaN kept."""
-    big = jnp.finfo(dtype).max
-    if big < jnp.finfo(x.dtype).max:
-        x = jnp.clip(x, -big, big)
-    return x.astype(dtype)
 
 
 def _compressed_mean(v, axis_name, lay: wire.Layout, implementation):

@@ -38,8 +38,8 @@ from hnlq_jax.codec import decode_blocks, default_float, from_blocks
 from hnlq_jax.codes import Codes, index_dtype, pack_t
 from hnlq_jax.config import HNLQConfig, check_beta, check_config, pow2_table
 from hnlq_jax.incoherence import Rotation
-from hnlq_jax.rows import (calibrate_rows, check_finite_weight, divide_rows, row_rms, unit,
-                           zero_rows_scale)
+from hnlq_jax.rows import (calibrate_rows, check_finite_weight, divide_rows, row_rms,
+                           row_scale, unit, zero_rows_scale)
 from hnlq_jax.stats import entropy_bits, t_counts
 
 __all__ = ["CALIBRATION_OPTIONS", "DAMP", "DEFAULT_GRID", "GROUP_COLUMNS", "PTQResult",
@@ -507,7 +507,7 @@ def _search(w, H, Wp, A, perm, betas, rms, mode, budget, *, ucfg: HNLQConfig, G:
     inv = jnp.argsort(perm)
 
     def one(beta):
-        c = beta * rms
+        c = row_scale(beta, rms)
         index, T, yhat, shrunk = _compensate(Wp, c, A, ucfg, G, impl)
         index, T, yhat = index[:, :nb][:, inv], T[:, :nb][:, inv], yhat[:, :nb][:, inv]
         # the scales stored: an all-zero row decodes to 0 (with a dither, its blocks do not)

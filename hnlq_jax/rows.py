@@ -22,7 +22,8 @@ from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.stats import search_beta
 
 __all__ = ["CALIBRATION_BLOCKS", "bucket_rows", "calibrate_rows", "check_row_failures",
-           "divide_rows", "encode_rows", "row_rms", "rows_codes", "unit", "zero_rows_scale"]
+           "divide_rows", "encode_rows", "row_rms", "row_scale", "rows_codes", "unit",
+           "zero_rows_scale"]
 
 # Blocks the per-layer beta search looks at: a fixed-size sample compiles once for every layer.
 CALIBRATION_BLOCKS = 4096
@@ -59,6 +60,18 @@ def row_rms(w):
     m = jnp.where(m > 0, m, 1.0)
     rms = m * sqrt(mean_square(divide_rows(w, m)))
     return jnp.where(rms > 0, rms, 1.0)
+
+
+def row_scale(beta, rms):
+    """The row scales ``c = beta * rms`` (broadcast), at least the smallest normal float.
+
+    A subnormal scale (a small beta times a row RMS near 1e-38 in float32) would be zero to
+    the division (:func:`~hnlq_jax._numerics.divide` counts subnormals as zero on every
+    backend, as XLA:CPU flushes them), and every block of its row would fail. A larger scale
+    only codes the row more coarsely: its blocks overload no more.
+    """
+    c = beta * rms
+    return jnp.maximum(c, jnp.finfo(c.dtype).tiny)
 
 
 def zero_rows_scale(w, c):
@@ -151,7 +164,7 @@ def _scaled_blocks(w, config: HNLQConfig, beta):
     """``(blocks [..., ceil(k/d), d], c [...])``: the rows of ``w`` over ``c = beta * rms``,
     and the scales to store (:func:`zero_rows_scale`)."""
     w = w.astype(jnp.promote_types(w.dtype, jnp.float32))  # half precision: code in float32
-    c = beta * row_rms(w)
+    c = row_scale(beta, row_rms(w))
     return to_blocks(divide_rows(w, c), config.d), zero_rows_scale(w, c)
 
 
@@ -209,7 +222,8 @@ def encode_rows(w, config: HNLQConfig, *, implementation=None, failures: str = "
     """Quantizes the rows of ``w[..., k]`` with a per-row scale ``c = config.beta * rms(row)``.
 
     This is the weight format of the quantized layers: ``beta`` is relative to each row's RMS
-    (:func:`hnlq_jax.gaussian_beta` is a good default).
+    (:func:`hnlq_jax.gaussian_beta` is a good default); a scale below the smallest normal float
+    is raised to it (:func:`row_scale`).
 
     Args:
       w: ``[..., k]`` floating array (e.g. a weight ``[out, in]``).

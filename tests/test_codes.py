@@ -211,6 +211,28 @@ def test_row_near_float32_max_keeps_its_scale(big):
     assert np.all(np.asarray(hq.encode_rows(top, e8, failures="mark").T) == -1)
 
 
+@pytest.mark.parametrize("rms", [2e-38, 1e-37, 2e-36])
+@pytest.mark.parametrize("beta", [0.05, 0.2])
+def test_row_scale_never_goes_subnormal(rms, beta):
+    """beta times a row RMS below the smallest normal float was a subnormal scale, zero to the
+    division (XLA:CPU flushes it): every block of the row failed with an "overload" error. The
+    scale is raised to the smallest normal float, which only codes the row more coarsely; rows
+    whose scale is normal keep theirs exactly."""
+    W = np.random.default_rng(5).standard_normal((3, 64))
+    W = (W / np.sqrt(np.mean(W**2, axis=1, keepdims=True)) * rms).astype(np.float32)
+    cfg = D4.replace(beta=beta)
+    tiny = np.finfo(np.float32).tiny
+    for codes in (hq.encode_rows(W, cfg), jax.jit(hq.encode_rows, static_argnums=1)(W, cfg)):
+        scale = np.asarray(codes.scale)
+        want = np.float32(beta) * np.asarray(hq.rows.row_rms(W))
+        np.testing.assert_array_equal(scale, np.maximum(want, tiny))
+        assert np.all(np.asarray(codes.T) >= 0)
+        # within the row RMS (2e-38: the scale is 0.6 RMS, coarser than beta's), plus the
+        # decoded entries below the smallest normal float XLA:CPU flushes
+        err = np.abs(np.asarray(hq.decode(codes), np.float64) - W)
+        assert err.max() < rms + 2 * tiny, err.max() / rms
+
+
 def test_row_overload_raises_eagerly_or_is_marked():
     """An entry ~60x its row's RMS fails at max_T: an eager call says so (it used to return
     codes that decode to NaN), failures='mark' and jit mark the block T = -1."""

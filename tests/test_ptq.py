@@ -362,6 +362,22 @@ def test_all_zero_rows_decode_to_zero_with_a_dither():
     assert np.all(np.asarray(result.codes.scale)[[0, 2]] > 0)
 
 
+def test_rows_near_the_smallest_normal_float_encode():
+    """Rows whose beta * RMS is subnormal (RMS 2e-38) take the smallest normal scale
+    (rows.row_scale) instead of failing with a "badly conditioned H" error; a normal row of
+    the same layer keeps beta * RMS."""
+    rng = np.random.default_rng(6)
+    W = rng.standard_normal((3, 32)).astype(np.float32)
+    W[:2] *= np.float32(2e-38)
+    X = rng.standard_normal((128, 32)).astype(np.float32)
+    result = ptq.gptq_rows(W, X.T @ X, D4)
+    scale, tiny = np.asarray(result.codes.scale), np.finfo(np.float32).tiny
+    np.testing.assert_array_equal(scale[:2], tiny)
+    assert scale[2] > 10 * tiny and np.all(np.asarray(result.codes.T) >= 0)
+    err = np.abs(np.asarray(hq.decode(result.codes), np.float64) - W)
+    assert err[:2].max() < 2e-38 + 2 * tiny
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 def test_dead_columns_leave_the_scale_of_h_free(act_order):
     """With input channels never active, H and H * 2^-14 (a mean instead of a sum) give the

@@ -137,8 +137,12 @@ FATAL = ("illegal memory access", "ILLEGAL_ADDRESS", "misaligned address", "ille
 
 def device_fault(text: str) -> str | None:
     """The first sign in ``text`` (an error or a test run's output) of a kernel that broke
-    the device context or its process; ``None`` where there is none."""
-    return next((m for m in FATAL if m in text), None)
+    the device context or its process; ``None`` where there is none. Indented lines are left
+    out: in a test run's output they are the failing tests' source and locals (a test of this
+    script spells the signs out), while pytest's own lines, its summary of each failure and a
+    crash's report start at the margin."""
+    lines = [ln for ln in text.splitlines() if not ln[:1].isspace()]
+    return next((m for m in FATAL if any(m in ln for ln in lines)), None)
 
 
 class Watchdog:
@@ -185,6 +189,19 @@ def _summary(text: str) -> list:
     lines = text.strip().splitlines()
     bad = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:20]
     return bad + lines[-1:]
+
+
+def split_tests(targets) -> dict:
+    """``targets`` (files, node ids, folders) as the two test runs: ``tests_mosaic`` (the
+    Mosaic GPU kernels' file, run first) and ``tests`` (the rest, last). A folder is its
+    ``test_*.py`` files, so that one holding the Mosaic GPU tests splits too."""
+    files = []
+    for t in targets:
+        path = ROOT / t
+        files += ([str(f.relative_to(ROOT)) for f in sorted(path.glob("test_*.py"))]
+                  if path.is_dir() else [t])
+    mosaic = [t for t in files if "test_kernels_mosaic_gpu" in t]
+    return {"tests_mosaic": mosaic, "tests": [t for t in files if t not in mosaic]}
 
 
 def run_tests(targets, clock, limit: float = TESTS_LIMIT, log: pathlib.Path | None = None):
@@ -538,7 +555,7 @@ def matmul_table(clock, peak, small, batches, shapes=SHAPES, rows=None, on_row=N
 def codec_bandwidth(peak, small, rows=None, on_row=None):
     """encode and decode of N D4 vectors through the front doors: bytes in + out per second;
     each row appended to ``rows`` (returned) as it is measured (one that fails holds its
-    error), then ``on_row()``."""
+    error; where the set-up of a group of rows fails, one row holds it), then ``on_row()``."""
     cfg = CONFIGS["D4"].replace(beta=hq.gaussian_beta(CONFIGS["D4"]))
     n = 4096 if small else 10**8
     x = jax.random.normal(jax.random.key(0), (n, cfg.d), jnp.float32)
@@ -549,43 +566,57 @@ def codec_bandwidth(peak, small, rows=None, on_row=None):
         if on_row:
             on_row()
 
-    codes = hq.encode(x, cfg, implementation="pallas")
-    nbytes = x.nbytes + _nbytes(codes)
-    # (XLA's encode, ~100x slower on a GPU, is left out: it would take the run's budget);
-    # then the kernels at more blocks per program (the front doors take 256)
-    cases = [("encode", "pallas", lambda _, v: hq.encode(v, cfg, implementation="pallas"), x),
-             ("decode", "pallas", lambda _, c: hq.decode(c, implementation="pallas"), codes),
-             ("decode", "xla", lambda _, c: hq.decode(c, implementation="xla"), codes)]
-    for b in (1024, 4096):
-        cases += [(f"encode (block={b})", "pallas",
-                   lambda _, v, b=b: kernels.encode(v, cfg, block=b), x),
-                  (f"decode (block={b})", "pallas",
-                   lambda _, c, b=b: kernels.decode(c, None, jnp.float32, block=b), codes)]
-    for op, impl, f, arg in cases:
-        add({"op": op, "implementation": impl, "N": n,
-             **_cell(_timed, f, jnp.zeros(()), [arg], peak, nbytes, iterations=3)})
-    # E8's decode with its codebook packed (512 KiB, gathered) or from the digits
-    e8 = CONFIGS["E8"]
-    ce = hq.encode(x.reshape(-1, e8.d), e8, implementation="pallas")
-    for use_table in (True, False):
-        add({"op": f"decode E8 (use_table={use_table})", "implementation": "pallas",
-             "N": n // 2, **_cell(
-                 _timed, lambda _, c, t=use_table: kernels.decode(c, None, jnp.float32,
-                                                                  use_table=t),
-                 jnp.zeros(()), [ce], peak, x.nbytes + _nbytes(ce), iterations=3)})
-    # A mid-sized encode (two passes) beside its wall clock a call with calls queued: a host
-    # sync inside a call (an XLA conditional copies its branch index to the host) would
-    # serialize them, and the wall clock would exceed the device time by a dispatch a call
-    xs = x[:n // 64]
-    f = jax.jit(lambda v: hq.encode(v, cfg, implementation="pallas"))
-    small_bytes = xs.nbytes + _nbytes(f(xs))
-    add({"op": f"encode {xs.shape[0]:.0e} (device)", "implementation": "pallas",
-         "N": xs.shape[0], **_cell(_timed, lambda _, v: f(v), jnp.zeros(()), [xs], peak,
-                                   small_bytes, iterations=3)})
-    wall = _queued_wall(lambda: f(xs))
-    add({"op": f"encode {xs.shape[0]:.0e} (wall clock a call, 20 queued)",
-         "implementation": "pallas", "N": xs.shape[0], "seconds": wall,
-         "GBps": small_bytes / wall / 1e9})
+    def group(op, f):
+        failed = _cell(lambda: f() or {})
+        if failed:
+            add({"op": op, "implementation": "pallas", "N": n, **failed})
+
+    def d4():
+        codes = hq.encode(x, cfg, implementation="pallas")
+        nbytes = x.nbytes + _nbytes(codes)
+        # (XLA's encode, ~100x slower on a GPU, is left out: it would take the run's budget);
+        # then the kernels at more blocks per program (the front doors take 256)
+        cases = [("encode", "pallas", lambda _, v: hq.encode(v, cfg, implementation="pallas"),
+                  x),
+                 ("decode", "pallas", lambda _, c: hq.decode(c, implementation="pallas"), codes),
+                 ("decode", "xla", lambda _, c: hq.decode(c, implementation="xla"), codes)]
+        for b in (1024, 4096):
+            cases += [(f"encode (block={b})", "pallas",
+                       lambda _, v, b=b: kernels.encode(v, cfg, block=b), x),
+                      (f"decode (block={b})", "pallas",
+                       lambda _, c, b=b: kernels.decode(c, None, jnp.float32, block=b), codes)]
+        for op, impl, f, arg in cases:
+            add({"op": op, "implementation": impl, "N": n,
+                 **_cell(_timed, f, jnp.zeros(()), [arg], peak, nbytes, iterations=3)})
+
+    def e8():  # E8's decode with its codebook packed (512 KiB, gathered) or from the digits
+        e8 = CONFIGS["E8"]
+        ce = hq.encode(x.reshape(-1, e8.d), e8, implementation="pallas")
+        for use_table in (True, False):
+            add({"op": f"decode E8 (use_table={use_table})", "implementation": "pallas",
+                 "N": n // 2, **_cell(
+                     _timed, lambda _, c, t=use_table: kernels.decode(c, None, jnp.float32,
+                                                                      use_table=t),
+                     jnp.zeros(()), [ce], peak, x.nbytes + _nbytes(ce), iterations=3)})
+
+    def queued():
+        # A mid-sized encode (two passes) beside its wall clock a call with calls queued: a
+        # host sync inside a call (an XLA conditional copies its branch index to the host)
+        # would serialize them, and the wall clock would exceed the device time by a dispatch
+        xs = x[:n // 64]
+        f = jax.jit(lambda v: hq.encode(v, cfg, implementation="pallas"))
+        small_bytes = xs.nbytes + _nbytes(f(xs))
+        add({"op": f"encode {xs.shape[0]:.0e} (device)", "implementation": "pallas",
+             "N": xs.shape[0], **_cell(_timed, lambda _, v: f(v), jnp.zeros(()), [xs], peak,
+                                       small_bytes, iterations=3)})
+        wall = _queued_wall(lambda: f(xs))
+        add({"op": f"encode {xs.shape[0]:.0e} (wall clock a call, 20 queued)",
+             "implementation": "pallas", "N": xs.shape[0], "seconds": wall,
+             "GBps": small_bytes / wall / 1e9})
+
+    group("encode, decode (set-up)", d4)
+    group("decode E8 (set-up)", e8)
+    group("encode (queued, set-up)", queued)
     return rows
 
 
@@ -953,19 +984,25 @@ def main(argv=None):
     results = args.out
     results.mkdir(parents=True, exist_ok=True)
 
+    # the watchdog's thread writes the results too: one writer at a time (a save cut off
+    # midway by os._exit would leave half a JSON)
+    writing = threading.RLock()
+
     def save():
-        (results / f"gpu_check{suffix}.json").write_text(json.dumps(out, indent=1))
+        with writing:
+            (results / f"gpu_check{suffix}.json").write_text(json.dumps(out, indent=1))
 
     def finish():
-        out["timing"] = timing_of(out)
-        save()
-        md = markdown(out)
-        (results / f"gpu_check{suffix}.md").write_text(md + "\n")
-        try:
-            plot(out, results / f"gpu_check{suffix}.png")
-        except Exception:  # noqa: BLE001  (a missing matplotlib must not lose the numbers)
-            traceback.print_exc()
-        print(md, flush=True)
+        with writing:
+            out["timing"] = timing_of(out)
+            save()
+            md = markdown(out)
+            (results / f"gpu_check{suffix}.md").write_text(md + "\n")
+            try:
+                plot(out, results / f"gpu_check{suffix}.png")
+            except Exception:  # noqa: BLE001  (a missing matplotlib must not lose the numbers)
+                traceback.print_exc()
+            print(md, flush=True)
 
     def hung(label):
         out["hung"] = label
@@ -1003,8 +1040,7 @@ def main(argv=None):
     # hangs on the device is found there, and the sweep then leaves them out (Triton's
     # kernels have run on an H100 before; the Mosaic GPU ones had not). The other tests run
     # last, in the time left.
-    tests = {"tests_mosaic": [t for t in args.tests if "test_kernels_mosaic_gpu" in t],
-             "tests": [t for t in args.tests if "test_kernels_mosaic_gpu" not in t]}
+    tests = split_tests(args.tests)
     limit = QUICK_TESTS_LIMIT if args.quick else TESTS_LIMIT
 
     def tests_part(name):

@@ -1076,6 +1076,12 @@ def test_gpu_check_stops_at_a_broken_device_context(monkeypatch):
     assert "ILLEGAL_ADDRESS" in sw["fault"] and sw["rows"][1]["error"] == sw["fault"]
     assert gpu_check.device_fault("FAILED test_x - AssertionError: 0.1 > 0.01") is None
     assert gpu_check.device_fault("[gw1] node down: Not properly terminated") == "node down"
+    # a failing test's echoed source spells the signs out: only pytest's own lines count
+    run = ["    raise RuntimeError('CUDA_ERROR_ILLEGAL_ADDRESS')", "E   AssertionError",
+           "FAILED tests/x.py::t - AssertionError"]
+    assert gpu_check.device_fault("\n".join(run)) is None
+    run[-1] = "FAILED tests/x.py::t - XlaRuntimeError: CUDA_ERROR_ILLEGAL_ADDRESS"
+    assert gpu_check.device_fault("\n".join(run)) == "ILLEGAL_ADDRESS"
 
     calls.clear()
     monkeypatch.setattr(gpu_check, "_timed",
@@ -1131,6 +1137,19 @@ def test_gpu_check_test_summary_keeps_every_failure():
     assert "-x" not in cmd and "--maxfail=10" in cmd and cmd[-1] == "tests/t.py"
 
 
+def test_gpu_check_splits_the_tests_folder_too():
+    """The Mosaic GPU tests run first in a process of their own, named by file or node id, or
+    inside a folder (which a plain substring test of the targets missed: it ran them last)."""
+    gpu_check = experiment("gpu_check")
+    split = gpu_check.split_tests(["tests"])
+    assert split["tests_mosaic"] == ["tests/test_kernels_mosaic_gpu.py"]
+    assert "tests/test_kernels.py" in split["tests"]
+    assert not any("mosaic" in t for t in split["tests"])
+    node = "tests/test_kernels_mosaic_gpu.py::test_x"
+    assert gpu_check.split_tests([node, "tests/test_kernels.py::t"]) == {
+        "tests_mosaic": [node], "tests": ["tests/test_kernels.py::t"]}
+
+
 def test_gpu_check_a_failing_case_loses_only_itself(monkeypatch, tmp_path):
     """A product-table cell or codec row that raises holds its error, its row and the part's
     other rows are kept (each saved as it comes) and the report says what failed; an error
@@ -1163,6 +1182,29 @@ def test_gpu_check_a_failing_case_loses_only_itself(monkeypatch, tmp_path):
     assert gpu_check.timing_of({"matmul": rows}) == "wall clock"
     assert gpu_check.timing_of({"a": [{"b": {"method": "cupti"}}]}) == "CUPTI"
     assert gpu_check.timing_of({"matmul": [{"error": "x"}]}).startswith("n/a")
+
+
+def test_gpu_check_codec_set_up_that_fails_loses_only_its_rows(monkeypatch):
+    """The codec part's set-up (encoding what the decode rows decode) failing for E8 leaves
+    one row holding the error; D4's rows and the queued encode's are measured."""
+    gpu_check = experiment("gpu_check")
+    encode = gpu_check.hq.encode
+
+    def e8_fails(x, cfg, **kw):
+        if cfg.lattice == "E8":
+            raise RuntimeError("INTERNAL: ptxas out of resource")
+        return encode(x, cfg, **kw)
+
+    monkeypatch.setattr(gpu_check.hq, "encode", e8_fails)
+    monkeypatch.setattr(gpu_check, "_timed", lambda *a, **k: {"seconds": 1e-3, "GBps": 1.0})
+    rows = gpu_check.codec_bandwidth(None, True)
+    failed = [r for r in rows if "error" in r]
+    assert [r["op"] for r in failed] == ["decode E8 (set-up)"] and "ptxas" in failed[0]["error"]
+    assert sum(r["op"].startswith("decode (") or r["op"] == "decode" for r in rows) == 4
+    assert rows[-1]["op"].endswith("(wall clock a call, 20 queued)")
+    env = dict(device="cpu", backend="cpu", jax=jax.__version__, python="3")
+    assert "| decode E8 (set-up) | pallas | 4e+03 | failed: `RuntimeError" in gpu_check.markdown(
+        {"environment": env, "codec": rows})
 
 
 def test_sass_profile_unpacks_riegeli_and_snappy():

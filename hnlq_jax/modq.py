@@ -83,7 +83,8 @@ def add(codes_a: Codes, codes_b: Codes) -> Codes:
         shapes.
 
     Returns:
-      ``Codes`` of the broadcast shape; T is the common T, or -1 where the two differ.
+      ``Codes`` of the broadcast shape; T is the common T, or -1 where the two differ. Row
+      codes (``n`` set, no scale) give row codes of that ``n``.
     """
     la, Ta = check(codes_a, "add")
     lb, Tb = check(codes_b, "add")
@@ -97,8 +98,17 @@ def add(codes_a: Codes, codes_b: Codes) -> Codes:
         raise ValueError(f"add: leading shapes {Ta.shape} and {Tb.shape} do not broadcast") from None
     lab = jnp.stack([jnp.broadcast_to(la, shape + la.shape[-2:]),
                      jnp.broadcast_to(lb, shape + lb.shape[-2:])])
-    return _accumulate(lab, jnp.stack([jnp.broadcast_to(Ta, shape), jnp.broadcast_to(Tb, shape)]),
-                       config, 0)
+    if None not in (codes_a.n, codes_b.n) and codes_a.n != codes_b.n:
+        raise ValueError(f"add: row codes of different lengths n = {codes_a.n} and "
+                         f"{codes_b.n}")
+    out = _accumulate(lab, jnp.stack([jnp.broadcast_to(Ta, shape), jnp.broadcast_to(Tb, shape)]),
+                      config, 0)
+    return _keep_rows(out, codes_a.n if codes_b.n is None else codes_b.n)
+
+
+def _keep_rows(codes: Codes, n) -> Codes:
+    """``codes`` as row codes of length ``n`` (the summands'), or block codes (``n`` None)."""
+    return codes if n is None else codes.with_rows(n=n)
 
 
 def accumulate(codes: Codes, axis: int = 0) -> Codes:
@@ -110,11 +120,14 @@ def accumulate(codes: Codes, axis: int = 0) -> Codes:
 
     Returns:
       ``Codes`` with ``axis`` removed; T is the common T of the summands, or -1 where they
-      differ. Decoding it gives the true sum only where :func:`validate` says so.
+      differ. Decoding it gives the true sum only where :func:`validate` says so. Row codes
+      (``n`` set, no scale) summed over a row axis stay row codes of that ``n``; summed over
+      their blocks (the last axis) they are block codes.
     """
     labels, T = check(codes, "accumulate")
     axis = leading_axis(axis, T, "accumulate")
-    return _accumulate(labels, T, codes.config, axis)
+    out = _accumulate(labels, T, codes.config, axis)
+    return _keep_rows(out, codes.n if axis < T.ndim - 1 else None)
 
 
 def _lattice_points(labels, config):

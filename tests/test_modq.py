@@ -160,6 +160,22 @@ def test_jit():
     np.testing.assert_array_equal(got.tfield, ref.tfield)
 
 
+def test_row_codes_keep_their_length():
+    """Row codes without scales (n = 18 over 5 D4 blocks, the last padded) summed over rows
+    stay row codes of n = 18, decoding to [..., 18] like their summands (n was dropped, and the
+    sum decoded to 20 entries); summed over their blocks they are block codes."""
+    cfg = CONFIGS[2]
+    rows = _random_codes(cfg, (3, 2, 5), 10).with_rows(n=18)
+    acc = modq.accumulate(rows, axis=0)
+    assert acc.n == 18 and hq.decode(acc).shape == (2, 18)
+    np.testing.assert_array_equal(acc.index, modq.accumulate(_as(rows, cfg), axis=0).index)
+    assert modq.accumulate(rows, axis=-1).n is None
+    one = hq.Codes(rows.index[0], rows.tfield[0], cfg).with_rows(n=18)
+    assert modq.add(one, _random_codes(cfg, (2, 5), 11)).n == 18
+    with pytest.raises(ValueError, match="different lengths n = 18 and 17"):
+        modq.add(one, hq.Codes(one.index, one.tfield, cfg).with_rows(n=17))
+
+
 def test_bad_input():
     cfg = CONFIGS[2]
     codes = _random_codes(cfg, (2, 5), 7)

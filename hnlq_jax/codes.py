@@ -43,6 +43,7 @@ __all__ = ["Codes", "FORMAT_VERSION", "index_dtype", "t_bits", "logical_shape", 
 
 # Bumped whenever the meaning of a stored field changes; serialized forms record it.
 FORMAT_VERSION = 1
+_KEEP = object()  # Codes.with_rows: an argument left out
 
 
 @functools.lru_cache(maxsize=None)
@@ -398,13 +399,20 @@ class Codes:
         return codes.with_rows(scale=scale, n=n) if (n is not None or scale is not None) \
             else codes
 
-    def with_rows(self, *, scale=None, n: int | None = None) -> Codes:
-        """These block codes read as row codes of logical length ``n`` with optional ``scale``.
+    def with_rows(self, *, scale=_KEEP, n=_KEEP) -> Codes:
+        """These codes read as row codes of logical length ``n`` with optional ``scale``.
+
+        Args:
+          scale: ``[...rows]`` per-row scales, or ``None`` for none; left out, the codes' own
+            (``None`` for block codes), so that ``row_codes.with_rows(n=...)`` keeps the scale.
+          n: the row length (``None``: every block's ``d`` entries); left out, the codes' own.
 
         Raises:
           ValueError: ``n`` does not split into the last leading axis, or ``scale`` has the
             wrong shape.
         """
+        scale = self.scale if scale is _KEEP else scale
+        n = self.n if n is _KEEP else n
         n, scale = check_rows(self.blocks_shape, self.config, scale, n, "Codes.with_rows")
         return Codes(self.index, self.tfield, self.config, scale=scale, n=n)
 

@@ -48,6 +48,20 @@ MAX_MIXER = 64
 _MAX_SEED = 2**63
 
 
+def _read_only_cache(maxsize):
+    """``functools.lru_cache`` for functions returning a NumPy array, returned read-only: every
+    caller shares the cached array, so one caller's edit would change every later rotation."""
+    def wrap(f):
+        @functools.lru_cache(maxsize=maxsize)
+        @functools.wraps(f)
+        def cached(*args):
+            out = f(*args)
+            out.flags.writeable = False
+            return out
+        return cached
+    return wrap
+
+
 def _is_prime(p: int) -> bool:
     return p >= 2 and all(p % f for f in range(2, math.isqrt(p) + 1))
 
@@ -78,7 +92,7 @@ def split_size(n: int) -> tuple[int, int, bool]:
     return k, m, False
 
 
-@functools.lru_cache(maxsize=None)
+@_read_only_cache(maxsize=None)
 def paley_hadamard(p: int) -> np.ndarray:
     """The ``p x p`` Paley type I Hadamard matrix (entries +-1, ``H H^T = p I``), int8.
 
@@ -101,7 +115,7 @@ def paley_hadamard(p: int) -> np.ndarray:
     return (np.eye(p, dtype=np.int64) + S).astype(np.int8)
 
 
-@functools.lru_cache(maxsize=64)
+@_read_only_cache(maxsize=64)
 def signs(n: int, seed: int) -> np.ndarray:
     """``[n]`` float64 random signs: bit ``i`` of the raw PCG64(seed) words (least significant
     first), ``s_i = 1 - 2 bit``."""
@@ -110,7 +124,7 @@ def signs(n: int, seed: int) -> np.ndarray:
     return 1.0 - 2.0 * bits.reshape(-1)[:n].astype(np.float64)
 
 
-@functools.lru_cache(maxsize=64)
+@_read_only_cache(maxsize=64)
 def mixer(n: int, seed: int) -> np.ndarray:
     """``[m, m]`` float64 orthogonal mixer of ``n`` (``m`` from :func:`split_size`).
 
@@ -130,8 +144,9 @@ def mixer(n: int, seed: int) -> np.ndarray:
 def default_implementation(n: int, dtype, platform: str) -> str:
     """What ``implementation=None`` runs for a rotation of size ``n`` of ``dtype`` arrays on
     ``platform``: the native CPU kernel where it is built, for float32 and half precision, when
-    the mixer is a Paley matrix (``m <= MAX_MIXER``); otherwise XLA (float64; GPUs; a larger
-    random mixer, whose product XLA's GEMM computes faster than the kernel's loop)."""
+    the mixer has at most ``MAX_MIXER`` rows (a Paley matrix or a small random one); otherwise
+    XLA (float64; GPUs; a larger random mixer, whose product XLA's GEMM computes faster than
+    the kernel's loop)."""
     ct = jnp.promote_types(jax.dtypes.canonicalize_dtype(dtype), jnp.float32)
     fits = split_size(n)[1] <= MAX_MIXER
     return ("native" if kernels.cpu.available() and ct == jnp.float32 and fits
@@ -154,7 +169,7 @@ def tables(n: int, seed: int, ct) -> tuple[np.ndarray, np.ndarray]:
     """The signs ``[n]`` and mixer ``[m, m]`` of ``Rotation(n, seed)`` in the dtype ``ct``
     (read-only; the kernels' operands)."""
     out = signs(n, seed).astype(ct), mixer(n, seed).astype(ct)
-    for a in out:
+    for a in out:  # (astype copies)
         a.flags.writeable = False
     return out
 

@@ -132,7 +132,7 @@ def vocabulary_sentences(vocab, n: int, *, words: int = 12, seed: int = 0) -> li
       ValueError: bad ``n`` / ``words``, or a vocabulary without such entries.
     """
     for name, v, low in (("n", n, 0), ("words", words, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
             raise ValueError(f"vocabulary_sentences: {name} must be an int >= {low}, got {v!r}")
     pool = sorted({w for w in vocab if isinstance(w, str) and w.isalpha() and len(w) > 2})
     if not pool:
@@ -352,6 +352,23 @@ def _check_options(damp, grid, fn: str):
     if not g or not all(math.isfinite(v) and v > 0 for v in g):
         raise ValueError(f"{fn}: grid must be a non-empty sequence of positive numbers, got {g}")
     return real, g
+
+
+def _check_scales(betas, rms, what: str, fn: str):
+    """Refuses candidate betas ``[K, out]`` (in the weight's dtype) that are not normal
+    numbers of it, or whose row scales ``betas * rms`` overflow it: a finite float64 beta or
+    grid can be either (1e39 or 1e-46 in float32), and an infinite scale made the compensation
+    NaN, reported as a bad H."""
+    betas, rms = np.asarray(betas), np.asarray(rms)
+    fi = np.finfo(betas.dtype)
+    with np.errstate(over="ignore"):
+        ok = (betas >= fi.tiny) & np.isfinite(betas * rms)
+    if not ok.all():
+        k, r = (int(i) for i in np.argwhere(~ok)[0])
+        raise ValueError(f"{fn}: {what} is {float(betas[k, r]):.4g} in {betas.dtype} for row "
+                         f"{r}, whose RMS is {float(rms[r]):.4g}: beta and its scale beta * RMS "
+                         f"must be normal {betas.dtype} numbers ({fi.tiny:.4g} .. "
+                         f"{fi.max:.4g}); pass a beta (grid) within range")
 
 
 # ----------------------------------------------------------------------------- the core
@@ -599,8 +616,8 @@ def gptq_rows(w, H, config: HNLQConfig, *, damp: float = DAMP, act_order: bool =
                          "entropy); use per_row=False")
     out, n = w.shape
     if beta is not None:
-        b = jnp.asarray(check_beta(beta, fn, ((), (out,)), "None, a positive number or a "
-                                   f"positive [out] = [{out}] array"), w.dtype)
+        b64 = check_beta(beta, fn, ((), (out,)), "None, a positive number or a positive [out] "
+                         f"= [{out}] array")
     if rotation is not None:
         if not isinstance(rotation, Rotation) or rotation.n != n:
             raise ValueError(f"{fn}: rotation must be an incoherence.Rotation of size in = {n}, "
@@ -618,9 +635,14 @@ def gptq_rows(w, H, config: HNLQConfig, *, damp: float = DAMP, act_order: bool =
     rms = row_rms(w)
     if beta is None:
         b0 = calibrate_rows(w, config).astype(w.dtype)
-        betas = jnp.broadcast_to(jnp.asarray(grid, w.dtype)[:, None] * b0, (len(grid), out))
+        with np.errstate(over="ignore", under="ignore"):  # out of range: refused below
+            g = jnp.asarray(grid, w.dtype)
+        betas = jnp.broadcast_to(g[:, None] * b0, (len(grid), out))
+        _check_scales(betas, rms, "grid times the calibrated beta", fn)
     else:
-        betas = jnp.broadcast_to(b, (1, out))
+        with np.errstate(over="ignore", under="ignore"):
+            betas = jnp.broadcast_to(jnp.asarray(b64, w.dtype), (1, out))
+        _check_scales(betas, rms, "beta", fn)
     ucfg = unit(config)
     impl = ops.resolve(implementation, config, "encode", w)
     mode = jnp.asarray(0 if per_row else (2 if criterion == "f" else 1), jnp.int32)

@@ -119,6 +119,12 @@ def test_row_codes_decode_and_scale():
     np.testing.assert_array_equal(hq.decode(rc), expect)
     rel = np.linalg.norm(hq.decode(rc) - W, axis=1) / np.linalg.norm(W, axis=1)
     assert np.all(rel < 0.15)  # the 100x row is as accurate as the others
+    # with_rows keeps what it is not given (n=... dropped the scale, scale=... the length)
+    shorter = rc.with_rows(n=29)
+    assert shorter.scale is rc.scale and shorter.n == 29
+    np.testing.assert_array_equal(hq.decode(shorter), expect[:, :29])
+    assert rc.with_rows(scale=np.ones(16, np.float32)).n == 30
+    assert rc.with_rows(scale=None).scale is None and rc.with_rows(n=None).n == 32
 
 
 @pytest.mark.parametrize("cfg", [D4, hq.HNLQConfig("E8", 2, 2)])

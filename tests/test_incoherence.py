@@ -99,6 +99,18 @@ def test_signs_are_deterministic():
     assert not np.allclose(incoherence.mixer(7, 0), incoherence.mixer(7, 1))
 
 
+@pytest.mark.parametrize("n", [24, 14, 384])  # Paley mixers, a seeded random one
+def test_cached_tables_are_read_only(n):
+    """The signs and mixers are cached and shared: a caller's edit of ``R.signs`` in place
+    changed every later rotation of that size and seed (its inverse no longer undid it)."""
+    R = Rotation(n, 5)
+    for a in (R.signs, hq.incoherence.mixer(n, 5), hq.incoherence.paley_hadamard(4)):
+        with pytest.raises(ValueError, match="read-only"):
+            a[0] = 0
+    x = np.random.default_rng(0).standard_normal((2, n)).astype(np.float32)
+    np.testing.assert_allclose(Rotation(n, 5).inverse(R.apply(x)), x, atol=1e-5)
+
+
 def test_layer_output_is_unchanged():
     rng = np.random.default_rng(0)
     n = 384

@@ -263,6 +263,12 @@ _W, _H = layer(out=4, n=8, tokens=50)
     ((_W, _H), {"grid": ()}, ValueError, "grid"),
     ((_W, _H), {"beta": -0.1}, ValueError, "beta must be"),
     ((_W, _H), {"beta": np.ones(3)}, ValueError, "beta must be"),
+    # finite in float64, not in the weight's float32: named, not blamed on H
+    ((_W, _H), {"beta": 1e39}, ValueError, "beta is inf in float32 for row 0"),
+    ((_W, _H), {"beta": 1e-46}, ValueError, "beta is 0 in float32 for row 0"),
+    ((_W, _H), {"grid": (1.0, 1e39)}, ValueError,
+     "grid times the calibrated beta is inf in float32"),
+    ((_W * np.float32(1e30), _H), {"beta": 1e10}, ValueError, "must be normal float32"),
     ((_W, _H), {"criterion": "f", "per_row": True}, ValueError, "per_row=False"),
     ((_W, _H), {"criterion": "mse"}, ValueError, "criterion"),
     ((_W, _H), {"t_budget": 0.1, "per_row": True}, ValueError, "per_row=False"),
@@ -270,7 +276,8 @@ _W, _H = layer(out=4, n=8, tokens=50)
     ((_W, _H), {"t_budget": float("nan")}, ValueError, "t_budget must be"),
     ((_W, _H), {"rotation": Rotation(16)}, ValueError, "rotation"),
 ], ids=["H-not-square", "H-size", "w-1d", "H-nan", "w-inf", "H-neg-diag", "H-indefinite",
-        "H-asym", "w-int", "H-int", "damp", "grid", "beta-neg", "beta-shape", "f-per-row",
+        "H-asym", "w-int", "H-int", "damp", "grid", "beta-neg", "beta-shape", "beta-inf-f32",
+        "beta-zero-f32", "grid-inf-f32", "scale-inf", "f-per-row",
         "criterion", "budget-per-row", "budget-neg", "budget-nan", "rotation-size"])
 def test_errors(args, kwargs, err, match):
     with pytest.raises(err, match=match):
@@ -341,6 +348,11 @@ def test_vocabulary_sentences(vocab, n, words, seed):
         assert len(drawn) == words and set(drawn) <= pool
     many = ptq.vocabulary_sentences(vocab, 200, words=5, seed=seed)
     assert {w for s in many for w in s[:-1].split(" ")} == pool
+
+
+def test_vocabulary_sentences_take_numpy_integers():
+    assert ptq.vocabulary_sentences(["alpha", "beta"], np.int64(3), words=np.int32(2)) == \
+        ptq.vocabulary_sentences(["alpha", "beta"], 3, words=2)
 
 
 @pytest.mark.parametrize("kwargs", [{"n": -1}, {"n": 2.0}, {"words": 0}, {"n": True}])

@@ -664,7 +664,8 @@ def import_params(saved, config: HNLQConfig | None = None):
         saved config.
 
     Returns:
-      ``{"params": ..., "hnlq": {layer path: {"codes": Codes}}}`` for ``model.apply``;
+      ``{"params": ..., "hnlq": {layer path: {"codes": Codes}}}`` for ``model.apply``, and
+      the saved collections besides them as they were (``batch_stats``, ...);
       a rotated layer (:func:`quantize_params` with ``rotate=True``) holds
       ``{"rotated_codes": Codes, "rotation": Rotation}``; a kernel that is not ``[in, out]``
       (``DenseGeneral``, ``Einsum``) also its ``"layout"`` (a
@@ -712,7 +713,8 @@ def import_params(saved, config: HNLQConfig | None = None):
                 raise ValueError(f"{where}: codes of shape {list(codes.shape)} do not hold a "
                                  f"kernel of {layout}; export it again")
             hnlq[path + (LAYOUT_KEY,)] = layout
-    return {"params": jax.tree.map(jnp.asarray, params),
+    return {**jax.tree.map(jnp.asarray, _other_collections(saved)),
+            "params": jax.tree.map(jnp.asarray, params),
             COLLECTION: traverse_util.unflatten_dict(hnlq)}
 
 

@@ -425,6 +425,12 @@ def test_quantize_params_keeps_other_collections_and_refuses_overload():
     with use_codes():
         y = model.apply(inference, x)
     assert np.all(np.isfinite(np.asarray(y)))
+    # saved and imported, they are kept too (import_params returned params and hnlq alone)
+    restored = import_params(serialization.msgpack_restore(
+        serialization.to_bytes(inference)))
+    assert set(restored) == {"params", "batch_stats", "hnlq"}
+    with use_codes():
+        np.testing.assert_array_equal(model.apply(restored, x), y)
     tight = CFG.replace(max_T=2)
     first = variables["params"]["Dense_1"]  # Dense(16) of the 256 inputs (created second)
     kernel = first["kernel"].at[0, 0].set(3.0)  # ~50 times its row's RMS

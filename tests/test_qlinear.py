@@ -582,6 +582,55 @@ def test_qlinear_dtype_conversion_keeps_beta(convert):
     built = QLinear(64, 32, CFG, dtype=converted.weight.dtype)
     with torch.no_grad():
         built.weight.copy_(converted.weight)
+        built.bias.copy_(converted.bias)
     built.calibrate_beta()
     converted.calibrate_beta()
     assert torch.equal(built.beta, converted.beta)
+    # the row scales too (at least float32, as the built layer's): rounded to half precision
+    # the eval outputs differed from the built layer's by 1e-3
+    assert converted.scale.dtype == built.scale.dtype
+    built.set_codes(converted.codes())
+    x = torch.randn(3, 64, dtype=built.weight.dtype)
+    assert torch.equal(converted.eval()(x), built.eval()(x))
+
+
+def test_a_layer_that_never_coded_its_weight_is_not_read_as_codes():
+    """QLinear(quantize_weights=False) holds codes never made (every block failed): loaded
+    into a quantizing QLinear, or the flag turned on, they gave NaN outputs without a word;
+    now the weight is coded then, as QLinear.from_linear codes it. load_quantized leaves such
+    a layer in float (its state holds a float weight)."""
+    plain = QLinear.from_linear(_linear(), CFG, quantize_weights=False)
+    want = QLinear.from_linear(_linear(), CFG).eval()
+    x = torch.randn(4, 30)
+    loaded = QLinear(30, 16, CFG)
+    loaded.load_state_dict(plain.state_dict())
+    assert torch.equal(loaded.eval()(x), want(x))
+    flipped = copy.deepcopy(plain)
+    flipped.quantize_weights = True
+    assert torch.equal(flipped.eval()(x), want(x)) and torch.equal(flipped.beta, want.beta)
+    # turned off and on again, it codes the weight as it is now (at the beta it has)
+    with torch.no_grad():
+        flipped.weight.mul_(2)
+    flipped.quantize_weights = False
+    flipped.quantize_weights = True
+    assert torch.equal(flipped.beta, want.beta)
+    torch.testing.assert_close(flipped(x) - flipped.bias, 2 * (want(x) - want.bias))
+    model = tb.load_quantized(torch.nn.Sequential(torch.nn.Linear(30, 16)),
+                              torch.nn.Sequential(plain).state_dict(), strict=False)
+    assert type(model[0]) is torch.nn.Linear and torch.equal(model[0](x), plain(x))
+
+
+def test_qlinear_builds_on_the_meta_device():
+    """As nn.Linear: built on meta (no values to calibrate or code), it takes a state dict by
+    assignment, or after to_empty, and computes as the saved layer (it raised a DLPack
+    error)."""
+    saved = QLinear.from_linear(_linear(), CFG).eval()
+    x = torch.randn(3, 30)
+    with torch.device("meta"):
+        layer = QLinear(30, 16, CFG)
+    assert layer.index.device.type == "meta"
+    layer.load_state_dict(saved.state_dict(), assign=True)
+    assert torch.equal(layer.eval()(x), saved(x))
+    empty = QLinear(30, 16, CFG, device="meta").to_empty(device="cpu")
+    empty.load_state_dict(saved.state_dict())
+    assert torch.equal(empty.eval()(x), saved(x))

@@ -10,7 +10,8 @@ import torch
 
 import hnlq_jax as hq
 from hnlq_jax.incoherence import Rotation
-from torch_bridge import QuantizedLinear, load_quantized, ops, quantize_model
+import torch_bridge as tb
+from torch_bridge import QLinear, QuantizedLinear, load_quantized, ops, quantize_model
 
 # CPU tensors: the JAX references run on the CPU too (conftest.jax_on_cpu)
 pytestmark = pytest.mark.usefixtures("jax_on_cpu")
@@ -362,8 +363,77 @@ def test_clear_errors():
             QuantizedLinear(*shape, CFG)
     with pytest.raises(TypeError, match="bias must be a bool"):
         QuantizedLinear(4, 4, CFG, bias="no")
+    # "lut" multiplies only: refused before any work (it failed in the first layer's
+    # conversion, after the calibration run)
+    ran = []
+    model = _mlp()
+    with pytest.raises(ValueError, match="quantize_model: implementation must be None or one"):
+        quantize_model(model, CFG, calibration=ran.append, implementation="lut")
+    assert ran == [] and type(model[0]) is torch.nn.Linear
+    with pytest.raises(ValueError, match="load_quantized: implementation must be None or one"):
+        load_quantized(_mlp(), {}, implementation="lut")
 
 
 def test_progress_bar(capsys):
     quantize_model(_mlp(), CFG, calibration=_run, progress=True)
     assert "quantize_model" in capsys.readouterr().err
+
+
+def test_a_float_qlinear_is_calibrated_as_an_nn_linear():
+    """A QLinear with quantize_weights=False is a float layer: quantize_model hooks it for H,
+    rotates it and reports its proxy loss, as for the nn.Linear it equals (it was coded
+    round-to-nearest, unrotated, with no word)."""
+    ref, mixed = _mlp(), _mlp()
+    mixed[0] = QLinear.from_linear(mixed[0], CFG, quantize_weights=False)
+    r_ref = quantize_model(ref, CFG, calibration=_run)
+    r_mixed = quantize_model(mixed, CFG, calibration=_run)
+    assert r_mixed.proxy_loss == r_ref.proxy_loss and mixed[0].rotation == Rotation(24, 0)
+    assert torch.equal(mixed(TEST), ref(TEST))
+
+
+def test_float64_models_and_hessians():
+    """A float64 model's size report and a float64 H as a tensor: both converted to JAX with
+    x64 off (a TypeError after the layers had been replaced)."""
+    ref = _mlp().double()
+    report = quantize_model(ref, CFG)
+    assert report.sizes == tb.model_sizes(ref) and ref[0].scale.dtype == torch.float64
+    x = CAL.double()
+    H = x.T @ x
+    layer = QuantizedLinear.from_linear(_mlp()[0].double(), CFG, hessian=H)
+    want = QuantizedLinear.from_linear(_mlp()[0].double(), CFG, hessian=H.numpy())
+    assert torch.equal(layer.index, want.index) and torch.equal(layer.scale, want.scale)
+
+
+def test_set_codes_owns_its_buffers():
+    """Codes from JAX (Codes.from_jax views them) are copied: a later load_state_dict writes
+    the layer's buffers in place, and JAX arrays must not change."""
+    w = np.random.default_rng(0).standard_normal((40, 24)).astype(np.float32)
+    jax_codes = hq.encode_rows(w, CFG)
+    before = np.asarray(jax_codes.index).copy()
+    layer = QuantizedLinear(24, 40, CFG)
+    layer.set_codes(tb.Codes.from_jax(jax_codes))
+    other = QuantizedLinear.from_linear(_mlp()[0].requires_grad_(False), CFG)
+    layer.load_state_dict(other.state_dict())
+    np.testing.assert_array_equal(np.asarray(jax_codes.index), before)
+
+
+def test_load_quantized_keeps_shared_layers_and_builds_on_meta():
+    """A layer shared under two names stays one layer (it was built twice: twice the memory
+    and model_sizes' count); a model built on the meta device takes the state dict with
+    assign=True (its codes stayed on meta) and computes as the saved one."""
+    def make():
+        shared, out = torch.nn.Linear(24, 24), torch.nn.Linear(24, 8)
+        return torch.nn.Sequential(shared, torch.nn.GELU(), shared, out)
+
+    torch.manual_seed(0)
+    model = make()
+    quantize_model(model, CFG)
+    sd, x = model.state_dict(), TEST[:5]
+    restored = load_quantized(make(), sd)
+    assert restored[0] is restored[2] and tb.model_sizes(restored) == tb.model_sizes(model)
+    assert torch.equal(restored(x), model(x))
+    with torch.device("meta"):
+        skeleton = make()
+    restored = load_quantized(skeleton, sd, assign=True)
+    assert restored[0].index.device.type == "cpu" and restored[0] is restored[2]
+    assert torch.equal(restored(x), model(x))

@@ -26,7 +26,7 @@ from hnlq_jax.config import HNLQConfig, check_beta
 from hnlq_jax.rows import bucket_rows
 from hnlq_jax.stats import gaussian_beta
 from torch_bridge.codec import decode, encode_rows
-from torch_bridge.quantized import CodesLayer, calibrated_beta, check_weight
+from torch_bridge.quantized import CodesLayer, calibrated_beta, check_weight, has_codes
 
 __all__ = ["QLinear"]
 
@@ -98,8 +98,25 @@ class QLinear(CodesLayer, torch.nn.Linear):
         self.register_buffer("beta", torch.tensor(config.beta, dtype=torch.float32,
                                                   device=device))
         self.register_buffer("step", torch.zeros((), dtype=torch.int64, device=device))
-        if quantize_weights:
+        # (a layer on the meta device has no values to code: its codes stay unset until a
+        # state dict loads, as into an nn.Linear there)
+        if quantize_weights and self.weight.device.type != "meta":
             self.calibrate_beta()
+            self.refresh_codes()
+
+    @property
+    def quantize_weights(self) -> bool:
+        """Whether the weight is quantized (see the constructor); turned on, the layer codes
+        its current weight (at a beta calibrated on it where the layer never had codes)."""
+        return self._quantize_weights
+
+    @quantize_weights.setter
+    def quantize_weights(self, on: bool):
+        turned_on = on and getattr(self, "_quantize_weights", None) is False
+        self._quantize_weights = bool(on)
+        if turned_on and "tfield" in self._buffers:  # (not while the constructor runs)
+            if not has_codes(self.tfield):
+                self.calibrate_beta()
             self.refresh_codes()
 
     @property
@@ -140,10 +157,7 @@ class QLinear(CodesLayer, torch.nn.Linear):
             q.weight.copy_(linear.weight)
             if linear.bias is not None:
                 q.bias.copy_(linear.bias)
-        q.quantize_weights = kwargs.get("quantize_weights", True)
-        if q.quantize_weights:
-            q.calibrate_beta()
-            q.refresh_codes()
+        q.quantize_weights = kwargs.get("quantize_weights", True)  # calibrates and codes
         return q.train(linear.training)
 
     @torch.no_grad()
@@ -218,11 +232,14 @@ class QLinear(CodesLayer, torch.nn.Linear):
 
     def _apply(self, fn, recurse=True):
         # beta stays float32 (as the layer keeps it in any dtype, and QDense): .half() or
-        # .bfloat16() would round it, and every later refresh would code with another beta
-        beta = self.beta
+        # .bfloat16() would round it, and every later refresh would code with another beta.
+        # The row scales likewise stay at least float32, as a layer built in half keeps them.
+        beta, scale = self.beta, self.scale
         super()._apply(fn, recurse)
         if self.beta.dtype != torch.float32:
             self.beta = beta.to(self.beta.device)
+        if self.scale.dtype.itemsize < 4:
+            self.scale = scale.to(self.scale.device)
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -245,7 +262,8 @@ class QLinear(CodesLayer, torch.nn.Linear):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         if (self.quantize_weights and prefix + "weight" in state_dict
-                and prefix + "index" not in state_dict):  # a float checkpoint (strict=False)
+                and (prefix + "index" not in state_dict or not has_codes(self.tfield))):
+            # a float checkpoint (strict=False), or a QLinear's that never coded its weight
             self.calibrate_beta()
             self.refresh_codes()
         # `error` is a training cache that quantize_every = 1 keeps none of: a state saved with

@@ -78,6 +78,26 @@ def _raw(t: torch.Tensor):
     return t.detach().cpu().contiguous().view(torch.uint8).numpy()
 
 
+def check_layer_implementation(implementation, fn: str):
+    """Refuses an ``implementation`` the layers cannot take: they encode and decode with it
+    too, so ``"lut"`` (a product only) would fail later.
+
+    Raises:
+      ValueError: not ``None`` nor one of the encoder's implementations.
+    """
+    allowed = IMPLEMENTATIONS["encode"]
+    if implementation is not None and implementation not in allowed:
+        raise ValueError(f"{fn}: implementation must be None or one of {allowed} (the layer "
+                         f"encodes, decodes and multiplies with it), got {implementation!r}")
+
+
+def has_codes(tfield: torch.Tensor) -> bool:
+    """Whether a layer's T field holds codes that were set: a layer registers it as zeros
+    (every block failed, decoding to NaN), which no encoding of a weight gives (encoding
+    refuses such blocks)."""
+    return bool(tfield.any())
+
+
 class CodesLayer:
     """Mixin of the layers that hold the row codes of a weight ``[out, in]`` as buffers.
 
@@ -91,12 +111,7 @@ class CodesLayer:
         if not isinstance(config, HNLQConfig):
             raise TypeError(f"{type(self).__name__}: config must be an hnlq_jax.HNLQConfig, got "
                             f"{type(config).__name__}")
-        # The layers encode and decode with it too: "lut" (a matmul only) would fail later.
-        allowed = IMPLEMENTATIONS["encode"]
-        if self.implementation is not None and self.implementation not in allowed:
-            raise ValueError(f"{type(self).__name__}: implementation must be None or one of "
-                             f"{allowed} (the layer encodes, decodes and multiplies with it), "
-                             f"got {self.implementation!r}")
+        check_layer_implementation(self.implementation, type(self).__name__)
         self.codes_config = unit(config)
         self._op_config = ops.config_args(self.codes_config)
         lead = (self.out_features, -(-self.in_features // config.d))
@@ -127,10 +142,12 @@ class CodesLayer:
         if codes.shape != (self.out_features, self.in_features) or codes.scale is None:
             raise ValueError(f"{where}: expected scaled row codes of a weight "
                              f"[{self.out_features}, {self.in_features}], got {codes}")
+        # Copied: the layer writes its buffers in place (load_state_dict), and codes from
+        # Codes.from_jax view JAX arrays, which must not change.
         device = self.index.device
-        self.index = codes.index.to(device)
-        self.tfield = codes.tfield.to(device)
-        self.scale = codes.scale.to(device)
+        self.index = codes.index.to(device, copy=True)
+        self.tfield = codes.tfield.to(device, copy=True)
+        self.scale = codes.scale.to(device, copy=True)
 
     def codes_matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None
                      ) -> torch.Tensor:
@@ -205,8 +222,7 @@ class CodesLayer:
             # as it was. (Other shapes are reported by torch's own size check.)
             codes = Codes(*saved[:2], self.codes_config, saved[2], self.in_features)
             try:
-                with x64_for(*codes.op_args()):
-                    codes.to_jax()  # raises on corrupted codes (index, T or scale out of range)
+                _jax_codes(codes)  # raises on corrupted codes (index, T or scale out of range)
             except ValueError as e:  # named by the layer, as the other loading errors
                 raise ValueError(f"{where}: {e}") from None
             if extra in state_dict:  # in range, yet maybe not what was saved
@@ -229,8 +245,8 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
     Args:
       in_features, out_features, bias, device: as ``nn.Linear``.
       config: the quantizer (its beta is unused: each layer's beta is in its scales).
-      implementation: the :func:`hnlq_jax.matmul` implementation (``None``: the backend's
-        default; ``"xla"``, ``"pallas"``, ``"lut"``).
+      implementation: the implementation of the layer's :func:`hnlq_jax.matmul`, encode and
+        decode (``None``: the backend's default; ``"xla"``, ``"pallas"``).
       dtype: dtype of the bias and scales (default float32).
       rotation: an :class:`hnlq_jax.incoherence.Rotation` of size ``in_features``: the codes
         are of the rotated weight ``W R`` and the layer computes ``matmul(x R, codes)``
@@ -302,7 +318,7 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
                     implementation=implementation, device=w.device, dtype=dtype,
                     rotation=rotation)
         result = None
-        if isinstance(linear, CodesLayer) and getattr(linear, "quantize_weights", True):
+        if _holds_codes(linear):
             if getattr(linear, "quantize_activations", False):
                 raise ValueError("QuantizedLinear.from_linear: the layer quantizes its "
                                  "activations, which QuantizedLinear does not")
@@ -312,8 +328,8 @@ class QuantizedLinear(CodesLayer, torch.nn.Module):
             codes = linear.codes()
         elif check_weight(w, "QuantizedLinear.from_linear") or hessian is not None:
             wd = w.detach().to(dtype)
-            H = hessian if not isinstance(hessian, torch.Tensor) else to_jax(hessian.detach())
-            with x64_for(wd, getattr(hessian, "dtype", None)):
+            with x64_for(wd, hessian):  # (a float64 tensor converts only with x64 on)
+                H = hessian if not isinstance(hessian, torch.Tensor) else to_jax(hessian.detach())
                 result = hptq.gptq_rows(to_jax(wd), H, config, damp=damp, act_order=act_order,
                                         criterion=criterion, grid=grid, t_budget=t_budget,
                                         beta=None if calibrate else config.beta,
@@ -388,8 +404,20 @@ def model_sizes(model: torch.nn.Module) -> Sizes:
 
 def _sizes(layers) -> Sizes:
     layers = list(layers)
-    return measure([q.codes().to_jax() for q in layers],
+    return measure([_jax_codes(q.codes()) for q in layers],
                    [q.bias.detach() for q in layers if q.bias is not None])
+
+
+def _jax_codes(codes: Codes):
+    """``codes`` as JAX codes (float64 scales with x64 on for the conversion)."""
+    with x64_for(*codes.op_args()):
+        return codes.to_jax()
+
+
+def _holds_codes(module) -> bool:
+    """Whether ``module`` computes with codes of its weight (a ``QLinear`` with
+    ``quantize_weights=False`` is a float layer), which :func:`quantize_model` keeps."""
+    return isinstance(module, CodesLayer) and getattr(module, "quantize_weights", True)
 
 
 def _why_not(module: torch.nn.Linear) -> str | None:
@@ -518,7 +546,8 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
     layer hooked and every earlier one already replaced, so each layer's H is that of the
     inputs it will see in the quantized model and only one H is held; it costs one calibration
     pass per layer (and an error part way leaves the layers coded so far replaced).
-    ``QLinear`` layers keep their codes and are not hooked.
+    ``QLinear`` layers keep their codes and are not hooked (one with
+    ``quantize_weights=False`` is converted as an ``nn.Linear`` is).
 
     Args:
       model: any module (not itself an ``nn.Linear``).
@@ -565,6 +594,7 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
     if isinstance(model, torch.nn.Linear):
         raise ValueError("quantize_model: replaces layers inside a model, and the model is "
                          "itself an nn.Linear: use QuantizedLinear.from_linear(model, config)")
+    check_layer_implementation(implementation, "quantize_model")  # before any work
     if calibration is not None and not callable(calibration):
         raise TypeError(f"quantize_model: calibration must be None or a callable run(model) "
                         f"that runs the model on calibration data, got "
@@ -609,7 +639,8 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
     firsts = {}  # id(layer) -> (first name, layer), in order
     for name, _, _, child in chosen:
         firsts.setdefault(id(child), (name, child))
-    fresh = {k: v for k, v in firsts.items() if not isinstance(v[1], CodesLayer)}
+    # layers to code from their float weight (a QLinear that never coded its own too)
+    fresh = {k: v for k, v in firsts.items() if not _holds_codes(v[1])}
     hessians = {}
     if calibration is not None and fresh and not sequential:
         hessians = _collect_hessians(model, {k: n for k, (n, _) in fresh.items()},
@@ -652,7 +683,7 @@ def quantize_model(model: torch.nn.Module, config: HNLQConfig, filter_fn=None, *
 
 
 def load_quantized(model: torch.nn.Module, state_dict: dict, *, implementation=None,
-                   strict: bool = True) -> torch.nn.Module:
+                   strict: bool = True, assign: bool = False) -> torch.nn.Module:
     """Restores a quantized model from its state dict into the float architecture, encoding
     nothing.
 
@@ -674,15 +705,21 @@ def load_quantized(model: torch.nn.Module, state_dict: dict, *, implementation=N
         ``weights_only=True`` reads it: the extra state is plain data).
       implementation: the layers' :func:`hnlq_jax.matmul` implementation (``None``: default).
       strict: as ``nn.Module.load_state_dict``.
+      assign: as ``nn.Module.load_state_dict``: the state dict's tensors become the model's
+        (a model built on the ``meta`` device, whose tensors cannot be copied into, takes
+        ``assign=True``).
 
     Returns:
-      ``model``, with the quantized layers in place.
+      ``model``, with the quantized layers in place (a layer shared by several parents, or
+      held under several names, stays one layer).
 
     Raises:
       ValueError: codes saved for a module that is missing or not an ``nn.Linear`` of the
         saved shape, a corrupted or foreign header, or codes out of range (naming the layer);
         torch's errors for missing or unexpected keys when ``strict``.
     """
+    check_layer_implementation(implementation, "load_quantized")
+    built = {}  # id(float layer) -> its QuantizedLinear
     _split_attentions(model, lambda name, attention, split: any(
         key.startswith(f"{name}.{p}.") for key in state_dict for p in _PROJECTIONS[:3]))
     for key, state in state_dict.items():
@@ -700,9 +737,10 @@ def load_quantized(model: torch.nn.Module, state_dict: dict, *, implementation=N
             raise ValueError(f"{where}: the state dict holds codes for it, but the model has "
                              "no such module; build the model the state dict was saved "
                              "from") from None
-        if isinstance(module, QuantizedLinear) or (isinstance(module, CodesLayer)
-                                                   and f"{name}.weight" in state_dict):
-            continue  # a layer of the saved kind (a QLinear saved as one): it loads itself
+        if isinstance(module, QuantizedLinear) or f"{name}.weight" in state_dict:
+            # a layer of the saved kind (a QLinear saved as one) loads itself; a float weight
+            # is a QLinear's (maybe one that never coded it): not a QuantizedLinear's
+            continue
         config = read_saved_header(state, where)
         index, scale = state_dict.get(name + ".index"), state_dict.get(name + ".scale")
         if not isinstance(index, torch.Tensor) or not isinstance(scale, torch.Tensor):
@@ -715,6 +753,10 @@ def load_quantized(model: torch.nn.Module, state_dict: dict, *, implementation=N
                              + (f" [{module.out_features}, {module.in_features}]"
                                 if isinstance(module, torch.nn.Linear) else "")
                              + "; build the model the state dict was saved from")
+        if id(module) in built:  # the same layer under another name
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, built[id(module)])
+            continue
         rotation = state.get("rotation")
         layer = QuantizedLinear(
             module.in_features, module.out_features, config, module.bias is not None,
@@ -722,6 +764,7 @@ def load_quantized(model: torch.nn.Module, state_dict: dict, *, implementation=N
             rotation=None if rotation is None else Rotation.from_dict(rotation))
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer.train(module.training))
-    model.load_state_dict(state_dict, strict=strict)
+        built[id(module)] = layer
+    model.load_state_dict(state_dict, strict=strict, assign=assign)
     return model
 

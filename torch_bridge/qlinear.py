@@ -114,7 +114,8 @@ class QLinear(CodesLayer, torch.nn.Linear):
     def quantize_weights(self, on: bool):
         turned_on = on and getattr(self, "_quantize_weights", None) is False
         self._quantize_weights = bool(on)
-        if turned_on and "tfield" in self._buffers:  # (not while the constructor runs)
+        # (not while the constructor runs; on the meta device there is nothing to code)
+        if turned_on and "tfield" in self._buffers and self.weight.device.type != "meta":
             if not has_codes(self.tfield):
                 self.calibrate_beta()
             self.refresh_codes()

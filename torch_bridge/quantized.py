@@ -94,8 +94,9 @@ def check_layer_implementation(implementation, fn: str):
 def has_codes(tfield: torch.Tensor) -> bool:
     """Whether a layer's T field holds codes that were set: a layer registers it as zeros
     (every block failed, decoding to NaN), which no encoding of a weight gives (encoding
-    refuses such blocks)."""
-    return bool(tfield.any())
+    refuses such blocks). On the meta device, which holds no values (nothing to code
+    there), ``True``."""
+    return tfield.device.type == "meta" or bool(tfield.any())
 
 
 class CodesLayer:

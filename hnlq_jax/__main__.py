@@ -155,7 +155,7 @@ def _count(text: str) -> int:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number such as 1000 or 1e6, got {text!r}")
-    if not (v >= 1 and v == int(v)):
+    if not (math.isfinite(v) and v >= 1 and v == int(v)):
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     if v > MAX_COUNT:
         raise argparse.ArgumentTypeError(f"expected at most {MAX_COUNT:.3g} (2^31 - 1), got "
@@ -174,6 +174,8 @@ def _output(force: bool, suffixes: tuple = ()):
                 f"{text!r}: expected a file name ending in {' or '.join(suffixes)}")
         if not path.parent.is_dir():
             raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} does not exist")
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file")
         if path.exists() and not force:
             raise argparse.ArgumentTypeError(f"{text!r} exists; pass --force to overwrite it")
         return path
@@ -183,8 +185,11 @@ def _output(force: bool, suffixes: tuple = ()):
 def _write_atomic(path: pathlib.Path, write) -> None:
     """``write(tmp_path)`` then an atomic rename onto ``path`` (no half-written file)."""
     tmp = path.with_name(f".tmp-{path.name}")  # keeps the suffix (matplotlib reads it)
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # (gone after the rename; a failed write leaves none)
 
 
 COMMANDS = ("demo", "rd", "info")

@@ -332,15 +332,19 @@ def scale_tables(config: HNLQConfig, beta, dtype):
 
 
 def norm_unit(thresholds):
-    """``2^-k`` with ``2^k`` the power of two of the largest threshold (traceable).
+    """``2^-k`` with ``2^k`` the power of two of the largest finite threshold (traceable).
 
     The lower bound on T compares block norms with the thresholds after multiplying both by
-    it: exact, and every norm up to the largest threshold then squares within float range
-    (float32 squares of the data as it is overflow from about 1.8e19, which would mark blocks
-    that fit as failed). A larger norm is beyond every threshold anyway, and a square that
-    underflows only lowers the bound.
+    it: exact, and every norm up to the largest finite threshold then squares within float
+    range (float32 squares of the data as it is overflow from about 1.8e19, which would mark
+    blocks that fit as failed). A larger norm is beyond every finite threshold anyway, and a
+    square that underflows only lowers the bound. Thresholds that overflow (a large
+    ``alpha max_T``) are left out: with the infinite last one as the unit, norms beyond
+    1.8e19 overflowed and started the search past every finite threshold (a T far above the
+    smallest that fits, decoding to about 0).
     """
-    return jnp.ldexp(jnp.ones((), thresholds.dtype), -jnp.frexp(thresholds[-1])[1])
+    top = jnp.max(jnp.where(jnp.isfinite(thresholds), thresholds, 0))
+    return jnp.ldexp(jnp.ones((), thresholds.dtype), -jnp.frexp(top)[1])
 
 
 def encode_blocks(x, config: HNLQConfig, beta):

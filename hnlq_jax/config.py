@@ -34,7 +34,8 @@ class HNLQConfig:
       q: nesting ratio, an integer >= 2 (labels are in ``0..q-1``; at most 256 for uint8).
       M: number of levels, >= 1; rate ``M log2 q`` bits/dim (plus ``H(T)/d``).
       beta: scale; the encoder quantizes ``x / beta`` (see :func:`hnlq_jax.calibrate_beta`).
-      alpha: overload step: block ``k`` is encoded at ``beta * 2**(alpha * T_k)``.
+      alpha: overload step: block ``k`` is encoded at ``beta * 2**(alpha * T_k)``
+        (``alpha * max_T`` below 1024).
       max_T: largest rescaling step tried (inclusive). ``0`` turns the overload loop off: an
         overloaded block is then marked ``T = -1`` rather than rescaled. Up to 14 a block's T
         takes 4 bits in :class:`~hnlq_jax.Codes`; above, 8 bits (``docs/format.md``).
@@ -93,6 +94,10 @@ class HNLQConfig:
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"HNLQConfig.{name} must be finite and > 0, got {v}")
             object.__setattr__(self, name, float(v))
+        if self.alpha * self.max_T >= 1024:  # the largest step's 2^(alpha T) leaves float64
+            raise ValueError(f"HNLQConfig: alpha * max_T = {self.alpha * self.max_T:g} must be "
+                             "below 1024 (the overload scale 2^(alpha T) is computed in "
+                             "float64); lower alpha or max_T")
         if self.dither is not None:
             z = np.asarray(self.dither, dtype=np.float64)
             if z.shape != (lat.d,):

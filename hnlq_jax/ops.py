@@ -17,13 +17,14 @@ decoded weights).
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import codec, kernels, lut
-from hnlq_jax.buckets import row_bucket, run_rows
+from hnlq_jax.buckets import run_rows
 from hnlq_jax._numerics import saturating_cast, straight_through, wide_dtype
 from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes, is_concrete,
                             pack_t, row_length, unpack_t)
@@ -64,7 +65,9 @@ def default_implementation(op: str, config: HNLQConfig, *arrays) -> str:
         raise ValueError(f"default_implementation: op must be one of {tuple(IMPLEMENTATIONS)}, "
                          f"got {op!r}")
     where = kernels.platform(*arrays)
-    wide = any(getattr(a, "dtype", None) == jnp.float64 for a in jax.tree.leaves(arrays))
+    # (canonical: a NumPy float64 x is computed in float32 with x64 off)
+    wide = any(hasattr(a, "dtype") and jax.dtypes.canonicalize_dtype(a.dtype) == jnp.float64
+               for a in jax.tree.leaves(arrays))
     if (op in ("matmul", "decode") and where == "cpu" and not wide
             and not kernels.cpu.unsupported(config)):
         return "native"  # float32: float64 activations take XLA
@@ -215,7 +218,8 @@ def _encode(x, config: HNLQConfig, impl: str, interpret) -> Codes:
 
 
 def _out_dtype(dtype, fn: str):
-    dtype = jnp.dtype(codec.default_float() if dtype is None else dtype)
+    # canonical: float64 is float32 with x64 off, as every JAX array of it
+    dtype = jax.dtypes.canonicalize_dtype(codec.default_float() if dtype is None else dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{fn}: dtype must be floating, got {dtype}")
     return dtype
@@ -246,7 +250,8 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
     """
     check_codes(codes, "decode")
     config = codes.config
-    if levels is not None and not (isinstance(levels, int) and not isinstance(levels, bool)
+    if levels is not None and not (isinstance(levels, numbers.Integral)
+                                   and not isinstance(levels, (bool, np.bool_))
                                    and 1 <= levels <= config.M):
         raise ValueError(f"decode: levels must be an int in 1..M={config.M}, got {levels!r}")
     dtype = _out_dtype(dtype, "decode")
@@ -494,7 +499,7 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
     codes = check_weight_codes(codes, "matmul")
     x = check_activations(x, codes, "matmul")
     impl = resolve(implementation, codes.config, "matmul", x, codes)
-    if impl == "native" and x.dtype == jnp.float64:
+    if impl == "native" and jax.dtypes.canonicalize_dtype(x.dtype) == jnp.float64:
         raise ValueError("matmul: the native kernel computes in float32; use "
                          "implementation='xla' for float64 activations")
     if impl == "lut":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -109,6 +110,12 @@ def _top_exponent(x):
     return jnp.frexp(jnp.where(top > 0, top, 1))[1]
 
 
+def _searched(config: HNLQConfig) -> HNLQConfig:
+    """The config a search compiles for: its beta, which the search replaces, at 1 (one
+    program, and one cached :func:`gaussian_beta`, for every beta)."""
+    return config.replace(beta=1.0)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _beta_grid(x, config, betas):
     """Per beta: ``(mse, counts)``, the MSE in units of ``4^e`` (``e``, returned second; NaN
@@ -180,7 +187,7 @@ def calibrate_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40,
             raise ValueError("calibrate_beta: x is all zero, so its RMS gives the grid no "
                              "scale; pass scale=1.0 (zeros are coded exactly at any beta)")
     betas = scale * grid
-    (mse, counts), e = _beta_grid(x, config, jnp.asarray(betas, x.dtype))
+    (mse, counts), e = _beta_grid(x, _searched(config), jnp.asarray(betas, x.dtype))
     counts = np.asarray(counts, np.int64)
     # The criterion on the host in float64 from the MSE and the exact counts, alike on every
     # backend; the MSE back in the data's units (exact: a power of two).
@@ -205,7 +212,8 @@ def _grid_args(x, config, criterion, num, step, scale, fn: str):
     unit scale and the scale (``"rms"`` or a float)."""
     if criterion not in ("f", "mse"):
         raise ValueError(f"{fn}: criterion must be 'f' or 'mse', got {criterion!r}")
-    if not (isinstance(num, int) and num >= 1 and math.isfinite(step) and step > 0):
+    if not (isinstance(num, numbers.Integral) and not isinstance(num, (bool, np.bool_))
+            and num >= 1 and math.isfinite(step) and step > 0):
         raise ValueError(f"{fn}: need num >= 1 and step > 0, got {num}, {step}")
     if not (isinstance(scale, str) and scale == "rms"):
         try:  # a Python, NumPy or concrete JAX real scalar
@@ -247,7 +255,7 @@ def search_beta(x, config: HNLQConfig, criterion: str = "f", num: int = 40, step
         rms = jnp.ldexp(sqrt(mean_square(jnp.ldexp(x, -e).reshape(-1))), e)
         scale = jnp.where(rms > 0, rms, 1)
     betas = scale * jnp.asarray(grid, x.dtype)
-    (mse, counts), _ = _beta_grid(x, config, betas)
+    (mse, counts), _ = _beta_grid(x, _searched(config), betas)
     # The device's log2 and exp2 in f (a GPU's are approximate): unlike calibrate_beta's, a
     # choice between betas whose criteria agree to about 10^-7 may differ between backends.
     key = jnp.where(counts[:, 0] > 0, jnp.inf, mse)
@@ -267,7 +275,7 @@ def gaussian_beta(config: HNLQConfig) -> float:
     """
     config = check_config(config, "gaussian_beta")
     try:
-        return _gaussian_beta(config)
+        return _gaussian_beta(_searched(config))
     except ValueError as e:  # calibrate_beta's advice (its scale and grid) is not ours to give
         raise ValueError(f"gaussian_beta: no beta of the paper's grid encodes all 4000 Gaussian "
                          f"samples with {config.lattice} q={config.q} M={config.M} within max_T "

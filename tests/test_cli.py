@@ -15,6 +15,7 @@ from hnlq_jax import __main__ as cli
 from hnlq_jax.__main__ import main
 
 ROOT = pathlib.Path(__file__).parent.parent
+HERE = str(ROOT / "tests")  # a folder that exists
 
 
 def test_info(capsys):
@@ -78,6 +79,8 @@ def test_demo_small(capsys):
     (["--n", "0.5"], "expected a whole number >= 1, got '0.5'"),
     (["demo", "--n", "many"], "expected a number such as 1000 or 1e6, got 'many'"),
     (["demo", "--n", "1e30"], "expected at most 2.15e+09 (2^31 - 1), got '1e30'"),
+    (["demo", "--n", "inf"], "expected a whole number >= 1, got 'inf'"),  # (an OverflowError)
+    (["rd", "--json", HERE, "--force"], f"{HERE!r} is a folder; name a file"),
 ])
 def test_demo_bad_arguments(capsys, argv, message):
     """Usage errors of the command that was run (its usage line, not the top-level one)."""
@@ -119,3 +122,17 @@ def test_out_of_memory_is_a_usage_error(capsys, monkeypatch):
         main(["demo", "--n", "2e9"])
     assert e.value.code == 2
     assert "not enough memory for --n 2000000000: try a smaller --n" in capsys.readouterr().err
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    """The output is written to a temporary file renamed onto the path: a write that fails
+    leaves neither (a stray .tmp-<name> was left)."""
+    def fail(tmp):
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        cli._write_atomic(tmp_path / "out.json", fail)
+    assert list(tmp_path.iterdir()) == []
+    cli._write_atomic(tmp_path / "out.json", lambda t: t.write_text("{}"))
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]

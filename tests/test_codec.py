@@ -1,6 +1,7 @@
 """The codec against the golden vectors, the identities of docs/math.md, and bad input."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -344,6 +345,20 @@ def test_quantize_dtypes():
     assert hq.decode(hq.encode(x, cfg), dtype=jnp.float16).dtype == jnp.float16
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_decode_to_float64_without_x64_is_float32(impl):
+    """dtype=float64 with x64 off is float32, as every JAX array of it (Pallas failed inside
+    its kernel; XLA warned eight times)."""
+    assert not jax.config.jax_enable_x64
+    codes = hq.encode(np.random.default_rng(2).normal(size=(9, 4)).astype(np.float32),
+                      hq.HNLQConfig("D4", 4, 2, beta=0.2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = hq.decode(codes, dtype=jnp.float64, implementation=impl)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, hq.decode(codes, implementation=impl))
+
+
 def test_half_precision_output_saturates():
     # float16 inputs up to its maximum: a block there can decode just beyond 65504, which a
     # plain cast turns into Inf; the output saturates instead, eagerly and under jit.
@@ -429,6 +444,21 @@ def test_minimal_T_exactly_max_T(max_T):
         hq.encode(pick, cfg.replace(max_T=max_T - 1), failures="mark").T, -1)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_minimal_T_where_the_thresholds_overflow(impl):
+    """With alpha = 1, max_T = 127 the largest thresholds overflow float32: blocks of 2^64
+    times unit data took T = 126 (decoding to about 0) for the minimal T + 64, as the
+    thresholds' unit was taken from the infinite last one and the norms overflowed. With
+    alpha = 1 a power of two shifts T exactly and keeps the index (where T > 0 before)."""
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2, alpha=1.0, max_T=127)
+    x = np.random.default_rng(8).normal(size=(64, 4)).astype(np.float32) * np.float32(2.0**8)
+    small = hq.encode(x, cfg, implementation=impl)
+    big = hq.encode(x * np.float32(2.0**56), cfg, implementation=impl)
+    assert np.all(np.asarray(small.T) > 0)
+    np.testing.assert_array_equal(np.asarray(big.T), np.asarray(small.T) + 56)
+    np.testing.assert_array_equal(big.index, small.index)
+
+
 @pytest.mark.parametrize(
     "kw,err,msg",
     [
@@ -444,6 +474,7 @@ def test_minimal_T_exactly_max_T(max_T):
         (dict(lattice="E7"), ValueError, "unknown lattice"),
         (dict(max_T=-1), ValueError, "max_T must be in 0..127"),
         (dict(max_T=200), ValueError, "max_T must be in 0..127"),
+        (dict(alpha=10.0, max_T=127), ValueError, "alpha \\* max_T = 1270 must be below 1024"),
         (dict(q=256, M=3), ValueError, "exceeds 2\\*\\*20"),
         (dict(lattice="E8", q=32, M=1), ValueError, "exceed 2\\*\\*32"),
         (dict(dither=(0.1, 0.2)), ValueError, "length d=4"),
@@ -492,6 +523,10 @@ def test_decode_bad_input():
         hq.decode(hq.Codes(codes.index, codes.tfield.at[0].set(0x70), cfg.replace(max_T=5)))
     with pytest.raises(ValueError, match="levels must be"):
         hq.decode(codes, levels=3)
+    with pytest.raises(ValueError, match="levels must be"):
+        hq.decode(codes, levels=np.bool_(True))
+    np.testing.assert_array_equal(hq.decode(codes, levels=np.int64(1)),
+                                  hq.decode(codes, levels=1))
     with pytest.raises(TypeError, match="hnlq_jax.Codes"):
         hq.decode((codes.labels, codes.T))
     with pytest.raises(TypeError, match="decode"):

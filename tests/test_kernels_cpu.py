@@ -255,6 +255,11 @@ def test_default_dispatch_and_clear_refusals():
         with pytest.raises(ValueError, match="float64"):
             hq.matmul(x.astype(np.float64), codes, implementation="native")
         assert hq.matmul(x.astype(np.float64), codes).dtype == jnp.float64  # None: XLA
+    # with x64 off a NumPy float64 x is computed in float32, natively (it took XLA, 16x slower)
+    x64 = x.astype(np.float64)
+    assert ops.default_implementation("matmul", codes.config, x64, codes) == "native"
+    np.testing.assert_array_equal(hq.matmul(x64, codes, implementation="native"),
+                                  hq.matmul(x, codes))
 
 
 def test_grad_and_vmap():

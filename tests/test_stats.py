@@ -159,6 +159,11 @@ def test_calibrate_beta_bad_input():
         hq.calibrate_beta(x, cfg, criterion="snr")
     with pytest.raises(ValueError, match="num >= 1"):
         hq.calibrate_beta(x, cfg, num=0)
+    with pytest.raises(ValueError, match="num >= 1"):
+        hq.calibrate_beta(x, cfg, num=True)
+    ones = np.ones((10, 4), np.float32)
+    assert hq.calibrate_beta(ones, cfg, num=np.int64(3))[0] == \
+        hq.calibrate_beta(ones, cfg, num=3)[0]
     with pytest.raises(ValueError, match="d=4"):
         hq.calibrate_beta(np.zeros((10, 3), np.float32), cfg)
     with pytest.raises(ValueError, match="no block"):
@@ -209,3 +214,17 @@ def test_search_beta_rms_is_exact():
     assert beta == float(jax.jit(lambda x: search_beta(x, cfg, num=8))(x))
     for k in (-70, 62):
         assert float(search_beta(x * 2.0**k, cfg, num=8)) == beta * 2.0**k
+
+
+def test_the_search_compiles_once_for_every_beta(compiles):
+    """The search ignores config.beta (it replaces it): configs that differ only there share
+    its compiled grid (each new beta compiled it anew, ~2 s) and gaussian_beta's cache."""
+    cfg = hq.HNLQConfig("E8", 2, 1)
+    x = np.random.default_rng(3).normal(size=(256, 8)).astype(np.float32)
+    first = hq.calibrate_beta(x, cfg, num=4)[0]
+    compiles.clear()
+    assert hq.calibrate_beta(x, cfg.replace(beta=0.37), num=4)[0] == first
+    assert "jit(_beta_grid)" not in compiles, compiles
+    g = hq.gaussian_beta(cfg.replace(beta=0.5))
+    compiles.clear()
+    assert hq.gaussian_beta(cfg.replace(beta=0.25)) == g and compiles == []

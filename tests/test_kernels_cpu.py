@@ -79,6 +79,25 @@ def test_a_row_does_not_depend_on_the_batch(name, isa):
         np.testing.assert_array_equal(np.asarray(native(x[:b], codes)), full[:b])
 
 
+@pytest.mark.parametrize("name", ["D4-q4-M2", "E8-q4-M2"])
+@pytest.mark.parametrize("batch", [2, 5])  # registers; the buffer (and D4's planes)
+def test_folded_sums_that_overflow_are_summed_unfolded(name, batch, isa):
+    """Folded sums are of x (c 2^(alpha T)) before the row's factor: with row scales ~1e-20
+    and x ~1e37 they overflowed to Inf where the reference's x w_hat are finite (~1e19): such
+    tiles are summed again unfolded. A failed block's NaN stays NaN."""
+    w = np.random.default_rng(1).standard_normal((6, 264)).astype(np.float32) * 1e-20
+    codes = hq.encode_rows(w, CONFIGS[name])
+    x = np.random.default_rng(2).standard_normal((batch, 264)).astype(np.float32) * 1e37
+    want = np.asarray(hq.matmul(x, codes, implementation="xla"))
+    got = np.asarray(hq.matmul(x, codes, implementation="native"))
+    assert np.all(np.isfinite(want)) and np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    failed = hq.Codes(codes.index, codes.tfield.at[2, 0].set(0), codes.config,
+                      scale=codes.scale, n=codes.n)
+    got = np.asarray(hq.matmul(x, failed, implementation="native"))
+    assert np.all(np.isnan(got[:, 2])) and np.all(np.isfinite(np.delete(got, 2, axis=1)))
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_decode_bit_for_bit(name, isa):
     """hq.decode's native kernel equals the XLA path exactly: row codes of a ragged row

@@ -526,3 +526,16 @@ def test_forward_mode_ad_is_refused_and_vmap_runs():
     codes = tb.encode_rows(torch.randn(48, 64), CFG)
     with fwad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
         tb.matmul(fwad.make_dual(x[0], torch.ones_like(x[0])), codes)
+
+
+@pytest.mark.parametrize("n, k", [(0, 16), (8, 0)])
+def test_matmul_of_an_empty_weight_is_zeros(n, k):
+    """As hq.matmul: an empty weight (or x) gives zeros of [..., n] at every batch (the
+    bridge's kernels refused the codes, or torch.cat an empty list, from 33 rows on)."""
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
+    codes = hq.encode_rows(np.zeros((n, k), np.float32), cfg)
+    for rows in (0, 1, 40, 200):
+        x = torch.ones(rows, k)
+        y = tb.matmul(x, tb.Codes.from_jax(codes))
+        assert y.shape == (rows, n) and torch.equal(y, torch.zeros(rows, n))
+        np.testing.assert_array_equal(y.numpy(), hq.matmul(x.numpy(), codes))

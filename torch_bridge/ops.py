@@ -314,7 +314,9 @@ def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> 
     if not rows.is_contiguous():
         rows = rows.contiguous()
     bf16 = x.dtype == torch.bfloat16
-    if row_bucket(rows.shape[0]) >= GEMM_ROWS:  # a slab of weight rows at a time
+    if rows.numel() == 0 or host.n == 0:  # as hq.matmul: zeros (the kernels need a weight)
+        y = torch.zeros(rows.shape[0], host.n)
+    elif row_bucket(rows.shape[0]) >= GEMM_ROWS:  # a slab of weight rows at a time
         slab = max(1, _SLAB_WEIGHTS // host.k)
         w = torch.empty(min(slab, host.n), host.k)
         parts = []

@@ -13,6 +13,8 @@
 //
 // Inputs: x f32[B, K] and the codes' arguments (decode_rows.h). Output y f32[B, N].
 
+#include <cmath>
+
 #include "decode_rows.h"
 
 namespace {
@@ -406,10 +408,10 @@ HNLQ_AVX512 void tile_product_avx512(const Problem& p, int64_t k0, int64_t len, 
 }
 #endif
 
-// One task: weight rows [r0, r0 + R) against every activation row.
+// One task's products, folded where p.fold says so (row_tile).
 template <typename Index, int D, int Isa>
-inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0, int64_t R,
-                                                     float* buf, float* acc) {
+inline __attribute__((always_inline)) void row_tile_once(const Problem& p, int64_t r0,
+                                                          int64_t R, float* buf, float* acc) {
   const int64_t d = D > 0 ? D : p.d;
   const int64_t blocks = kChunk / d;  // blocks per chunk; kChunk is a multiple of d
 #ifdef HNLQ_X86
@@ -468,6 +470,27 @@ inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t r = 0; r < R; ++r)
       p.y[b * p.N + r0 + r] = folded ? acc[b * R + r] * row_factor(p, r0 + r) : acc[b * R + r];
+}
+
+// One task: weight rows [r0, r0 + R) against every activation row. Folded sums are of
+// x * (c 2^(alpha T)), the row's factor beta * cart * row_scale applied after them: where they
+// overflow (activations near the float range against small row scales, whose products with
+// the decoded weights the reference keeps finite) the tile is computed again unfolded. A
+// non-finite result of the unfolded sums (a failed block's NaN, an Inf in x) is the same
+// either way: only the time of a second pass.
+template <typename Index, int D, int Isa>
+inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0, int64_t R,
+                                                     float* buf, float* acc) {
+  row_tile_once<Index, D, Isa>(p, r0, R, buf, acc);
+  if (!p.fold) return;
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t r = r0; r < r0 + R; ++r)
+      if (!std::isfinite(p.y[b * p.N + r])) {
+        Problem unfolded = p;
+        unfolded.fold = false;
+        row_tile_once<Index, D, Isa>(unfolded, r0, R, buf, acc);
+        return;
+      }
 }
 
 // One call's row tiles, claimed until none is left.

@@ -67,12 +67,15 @@ def test_decoded_weights_bit_for_bit(name, isa):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_a_row_does_not_depend_on_the_batch(name, isa):
+@pytest.mark.parametrize("k", [203, 1091])  # one chunk of the buffer, three
+def test_a_row_does_not_depend_on_the_batch(name, k, isa):
     """A row of x gives the same bits in a batch of up to 4 rows (decoded registers straight
-    into the sums) as in a larger one (through the buffer), for rows of up to 512 weights: both
-    paths fold the row's factors alike (or neither, with a dither)."""
-    codes = _weight(CONFIGS[name], 13, 203)
-    x = np.random.default_rng(4).standard_normal((9, 203)).astype(np.float32)
+    into the sums) as in a larger one (through the buffer, 512 weights at a time): both paths
+    fold the row's factors alike (or neither, with a dither) and sum in the same order, lane
+    sums over the whole registers of the row, then the ragged end (beyond 512 weights the
+    buffer path summed each chunk apart: the last bits differed)."""
+    codes = _weight(CONFIGS[name], 13, k)
+    x = np.random.default_rng(4).standard_normal((9, k)).astype(np.float32)
     native = jax.jit(lambda x, c: hq.matmul(x, c, implementation="native"))
     full = np.asarray(native(x, codes))
     for b in (1, 2, 4):

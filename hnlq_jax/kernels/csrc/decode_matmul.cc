@@ -293,118 +293,124 @@ inline __attribute__((always_inline)) void tile_product(const Problem& p, int64_
 }
 
 #ifdef HNLQ_X86
-// The same product with AVX2: 4 weight rows x 2 activation rows in registers.
+// The same products with AVX2 (W = 8 lanes) and AVX-512 (16): 4 weight rows x 2 activation
+// rows in registers. Each (activation row b, weight row r) keeps W lane sums across the
+// chunks, lanes[(b * R + r) * W + l], for the whole registers inside K; the ragged end is
+// added after the lanes' sum (finish_lanes), exactly as the register path (row_dot_avx2,
+// row_rest512) sums a row: so a row's result does not depend on the batch size at any K.
 
-__attribute__((target("avx2,fma"))) void tile_product_avx2(const Problem& p, int64_t k0,
-                                                            int64_t len, const float* w,
-                                                            int64_t ldw, int64_t R,
-                                                            float* acc) {
-  const int64_t len8 = len & ~int64_t{7};
-  int64_t b = 0;
-  for (; b < p.B; b += 2) {
-    const bool two = b + 1 < p.B;
-    const float* x0 = p.x + b * p.K + k0;
-    const float* x1 = two ? x0 + p.K : x0;
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) {
-      const float* w0 = w + r * ldw;
-      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-      __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-      for (int64_t k = 0; k < len8; k += 8) {
-        const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);
-        const __m256 c0 = _mm256_loadu_ps(w0 + k), c1 = _mm256_loadu_ps(w0 + ldw + k);
-        const __m256 c2 = _mm256_loadu_ps(w0 + 2 * ldw + k);
-        const __m256 c3 = _mm256_loadu_ps(w0 + 3 * ldw + k);
-        a00 = _mm256_fmadd_ps(v0, c0, a00); a01 = _mm256_fmadd_ps(v0, c1, a01);
-        a02 = _mm256_fmadd_ps(v0, c2, a02); a03 = _mm256_fmadd_ps(v0, c3, a03);
-        a10 = _mm256_fmadd_ps(v1, c0, a10); a11 = _mm256_fmadd_ps(v1, c1, a11);
-        a12 = _mm256_fmadd_ps(v1, c2, a12); a13 = _mm256_fmadd_ps(v1, c3, a13);
-      }
-      float t0[4] = {hsum(a00), hsum(a01), hsum(a02), hsum(a03)};
-      float t1[4] = {hsum(a10), hsum(a11), hsum(a12), hsum(a13)};
-      for (int64_t k = len8; k < len; ++k)
-        for (int i = 0; i < 4; ++i) {
-          t0[i] += x0[k] * w0[i * ldw + k];
-          t1[i] += x1[k] * w0[i * ldw + k];
-        }
-      for (int i = 0; i < 4; ++i) {
-        acc[b * R + r + i] += t0[i];
-        if (two) acc[(b + 1) * R + r + i] += t1[i];
-      }
-    }
-    for (; r < R; ++r) {  // the last rows of a ragged tile
-      const float* wr = w + r * ldw;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-      for (int64_t k = 0; k < len8; k += 8) {
-        const __m256 c = _mm256_loadu_ps(wr + k);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x0 + k), c, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x1 + k), c, a1);
-      }
-      float t0 = hsum(a0), t1 = hsum(a1);
-      for (int64_t k = len8; k < len; ++k) {
-        t0 += x0[k] * wr[k];
-        t1 += x1[k] * wr[k];
-      }
-      acc[b * R + r] += t0;
-      if (two) acc[(b + 1) * R + r] += t1;
-    }
+template <int W>
+struct Lanes;
+
+template <>
+struct Lanes<8> {
+  using V = __m256;
+  static __attribute__((target("avx2,fma"))) V load(const float* a) { return _mm256_loadu_ps(a); }
+  static __attribute__((target("avx2,fma"))) void store(float* a, V v) {
+    _mm256_storeu_ps(a, v);
   }
-}
-#endif
+  static __attribute__((target("avx2,fma"))) V fma(V a, V b, V c) {
+    return _mm256_fmadd_ps(a, b, c);
+  }
+  static __attribute__((target("avx2,fma"))) float sum(V v) { return hsum(v); }
+};
 
-#ifdef HNLQ_X86
-HNLQ_AVX512 void tile_product_avx512(const Problem& p, int64_t k0, int64_t len, const float* w,
-                                     int64_t ldw, int64_t R, float* acc) {
-  const int64_t len16 = len & ~int64_t{15};
+template <>
+struct Lanes<16> {
+  using V = __m512;
+  static HNLQ_AVX512 V load(const float* a) { return _mm512_loadu_ps(a); }
+  static HNLQ_AVX512 void store(float* a, V v) { _mm512_storeu_ps(a, v); }
+  static HNLQ_AVX512 V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static HNLQ_AVX512 float sum(V v) { return hsum512(v); }
+};
+
+// lanes += the chunk's products (k < len, whole registers only).
+template <int W>
+inline __attribute__((always_inline)) void tile_lanes(const Problem& p, int64_t k0,
+                                                       int64_t len, const float* w,
+                                                       int64_t ldw, int64_t R, float* lanes) {
+  using L = Lanes<W>;
+  const int64_t whole = len / W * W;
   for (int64_t b = 0; b < p.B; b += 2) {
     const bool two = b + 1 < p.B;
     const float* x0 = p.x + b * p.K + k0;
     const float* x1 = two ? x0 + p.K : x0;
+    float* l0 = lanes + b * R * W;
+    float* l1 = two ? l0 + R * W : l0;  // (one row: read twice, stored once)
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) {
       const float* w0 = w + r * ldw;
-      __m512 a0[4], a1[4];
-      for (int i = 0; i < 4; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < len16; k += 16) {
-        const __m512 v0 = _mm512_loadu_ps(x0 + k), v1 = _mm512_loadu_ps(x1 + k);
+      typename L::V a0[4], a1[4];
+      for (int i = 0; i < 4; ++i) {
+        a0[i] = L::load(l0 + (r + i) * W);
+        a1[i] = L::load(l1 + (r + i) * W);
+      }
+      for (int64_t k = 0; k < whole; k += W) {
+        const typename L::V v0 = L::load(x0 + k), v1 = L::load(x1 + k);
         for (int i = 0; i < 4; ++i) {
-          const __m512 c = _mm512_loadu_ps(w0 + i * ldw + k);
-          a0[i] = _mm512_fmadd_ps(v0, c, a0[i]);
-          a1[i] = _mm512_fmadd_ps(v1, c, a1[i]);
+          const typename L::V c = L::load(w0 + i * ldw + k);
+          a0[i] = L::fma(v0, c, a0[i]);
+          a1[i] = L::fma(v1, c, a1[i]);
         }
       }
-      float t0[4], t1[4];
       for (int i = 0; i < 4; ++i) {
-        t0[i] = hsum512(a0[i]);
-        t1[i] = hsum512(a1[i]);
-      }
-      for (int64_t k = len16; k < len; ++k)
-        for (int i = 0; i < 4; ++i) {
-          t0[i] += x0[k] * w0[i * ldw + k];
-          t1[i] += x1[k] * w0[i * ldw + k];
-        }
-      for (int i = 0; i < 4; ++i) {
-        acc[b * R + r + i] += t0[i];
-        if (two) acc[(b + 1) * R + r + i] += t1[i];
+        if (two) L::store(l1 + (r + i) * W, a1[i]);
+        L::store(l0 + (r + i) * W, a0[i]);
       }
     }
     for (; r < R; ++r) {  // the last rows of a ragged tile
       const float* wr = w + r * ldw;
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-      for (int64_t k = 0; k < len16; k += 16) {
-        const __m512 c = _mm512_loadu_ps(wr + k);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x0 + k), c, a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x1 + k), c, a1);
+      typename L::V a0 = L::load(l0 + r * W), a1 = L::load(l1 + r * W);
+      for (int64_t k = 0; k < whole; k += W) {
+        const typename L::V c = L::load(wr + k);
+        a0 = L::fma(L::load(x0 + k), c, a0);
+        a1 = L::fma(L::load(x1 + k), c, a1);
       }
-      float t0 = hsum512(a0), t1 = hsum512(a1);
-      for (int64_t k = len16; k < len; ++k) {
-        t0 += x0[k] * wr[k];
-        t1 += x1[k] * wr[k];
-      }
-      acc[b * R + r] += t0;
-      if (two) acc[(b + 1) * R + r] += t1;
+      if (two) L::store(l1 + r * W, a1);
+      L::store(l0 + r * W, a0);
     }
   }
+}
+
+__attribute__((target("avx2,fma"))) void tile_product_avx2(const Problem& p, int64_t k0,
+                                                            int64_t len, const float* w,
+                                                            int64_t ldw, int64_t R,
+                                                            float* lanes) {
+  tile_lanes<8>(p, k0, len, w, ldw, R, lanes);
+}
+
+HNLQ_AVX512 void tile_product_avx512(const Problem& p, int64_t k0, int64_t len, const float* w,
+                                     int64_t ldw, int64_t R, float* lanes) {
+  tile_lanes<16>(p, k0, len, w, ldw, R, lanes);
+}
+
+// y of the tile's rows: each lane sum's total, then the ragged end of K in order (its decoded
+// weights w[r * ldw + k - k_last], the last chunk's, starting at K's weight k_last), times the
+// row's factor where folded: the register path's order and operations.
+template <int W>
+inline __attribute__((always_inline)) void finish_lanes(const Problem& p, int64_t r0,
+                                                         int64_t R, const float* lanes,
+                                                         const float* w, int64_t ldw,
+                                                         int64_t k_last) {
+  const int64_t whole = p.K / W * W;
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t r = 0; r < R; ++r) {
+      float t = Lanes<W>::sum(Lanes<W>::load(lanes + (b * R + r) * W));
+      for (int64_t k = whole; k < p.K; ++k) t += p.x[b * p.K + k] * w[r * ldw + k - k_last];
+      p.y[b * p.N + r0 + r] = p.fold ? t * row_factor(p, r0 + r) : t;
+    }
+}
+
+__attribute__((target("avx2,fma"))) void tile_sums_avx2(const Problem& p, int64_t r0,
+                                                         int64_t R, const float* lanes,
+                                                         const float* w, int64_t ldw,
+                                                         int64_t k_last) {
+  finish_lanes<8>(p, r0, R, lanes, w, ldw, k_last);
+}
+
+HNLQ_AVX512 void tile_sums_avx512(const Problem& p, int64_t r0, int64_t R, const float* lanes,
+                                  const float* w, int64_t ldw, int64_t k_last) {
+  finish_lanes<16>(p, r0, R, lanes, w, ldw, k_last);
 }
 #endif
 
@@ -433,11 +439,16 @@ inline __attribute__((always_inline)) void row_tile_once(const Problem& p, int64
     }
   }
 #endif
-  std::fill(acc, acc + p.B * R, 0.0f);
+  // acc: the sums of the portable loop (B x R), or the lane sums of AVX2 / AVX-512 (B x R x
+  // 16 at most; tile_lanes)
+  constexpr int64_t kLanes = Isa >= kAvx512 ? 16 : Isa >= kAvx2 ? 8 : 1;
+  std::fill(acc, acc + p.B * R * kLanes, 0.0f);
+  int64_t k_last = 0;  // the first weight of the last chunk, whose decoded weights buf holds
   for (int64_t j0 = 0; j0 < p.nb; j0 += blocks) {
     const int64_t j1 = std::min(p.nb, j0 + blocks);
     const int64_t k0 = j0 * d, len = std::min(p.K, j1 * d) - k0;
     if (len <= 0) break;
+    k_last = k0;
 #ifdef HNLQ_X86
     if constexpr (Isa >= kAvx2) {  // the same decoded bits on both levels, summed as row_dot's
       for (int64_t r = 0; r < R; ++r) {
@@ -463,13 +474,19 @@ inline __attribute__((always_inline)) void row_tile_once(const Problem& p, int64
     for (int64_t r = 0; r < R; ++r) decode_row<Index, D>(p, r0 + r, j0, j1, buf + r * kChunk);
     tile_product(p, k0, len, buf, kChunk, R, acc);
   }
+#ifdef HNLQ_X86
   // With AVX2 or AVX-512 the sums of folded codes are of x * (c * 2^(alpha T)), as on the
-  // register path (a row's result then does not depend on the batch size, up to kChunk weights
-  // a row).
-  const bool folded = Isa >= kAvx2 && p.fold;
+  // register path, and summed in its order: a row's result does not depend on the batch size.
+  if constexpr (Isa >= kAvx512) {
+    tile_sums_avx512(p, r0, R, acc, buf, kChunk, k_last);
+    return;
+  } else if constexpr (Isa >= kAvx2) {
+    tile_sums_avx2(p, r0, R, acc, buf, kChunk, k_last);
+    return;
+  }
+#endif
   for (int64_t b = 0; b < p.B; ++b)
-    for (int64_t r = 0; r < R; ++r)
-      p.y[b * p.N + r0 + r] = folded ? acc[b * R + r] * row_factor(p, r0 + r) : acc[b * R + r];
+    for (int64_t r = 0; r < R; ++r) p.y[b * p.N + r0 + r] = acc[b * R + r];
 }
 
 // One task: weight rows [r0, r0 + R) against every activation row. Folded sums are of
@@ -498,10 +515,8 @@ template <typename Index, int D, int Isa>
 struct Product {
   static void run(Shared& call) {
     const Problem& p = call.p;
-    // acc: the buffer path's sums (B x kRowTile floats), or tile_planes' (B x kRowTile
-    // registers)
-    std::vector<float> buf(kRowTile * kChunk),
-        acc(p.B * kRowTile * (planes_apply(p, call.isa) ? 16 : 1));
+    // acc: the sums of a tile (row_tile_once, tile_planes): B x kRowTile x 16 floats at most
+    std::vector<float> buf(kRowTile * kChunk), acc(p.B * kRowTile * 16);
     for (int64_t t; (t = call.next.fetch_add(1)) < call.tiles;) {
       const int64_t r0 = t * kRowTile;
       row_tile<Index, D, Isa>(p, r0, std::min(kRowTile, p.N - r0), buf.data(), acc.data());

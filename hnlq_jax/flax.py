@@ -18,8 +18,8 @@ Activations, normalized per token to unit RMS, use :func:`~hnlq_jax.gaussian_bet
 ``calibrate=False`` both use ``config.beta``.
 
 **Forward and backward.** The forward pass is :func:`hnlq_jax.matmul` on the codes
-(``compute="decode"``: its default implementation, XLA decode-then-dot on a CPU, the fused
-Pallas decode-matmul on a GPU; ``"kernel"``: the Pallas kernel everywhere; ``"lut"``: x's
+(``compute="decode"``: its default implementation, the native kernel on a CPU where it is
+built (else XLA decode-then-dot), the fused Pallas kernels on a GPU; ``"kernel"``: the Pallas kernel everywhere; ``"lut"``: x's
 one-sided lookup tables gathered by the codes). The backward pass is straight-through
 (:func:`hnlq_jax._numerics.straight_through`), as for ``x @ W_hat``:
 

@@ -634,3 +634,21 @@ def test_qlinear_builds_on_the_meta_device():
     empty = QLinear(30, 16, CFG, device="meta").to_empty(device="cpu")
     empty.load_state_dict(saved.state_dict())
     assert torch.equal(empty.eval()(x), saved(x))
+
+
+def test_a_refresh_that_overloads_names_the_layers_remedies():
+    """An outlier grown past the stored beta's reach: the error names the stored beta and the
+    layer's remedies (it said "raise config.beta", which a calibrated layer ignores), the
+    codes stay as they were, and calibrate_beta() then refreshes."""
+    layer = QLinear(4096, 2, CFG)
+    before = layer.index.clone()
+    with torch.no_grad():
+        layer.weight[1, 5] = 150 * layer.weight[1].std()  # ~60x its row's RMS
+    with pytest.raises(ValueError, match=r"QLinear.refresh_codes: 1 block\(s\) still overload "
+                                         r"at max_T = 14 \(the first at block \[1, 1\]\).*stored "
+                                         r"beta = 0\.\d+; call layer.calibrate_beta\(\)"):
+        layer.refresh_codes()
+    assert torch.equal(layer.index, before)
+    layer.calibrate_beta()
+    layer.refresh_codes()
+    assert bool((layer.codes().T >= 0).all())

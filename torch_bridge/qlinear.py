@@ -178,8 +178,18 @@ class QLinear(CodesLayer, torch.nn.Linear):
           ValueError: a weight entry has grown too far above its row's RMS for the stored
             beta (call :meth:`calibrate_beta` first, or raise ``max_T``).
         """
-        self.set_codes(encode_rows(self.weight.detach(), self.config, beta=self.beta,
-                                   implementation=self.implementation))
+        codes = encode_rows(self.weight.detach(), self.config, beta=self.beta,
+                            implementation=self.implementation, failures="mark")
+        failed = codes.T < 0
+        if bool(failed.any()):  # the layer's remedies: its beta is the stored one
+            first = [int(i) for i in torch.nonzero(failed)[0]]
+            raise ValueError(
+                f"QLinear.refresh_codes: {int(failed.sum())} block(s) still overload at max_T = "
+                f"{self.config.max_T} (the first at block {first}): an entry of the weight has "
+                f"grown far above its row's RMS for the stored beta = {float(self.beta):.4g}; "
+                "call layer.calibrate_beta() (a beta for the weight as it is now), raise "
+                "config.max_T, or clip the weight's outliers")
+        self.set_codes(codes)
         if self.quantize_every != 1:
             self.error.copy_(decode(self.codes(), dtype=self.weight.dtype) - self.weight)
 

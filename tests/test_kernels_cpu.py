@@ -99,6 +99,13 @@ def test_folded_sums_that_overflow_are_summed_unfolded(name, batch, isa):
                       scale=codes.scale, n=codes.n)
     got = np.asarray(hq.matmul(x, failed, implementation="native"))
     assert np.all(np.isnan(got[:, 2])) and np.all(np.isfinite(np.delete(got, 2, axis=1)))
+    # only the results that were not finite are taken unfolded: an Inf in another row of x
+    # leaves a row's bits as they are alone
+    small = np.random.default_rng(3).standard_normal((batch, 264)).astype(np.float32)
+    alone = np.asarray(hq.matmul(small, codes, implementation="native"))
+    small[-1, 7] = np.inf
+    mixed = np.asarray(hq.matmul(small, codes, implementation="native"))
+    np.testing.assert_array_equal(mixed[:-1], alone[:-1])
 
 
 @pytest.mark.parametrize("name", CONFIGS)

@@ -615,6 +615,14 @@ def test_a_layer_that_never_coded_its_weight_is_not_read_as_codes():
     flipped.quantize_weights = True
     assert torch.equal(flipped.beta, want.beta)
     torch.testing.assert_close(flipped(x) - flipped.bias, 2 * (want(x) - want.bias))
+    # a weight that cannot be coded leaves the flag (and beta) as they were: not a layer that
+    # quantizes with codes never made
+    broken = copy.deepcopy(plain)
+    with torch.no_grad():
+        broken.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        broken.quantize_weights = True
+    assert broken.quantize_weights is False and torch.equal(broken.beta, plain.beta)
     model = tb.load_quantized(torch.nn.Sequential(torch.nn.Linear(30, 16)),
                               torch.nn.Sequential(plain).state_dict(), strict=False)
     assert type(model[0]) is torch.nn.Linear and torch.equal(model[0](x), plain(x))

@@ -534,8 +534,8 @@ def test_matmul_of_an_empty_weight_is_zeros(n, k):
     bridge's kernels refused the codes, or torch.cat an empty list, from 33 rows on)."""
     cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2)
     codes = hq.encode_rows(np.zeros((n, k), np.float32), cfg)
-    for rows in (0, 1, 40, 200):
-        x = torch.ones(rows, k)
+    for lead in ((0,), (1,), (40,), (200,), (2, 50)):
+        x = torch.ones(lead + (k,))
         y = tb.matmul(x, tb.Codes.from_jax(codes))
-        assert y.shape == (rows, n) and torch.equal(y, torch.zeros(rows, n))
+        assert y.shape == lead + (n,) and torch.equal(y, torch.zeros(lead + (n,)))
         np.testing.assert_array_equal(y.numpy(), hq.matmul(x.numpy(), codes))

@@ -34,6 +34,7 @@ intended entry points; these ops are what they call.
 
 # No ``from __future__ import annotations``: the op schemas are inferred from the annotations.
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -308,7 +309,7 @@ def _matmul_host(x: torch.Tensor, host, bias: Optional[torch.Tensor] = None) -> 
                          f"length), got shape {tuple(x.shape)}")
     # (conversions only where they convert: each no-op call costs about a microsecond, a
     # small layer's whole product a few)
-    rows = x if x.ndim == 2 else x.reshape(-1, host.k)
+    rows = x if x.ndim == 2 else x.reshape(math.prod(x.shape[:-1]), host.k)  # (k may be 0)
     if rows.dtype != torch.float32:
         rows = rows.to(torch.float32)
     if not rows.is_contiguous():

@@ -113,12 +113,18 @@ class QLinear(CodesLayer, torch.nn.Linear):
     @quantize_weights.setter
     def quantize_weights(self, on: bool):
         turned_on = on and getattr(self, "_quantize_weights", None) is False
-        self._quantize_weights = bool(on)
         # (not while the constructor runs; on the meta device there is nothing to code)
         if turned_on and "tfield" in self._buffers and self.weight.device.type != "meta":
-            if not has_codes(self.tfield):
-                self.calibrate_beta()
-            self.refresh_codes()
+            beta = self.beta.clone()
+            try:  # coded first: a weight that cannot be coded leaves the layer as it was
+                if not has_codes(self.tfield):
+                    self.calibrate_beta()
+                self.refresh_codes()
+            except Exception:
+                with torch.no_grad():
+                    self.beta.copy_(beta)
+                raise
+        self._quantize_weights = bool(on)
 
     @property
     def quantize_every(self) -> int:

@@ -492,9 +492,10 @@ inline __attribute__((always_inline)) void row_tile_once(const Problem& p, int64
 // One task: weight rows [r0, r0 + R) against every activation row. Folded sums are of
 // x * (c 2^(alpha T)), the row's factor beta * cart * row_scale applied after them: where they
 // overflow (activations near the float range against small row scales, whose products with
-// the decoded weights the reference keeps finite) the tile is computed again unfolded. A
-// non-finite result of the unfolded sums (a failed block's NaN, an Inf in x) is the same
-// either way: only the time of a second pass.
+// the decoded weights the reference keeps finite) the tile is computed again unfolded, and
+// its results that were not finite are taken from there (the finite ones stay: a row's
+// result does not depend on the other rows of the batch). A result that is not finite
+// either way (a failed block's NaN, an Inf in x) costs the time of a second pass.
 template <typename Index, int D, int Isa>
 inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0, int64_t R,
                                                      float* buf, float* acc) {
@@ -503,9 +504,15 @@ inline __attribute__((always_inline)) void row_tile(const Problem& p, int64_t r0
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t r = r0; r < r0 + R; ++r)
       if (!std::isfinite(p.y[b * p.N + r])) {
+        std::vector<float> folded(p.B * R);
+        for (int64_t bb = 0; bb < p.B; ++bb)
+          std::copy(p.y + bb * p.N + r0, p.y + bb * p.N + r0 + R, folded.begin() + bb * R);
         Problem unfolded = p;
         unfolded.fold = false;
         row_tile_once<Index, D, Isa>(unfolded, r0, R, buf, acc);
+        for (int64_t bb = 0; bb < p.B; ++bb)
+          for (int64_t rr = 0; rr < R; ++rr)
+            if (std::isfinite(folded[bb * R + rr])) p.y[bb * p.N + r0 + rr] = folded[bb * R + rr];
         return;
       }
 }

@@ -660,3 +660,16 @@ def test_a_refresh_that_overloads_names_the_layers_remedies():
     layer.calibrate_beta()
     layer.refresh_codes()
     assert bool((layer.codes().T >= 0).all())
+
+
+def test_a_layer_pickled_before_the_flag_was_a_property_loads():
+    """quantize_weights became a property over _quantize_weights: a layer pickled with the
+    plain attribute unpickles with its flag (the property raised AttributeError)."""
+    layer = QLinear(8, 4, CFG, quantize_weights=False)
+    state = dict(layer.__dict__)
+    state["quantize_weights"] = state.pop("_quantize_weights")
+    old = QLinear.__new__(QLinear)
+    old.__setstate__(state)
+    assert old.quantize_weights is False
+    x = torch.randn(2, 8)
+    assert torch.equal(old(x), layer(x))

@@ -126,6 +126,12 @@ class QLinear(CodesLayer, torch.nn.Linear):
                 raise
         self._quantize_weights = bool(on)
 
+    def __setstate__(self, state):
+        # a layer pickled when quantize_weights was a plain attribute
+        if "quantize_weights" in state:
+            state["_quantize_weights"] = state.pop("quantize_weights")
+        super().__setstate__(state)
+
     @property
     def quantize_every(self) -> int:
         """The refresh interval in training (see the constructor); may be changed at any time."""

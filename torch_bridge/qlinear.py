@@ -190,17 +190,25 @@ class QLinear(CodesLayer, torch.nn.Linear):
           ValueError: a weight entry has grown too far above its row's RMS for the stored
             beta (call :meth:`calibrate_beta` first, or raise ``max_T``).
         """
-        codes = encode_rows(self.weight.detach(), self.config, beta=self.beta,
-                            implementation=self.implementation, failures="mark")
-        failed = codes.T < 0
-        if bool(failed.any()):  # the layer's remedies: its beta is the stored one
+        args = (self.weight.detach(), self.config)
+        kwargs = dict(beta=self.beta, implementation=self.implementation)
+        try:  # (the common case checks the codes with one compiled reduction)
+            codes = encode_rows(*args, **kwargs)
+        except ValueError as error:
+            try:
+                failed = encode_rows(*args, **kwargs, failures="mark").T < 0
+            except ValueError:
+                failed = None
+            if failed is None or not bool(failed.any()):  # another error (a NaN weight)
+                raise error from None
             first = [int(i) for i in torch.nonzero(failed)[0]]
+            # the layer's remedies: its beta is the stored one, not config.beta
             raise ValueError(
                 f"QLinear.refresh_codes: {int(failed.sum())} block(s) still overload at max_T = "
                 f"{self.config.max_T} (the first at block {first}): an entry of the weight has "
                 f"grown far above its row's RMS for the stored beta = {float(self.beta):.4g}; "
                 "call layer.calibrate_beta() (a beta for the weight as it is now), raise "
-                "config.max_T, or clip the weight's outliers")
+                "config.max_T, or clip the weight's outliers") from None
         self.set_codes(codes)
         if self.quantize_every != 1:
             self.error.copy_(decode(self.codes(), dtype=self.weight.dtype) - self.weight)

@@ -14,6 +14,7 @@ decodes to NaN.
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -68,6 +69,21 @@ def check_x(x, config: HNLQConfig, fn: str, given=None):
                                if narrowed else "")
         )
     return x
+
+
+def check_beta_fits(beta, dtype, fn: str):
+    """Refuses a ``beta`` (a float) beyond the range of ``dtype``, the dtype the values are
+    computed in: there beta is Inf, every block codes as ``T = 0`` and decodes to NaN.
+
+    Raises:
+      ValueError: ``beta`` exceeds ``dtype``'s largest finite value.
+    """
+    top = float(jnp.finfo(dtype).max)
+    if isinstance(beta, numbers.Real) and beta > top:
+        raise ValueError(f"{fn}: beta = {beta:.4g} is beyond the range of {jnp.dtype(dtype)} "
+                         f"(largest {top:.4g}), the dtype the values are computed in: every "
+                         "block would code as T = 0 and decode to NaN. Use a beta within it "
+                         "(see calibrate_beta), or float64 values with jax_enable_x64")
 
 
 def _labels_of(g: list, config: HNLQConfig) -> list:

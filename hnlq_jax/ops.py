@@ -134,11 +134,13 @@ def encode(x, config: HNLQConfig, *, implementation=None, interpret=None,
       Block :class:`Codes` of shape ``x.shape``: ``index [..., M]``, T field, the config.
 
     Raises:
-      ValueError: wrong last-axis size, NaN/Inf in a concrete input, or (``failures="raise"``)
-        values too large for ``beta 2^(alpha max_T)``.
+      ValueError: wrong last-axis size, NaN/Inf in a concrete input, a ``beta`` beyond the
+        range of x's dtype, or (``failures="raise"``) values too large for
+        ``beta 2^(alpha max_T)``.
       TypeError: non-floating input or a config that is not an ``HNLQConfig``.
     """
     x = codec.check_x(x, config, "encode")
+    codec.check_beta_fits(config.beta, x.dtype, "encode")
     if failures not in FAILURES:
         raise ValueError(f"encode: failures must be one of {FAILURES}, got {failures!r}")
     impl = resolve(implementation, config, "encode", x)
@@ -246,7 +248,8 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
     Raises:
       TypeError: not ``Codes`` or a non-floating dtype.
       ValueError: corrupted codes (index or T out of range, checked when concrete; under jit
-        such blocks give NaN) or ``levels`` outside ``1..M``.
+        such blocks give NaN), ``levels`` outside ``1..M``, or a ``beta`` beyond the range of
+        the dtype decoded in.
     """
     check_codes(codes, "decode")
     config = codes.config
@@ -256,6 +259,7 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
         raise ValueError(f"decode: levels must be an int in 1..M={config.M}, got {levels!r}")
     dtype = _out_dtype(dtype, "decode")
     compute = jnp.promote_types(dtype, jnp.float32)  # half precision: float32, then round
+    codec.check_beta_fits(config.beta, compute, "decode")
     impl = resolve(implementation, config, "decode", codes)
     if impl == "native" and (levels is not None or compute != jnp.float32):
         if implementation == "native":
@@ -358,6 +362,7 @@ def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None,
     check_config(config, "quantize")  # before x: swapped arguments get this error
     dtype = jnp.asarray(x).dtype
     x = codec.check_x(x, config, "quantize")
+    codec.check_beta_fits(config.beta, x.dtype, "quantize")
     if failures not in FAILURES:
         raise ValueError(f"quantize: failures must be one of {FAILURES}, got {failures!r}")
     impl = resolve(implementation, config, "quantize", x)

@@ -16,7 +16,7 @@ import numpy as np
 
 from hnlq_jax import ops
 from hnlq_jax._numerics import divide, mean_square, sqrt
-from hnlq_jax.codec import check_x, to_blocks
+from hnlq_jax.codec import check_beta_fits, check_x, to_blocks
 from hnlq_jax.codes import Codes, concrete_all, is_concrete, pack_t
 from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.stats import search_beta
@@ -245,7 +245,8 @@ def encode_rows(w, config: HNLQConfig, *, implementation=None, failures: str = "
     w = jnp.asarray(w)
     if w.ndim == 0:
         raise ValueError("encode_rows: expected an array with a row axis [..., k]")
-    check_x(to_blocks(w, config.d), config, "encode_rows", given)
+    blocks = check_x(to_blocks(w, config.d), config, "encode_rows", given)
+    check_beta_fits(config.beta, blocks.dtype, "encode_rows")
     impl = ops.resolve(implementation, config, "encode", w)
     codes = rows_codes(w, config, config.beta, impl)
     check_row_failures(codes, failures, "encode_rows")

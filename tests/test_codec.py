@@ -459,6 +459,21 @@ def test_minimal_T_where_the_thresholds_overflow(impl):
     np.testing.assert_array_equal(big.index, small.index)
 
 
+def test_beta_beyond_float32_computes_in_float64(x64):
+    """A beta beyond float32's range is refused for float32 values (there it is Inf: every
+    block decoded to NaN; tests/test_bad_input.py) but codes float64 values as any other: a
+    power of two scales the values exactly, so the codes are those of beta = 1."""
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=1.0)
+    big = cfg.replace(beta=2.0**130)
+    x = np.random.default_rng(9).normal(size=(64, 4))
+    small = hq.encode(x, cfg)
+    codes = hq.encode(x * 2.0**130, big)
+    np.testing.assert_array_equal(codes.index, small.index)
+    np.testing.assert_array_equal(codes.T, small.T)
+    np.testing.assert_array_equal(hq.decode(codes), np.asarray(hq.decode(small)) * 2.0**130)
+    np.testing.assert_array_equal(hq.quantize(x * 2.0**130, big), hq.decode(codes))
+
+
 @pytest.mark.parametrize(
     "kw,err,msg",
     [

@@ -16,7 +16,7 @@ import torch
 
 import hnlq_jax as hq
 from hnlq_jax import HNLQConfig
-from hnlq_jax.codec import check_x, to_blocks
+from hnlq_jax.codec import check_beta_fits, check_x, to_blocks
 from hnlq_jax.codes import check_codes, logical_shape
 from hnlq_jax.config import check_beta
 from hnlq_jax.ops import resolve
@@ -231,9 +231,10 @@ def encode_rows(w: torch.Tensor, config: HNLQConfig, *, beta=None, implementatio
                    else beta, fn, what="None, a positive number or a positive scalar tensor")
     with x64_for(w, beta):
         wj = to_jax(w)
-        check_x(to_blocks(wj, config.d), config, fn)  # config, dtype, NaN/Inf: as encode_rows
+        blocks = check_x(to_blocks(wj, config.d), config, fn)  # config, dtype, NaN/Inf
         beta = config.beta if beta is None else to_jax(beta) if isinstance(beta, torch.Tensor) \
             else beta
+        check_beta_fits(beta, blocks.dtype, fn)  # (a tensor's beta: in its dtype already)
         codes = rows_codes(wj, config, beta, resolve(implementation, config, "encode", wj))
         check_row_failures(codes, failures, fn)
         return Codes.from_jax(codes, copy=True)

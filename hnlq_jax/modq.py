@@ -11,7 +11,8 @@ Hence ``decode(accumulate(codes))`` equals the sum of the decoded codes only for
 decoded path where the mod-q one is wrong.
 
 All summands of a block must share the same scale (``beta`` and T): blocks whose T differ along
-the summed axis, or are invalid (``T = -1``), get ``T = -1`` in the result. Dithered configs
+the summed axis, or are invalid (``T = -1``, or an index or T out of range: corrupted codes under
+``jit``, where they cannot raise), get ``T = -1`` in the result. Dithered configs
 are rejected: each dithered code decodes with ``-z``, so a sum of K codes would need ``-K z``.
 """
 
@@ -23,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from hnlq_jax.codec import decode_blocks, default_float, lattice_sum
-from hnlq_jax.codes import Codes, check_codes, index_dtype, index_from_labels, pack_t, unpack_t
+from hnlq_jax.codes import (Codes, check_codes, index_dtype, index_from_labels, pack_t, unpack_t,
+                            valid_blocks)
 
 __all__ = ["add", "accumulate", "validate", "sum_with_fallback"]
 
@@ -42,7 +44,10 @@ def check(codes, fn: str):
                          "block must share one scale)")
     lead = codes.blocks_shape
     u = unpack_t(codes.tfield, config, lead[-1] if lead else None)
-    return codes.labels.astype(jnp.int32), u - 1
+    # An index or T out of range (corrupted codes under jit, where it cannot raise) sums as a
+    # failed block: its labels are a valid label's digits, its value would be finite garbage.
+    T = jnp.where(valid_blocks(codes.index, u, config), u - 1, -1)
+    return codes.labels.astype(jnp.int32), T
 
 
 def leading_axis(axis, T, fn: str) -> int:
@@ -135,11 +140,24 @@ def _lattice_points(labels, config):
     return jnp.stack(lattice_sum(index_from_labels(labels, config.q, jnp.uint32), config), -1)
 
 
+def _exact_sum(points, axis: int):
+    """``sum(points, axis)`` of int32 ``points`` exactly, as the words ``(hi int32, lo uint32)``
+    of a 64-bit two's complement sum: an int32 sum of many large summands wraps, and a wrap
+    can land on the mod-q value."""
+    def add(a, b):
+        lo = a[1] + b[1]
+        return a[0] + b[0] + (lo < a[1]).astype(jnp.int32), lo
+
+    words = (jnp.right_shift(points, 31), points.astype(jnp.uint32))
+    return jax.lax.reduce(words, (jnp.int32(0), jnp.uint32(0)), add, (axis,))
+
+
 def _validate(labels, T, config, axis):
     lab, T_acc = _sum_labels(labels, T, config, axis)
     modq = _lattice_points(lab, config)
-    true = jnp.sum(_lattice_points(labels, config), axis=axis)
-    return lab, T_acc, (T_acc >= 0) & jnp.all(modq == true, axis=-1)
+    hi, lo = _exact_sum(_lattice_points(labels, config), axis)
+    same = (hi == jnp.right_shift(modq, 31)) & (lo == modq.astype(jnp.uint32))
+    return lab, T_acc, (T_acc >= 0) & jnp.all(same, axis=-1)
 
 
 def validate(codes: Codes, axis: int = 0):

@@ -151,6 +151,42 @@ def test_accumulate_is_repeated_add(seed, axis):
     assert acc.labels.dtype == jnp.uint8 and acc.T.dtype == jnp.int8
 
 
+def test_validate_where_int32_sums_wrap():
+    """8192 summands of -2^19 per coordinate (Z2 q=32 M=4, the top level's label 16) sum to
+    -2^32, which an int32 sum wraps to 0: the mod-q value of the labels (16 * 8192 = 0 mod
+    32), so validate said exact and sum_with_fallback returned 0. Beside them a block of zero
+    labels, whose mod-q sum is exact. (Without x64: with it jnp.sum of int32 is int64.)"""
+    cfg = hq.HNLQConfig("Z2", 32, 4, beta=1.0)
+    labels = np.zeros((8192, 2, cfg.M, cfg.d), np.uint8)
+    labels[:, 0, 3] = 16
+    codes = hq.Codes.from_labels(labels, np.zeros((8192, 2), np.int8), cfg)
+    true = _points(codes).sum(0)
+    assert np.all(np.abs(true[0]) == 2**32)
+    expect = np.all(_points(modq.accumulate(codes)) == true, axis=-1)
+    np.testing.assert_array_equal(expect, [False, True])
+    np.testing.assert_array_equal(modq.validate(codes), expect)
+    x, exact = modq.sum_with_fallback(codes)
+    np.testing.assert_array_equal(exact, expect)
+    np.testing.assert_array_equal(x, np.asarray(hq.decode(codes)).sum(0))
+
+
+def test_corrupted_blocks_under_jit_sum_as_failed():
+    """Under jit an index >= q^d (q = 3: the uint8 holds up to 255) cannot raise: its digits
+    wrapped to a valid label and summed as a finite value; it is a failed block (NaN, not
+    exact), as decode makes it. Eager calls refuse it."""
+    cfg = hq.HNLQConfig("D4", 3, 1, beta=1.0)
+    good = hq.encode(np.array([[[1.0, 0, 0, 1], [0, 0, 0, 0]]] * 2, np.float32), cfg)
+    bad = hq.Codes(good.index.at[1, 0, 0].set(100), good.tfield, cfg)
+    acc = jax.jit(modq.accumulate)(bad)
+    np.testing.assert_array_equal(acc.T, [-1, 0])
+    x, exact = jax.jit(modq.sum_with_fallback)(bad)
+    np.testing.assert_array_equal(exact, [False, True])
+    assert np.all(np.isnan(x[0])) and np.all(np.isfinite(x[1]))
+    np.testing.assert_array_equal(jax.jit(modq.validate)(bad), [False, True])
+    with pytest.raises(ValueError, match="index out of range"):
+        modq.accumulate(bad)
+
+
 def test_jit():
     cfg = CONFIGS[2]
     codes = _random_codes(cfg, (2, 5), 6)

@@ -111,6 +111,22 @@ def test_split_trains_like_the_float_attention():
     assert all(p.grad is not None for p in split.parameters())
 
 
+@pytest.mark.parametrize("average", [True, False])
+def test_training_weights_are_after_dropout_as_torchs(average):
+    """With dropout in training mode nn.MultiheadAttention returns the weights v was
+    weighted with (after dropout); the split one returned them before it."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(E, HEADS, dropout=0.5, batch_first=True).train()
+    split = SplitMultiheadAttention.from_attention(mha).train()
+    q = torch.randn(2, 5, E)
+    torch.manual_seed(1)
+    out, weights = mha(q, q, q, average_attn_weights=average)
+    torch.manual_seed(1)
+    out_s, weights_s = split(q, q, q, average_attn_weights=average)
+    torch.testing.assert_close(out_s, out)
+    torch.testing.assert_close(weights_s, weights)
+
+
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_quantized_attention_equals_its_decoded_float_twin(rotate, batch_first):

@@ -185,7 +185,9 @@ class SplitMultiheadAttention(torch.nn.Module):
         if need_weights:
             scores = (q * math.sqrt(1.0 / d)) @ k.transpose(-2, -1)
             weights = torch.softmax(scores if attn_mask is None else scores + attn_mask, dim=-1)
-            out = F.dropout(weights, p=dropout) @ v if dropout > 0 else weights @ v
+            if dropout > 0:  # the weights returned are those v is weighted with, as torch's
+                weights = F.dropout(weights, p=dropout)
+            out = weights @ v
             if average_attn_weights:
                 weights = weights.mean(dim=1)
         else:

@@ -90,7 +90,9 @@ def _base(config, fn: str):
     return config.q, config.M, config.d, config.q**config.d
 
 
-def _check_two_sided(config, fn: str):
+def _check_two_sided(config, fn: str, sums: bool = True):
+    """The two-sided table exists (``Q^2 <= MAX_TWO_SIDED``) and, with ``sums``, the products'
+    int32 sums over the M levels cannot overflow."""
     q, M, d, Q = _base(config, fn)
     if Q * Q > MAX_TWO_SIDED:
         raise ValueError(
@@ -100,7 +102,7 @@ def _check_two_sided(config, fn: str):
             "then dot"
         )
     bound = int(np.abs(_two_sided_np(config)).max()) * ((q**M - 1) // (q - 1)) ** 2
-    if bound >= 2**31:
+    if sums and bound >= 2**31:
         raise ValueError(
             f"{fn}: q^M = {q**M} is too large for the two-sided table's int32 sums "
             f"(bound {bound:,}); use dot_one_sided / matmul_one_sided or decode then dot"
@@ -120,7 +122,8 @@ def two_sided(config: HNLQConfig) -> jax.Array:
     """The two-sided table ``LUT[b, b'] = <r(b), r(b')>`` (codebook order).
 
     Args:
-      config: the quantizer (only lattice and q matter).
+      config: the quantizer (only lattice and q matter: :func:`dot` and :func:`matmul` refuse
+        a q^M whose table sums could leave int32).
 
     Returns:
       ``[q^d, q^d]`` in the smallest integer dtype that holds it exactly (int8 for D4 q <= 6,
@@ -131,7 +134,7 @@ def two_sided(config: HNLQConfig) -> jax.Array:
       ValueError: when the table would have more than :data:`MAX_TWO_SIDED` entries (E8 q >= 3,
         D4 q >= 7, ...): use the one-sided tables or decode then dot.
     """
-    _check_two_sided(config, "two_sided")
+    _check_two_sided(config, "two_sided", sums=False)
     return jnp.asarray(_two_sided_np(config))
 
 

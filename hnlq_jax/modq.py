@@ -19,9 +19,11 @@ are rejected: each dithered code decodes with ``-z``, so a sum of K codes would 
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from hnlq_jax.codec import decode_blocks, default_float, lattice_sum
 from hnlq_jax.codes import (Codes, check_codes, index_dtype, index_from_labels, pack_t, unpack_t,
@@ -51,7 +53,9 @@ def check(codes, fn: str):
 
 
 def leading_axis(axis, T, fn: str) -> int:
-    if not isinstance(axis, int) or not -T.ndim <= axis < T.ndim:
+    """``axis`` (an int, NumPy's too; not a bool) as a non-negative axis of ``T``, checked."""
+    if (not isinstance(axis, numbers.Integral) or isinstance(axis, (bool, np.bool_))
+            or not -T.ndim <= axis < T.ndim):
         raise ValueError(
             f"{fn}: axis must be an int indexing the leading (block) axes of shape {T.shape}, "
             f"got {axis!r}"
@@ -59,7 +63,7 @@ def leading_axis(axis, T, fn: str) -> int:
     if T.shape[axis] == 0:
         raise ValueError(f"{fn}: the summed axis {axis} of the codes (blocks {T.shape}) is empty; "
                          "a mod-q sum needs at least one summand")
-    return axis % T.ndim
+    return int(axis) % T.ndim
 
 
 def _same_T(T, axis: int):

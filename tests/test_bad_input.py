@@ -470,6 +470,12 @@ CASES = [
                                                C.replace(dither=(0.1, 0.0, 0.0, 0.0))), axis=0),
                  ValueError, r"accumulate: mod-q sums need a config without dither",
                  id="modq-dither"),
+    pytest.param(lambda: modq.accumulate(_codes(), True), ValueError,
+                 r"accumulate: axis must be an int indexing the leading \(block\) axes of shape "
+                 r"\(16,\), got True", id="modq-axis-bool"),
+    pytest.param(lambda: modq.validate(_codes(), np.int64(1)), ValueError,
+                 r"validate: axis must be an int indexing the leading \(block\) axes of shape "
+                 r"\(16,\), got np\.int64\(1\)", id="modq-axis-numpy-out-of-range"),
     pytest.param(lambda: kernels.modq_sum(Codes(jnp.zeros((0, 3, 2), jnp.uint8),
                                                 jnp.zeros((0, 2), jnp.uint8), C)), ValueError,
                  r"modq_sum: the summed axis 0 of the codes \(blocks \(0, 3\)\) is empty; a "

@@ -289,6 +289,11 @@ def test_table_size_errors():
     c = _random_codes(hq.HNLQConfig("Z2", 16, 5), (1, 1), np.random.default_rng(0))
     with pytest.raises(ValueError, match="int32"):
         lut.dot(c, c)
+    with pytest.raises(ValueError, match="int32"):
+        lut.matmul(c, c)
+    # the table itself depends on lattice and q only (as documented): it is M = 1's
+    np.testing.assert_array_equal(lut.two_sided(c.config),
+                                  lut.two_sided(c.config.replace(M=1)))
 
 
 def test_bad_input():

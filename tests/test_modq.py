@@ -65,7 +65,7 @@ def test_validate_against_exact_sums(cfg, x64):
     """validate is true exactly where the accumulated labels decode to the true sum."""
     codes = _random_codes(cfg, (2, 2000), 1)
     acc = modq.accumulate(codes, axis=0)
-    ok = np.asarray(modq.validate(codes, axis=0))
+    ok = np.asarray(modq.validate(codes, axis=np.int64(0)))  # NumPy ints are axes too
     expect = np.all(_points(acc) == _points(codes).sum(0), axis=-1)
     np.testing.assert_array_equal(ok, expect)
     assert ok.any() and not ok.all()  # both cases occur for uniform labels

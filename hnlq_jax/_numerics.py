@@ -22,7 +22,8 @@ import numpy as np
 from hnlq_jax.config import HNLQConfig, pow2_table
 
 __all__ = ["divide", "sqrt", "mean_square", "sum_of_squares", "pow2", "overload_scale",
-           "level_weights", "straight_through", "times_pow2", "exponent", "wide_dtype"]
+           "level_weights", "straight_through", "times_pow2", "exponent", "wide_dtype",
+           "flush_subnormals"]
 
 
 def pow2(config: HNLQConfig, dtype) -> jax.Array:
@@ -126,6 +127,15 @@ def _corrected(q, steps, dtype):
 def _flushed(x, tiny):
     """``x`` with its values below ``tiny`` in magnitude zero (sign kept)."""
     return jnp.where(jnp.abs(x) < tiny, x * 0, x)
+
+
+def flush_subnormals(x):
+    """``x`` with its subnormal values zero (sign kept), alike in every program and on every
+    backend. XLA's CPU flushes subnormals in its float arithmetic but not in bit operations,
+    which ``jnp.frexp`` and ``jnp.ldexp`` use: a subnormal entry scaled by ``jnp.ldexp`` came
+    out as another value depending on how the program around it was fused (a row's RMS 1600x
+    too large in one jitted program, right in another); a GPU keeps subnormals."""
+    return _flushed(x, jnp.finfo(x.dtype).tiny)
 
 
 def _exact(steps_then, plain, dtype, cpu_exact: bool):

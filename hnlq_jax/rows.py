@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import ops
-from hnlq_jax._numerics import divide, mean_square, sqrt
+from hnlq_jax._numerics import divide, flush_subnormals, mean_square, sqrt
 from hnlq_jax.codec import check_beta_fits, check_x, to_blocks
 from hnlq_jax.codes import Codes, concrete_all, is_concrete, pack_t
 from hnlq_jax.config import HNLQConfig, check_config
@@ -56,6 +56,7 @@ def row_rms(w):
     summation order): the same bits in every program, eager or jitted, fused with a transpose
     or not, so the codes are too.
     """
+    w = flush_subnormals(w)  # (they count as zero: divide_rows does the same)
     m = jnp.max(jnp.abs(w), axis=-1, initial=0.0)
     m = jnp.where(m > 0, m, 1.0)
     rms = m * sqrt(mean_square(divide_rows(w, m)))
@@ -86,9 +87,10 @@ def divide_rows(w, c):
     """``w[..., k] / c[...]`` row by row, correctly rounded on every backend
     (:func:`~hnlq_jax._numerics.divide`), with both scaled by a power of two first (exact):
     XLA:CPU divides by multiplying with ``1 / c``, which flushes to zero for ``c`` above about
-    8.5e37 in float32."""
+    8.5e37 in float32. Subnormal entries of ``w`` are zero (:func:`flush_subnormals`: the
+    division counts them so, and ``jnp.ldexp`` of one depends on the program around it)."""
     e = jnp.frexp(c)[1][..., None]
-    return divide(jnp.ldexp(w, -e), jnp.ldexp(c[..., None], -e).astype(w.dtype))
+    return divide(jnp.ldexp(flush_subnormals(w), -e), jnp.ldexp(c[..., None], -e).astype(w.dtype))
 
 
 def check_finite_weight(w, fn: str, what: str = "the weight"):

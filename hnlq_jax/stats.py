@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax._numerics import mean_square, sqrt, sum_of_squares
+from hnlq_jax._numerics import flush_subnormals, mean_square, sqrt, sum_of_squares
 from hnlq_jax.codec import check_x, decode_blocks, encode_blocks
 from hnlq_jax.codes import Codes, check_codes, is_concrete
 from hnlq_jax.config import HNLQConfig, check_config
@@ -225,7 +225,8 @@ def _grid_args(x, config, criterion, num, step, scale, fn: str):
             raise ValueError(f"{fn}: scale must be 'rms' or a positive finite number, got "
                              f"{scale!r}")
         scale = value
-    x = check_x(x, config, fn).reshape(-1, config.d)
+    # subnormals are zero (the codes count them so; jnp.ldexp of one depends on the program)
+    x = flush_subnormals(check_x(x, config, fn).reshape(-1, config.d))
     if x.shape[0] == 0:
         raise ValueError(f"{fn}: x holds no block")
     b0 = config.beta_min()

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import ops, packing
-from hnlq_jax._numerics import divide, sqrt, sum_of_squares
+from hnlq_jax._numerics import divide, flush_subnormals, sqrt, sum_of_squares
 from hnlq_jax.codec import scale_tables
 from hnlq_jax.codes import Codes, pack_t
 from hnlq_jax.config import HNLQConfig, check_config
@@ -290,7 +290,9 @@ def encode(v, lay: Layout, implementation=None, interpret=None):
     impl = ops.resolve(implementation, config, "encode", v)
     C = lay.parts * lay.chunks
     x = jnp.pad(v.astype(jnp.float32), (0, lay.parts * lay.part_values - v.shape[0]))
-    x = x.reshape(C, lay.chunk * config.d)
+    # Subnormals are zero (the codes count them so): scaled by jnp.ldexp, one mis-scaled its
+    # whole chunk in a jitted program (flush_subnormals)
+    x = flush_subnormals(x).reshape(C, lay.chunk * config.d)
     e0, finite = _exponents(x, config)
 
     def attempt(e):

@@ -304,6 +304,23 @@ def test_wire_values_near_float32_max_decode_finite():
     assert np.linalg.norm(out - v) / np.linalg.norm(v.astype(np.float64)) < 0.12
 
 
+@pytest.mark.parametrize("scale", [1e-5, 1e-36])
+def test_subnormal_entries_leave_their_chunk_scaled(scale):
+    """One subnormal entry (1e-5 data), or a chunk of RMS 1e-36 (some entries subnormal):
+    jnp.ldexp of a subnormal depends on the fused program, and the jitted encoder took a
+    scale 2^11 too large (or an infinite RMS) for the chunk, which then decoded to 0. Jitted
+    and eager give the same payload, and the chunk its usual relative error."""
+    v = np.random.default_rng(10).standard_normal(2048).astype(np.float32) * np.float32(scale)
+    v[10] = 1e-40
+    lay = wire.layout(v.size, CFG)
+    payload, info = _wire_encode(jnp.asarray(v), lay)
+    np.testing.assert_array_equal(payload, wire.encode(jnp.asarray(v), lay)[0])
+    out = np.asarray(_wire_decode(payload, lay), np.float64).reshape(2, -1)
+    ref = v.astype(np.float64).reshape(2, -1)
+    assert int(info.failed) == 0
+    assert np.all(np.linalg.norm(out - ref, axis=1) / np.linalg.norm(ref, axis=1) < 0.12)
+
+
 def test_rate_control_and_failed_chunks():
     """Chunks whose T stream overflows a small capacity are coded at a larger scale (never
     dropped); a chunk with a NaN is marked and decodes to NaN, its neighbours do not."""

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from conftest import sum_of_squares_in_numpy
 
 from hnlq_jax import _numerics
+from hnlq_jax.rows import row_rms
 
 FINITE = st.floats(width=32, allow_nan=False, allow_infinity=False)
 
@@ -199,3 +200,32 @@ def test_sum_of_squares_is_its_fixed_order(dtype, xs, scale):
 def test_sum_of_squares_takes_float32_and_float64_only():
     with pytest.raises(TypeError, match="expected float32 or float64, got float16"):
         _numerics.sum_of_squares(jnp.ones(3, jnp.float16))
+
+
+def test_flush_subnormals():
+    x = jnp.asarray(np.array([1e-40, -1e-40, 1.2e-38, -3.0, 0.0, np.inf], np.float32))
+    out = np.asarray(_numerics.flush_subnormals(x))
+    np.testing.assert_array_equal(out, [0, 0, np.float32(1.2e-38), -3, 0, np.inf])
+    assert np.signbit(out[1]) and not np.signbit(out[0])
+
+
+@pytest.mark.parametrize("scale", [1e-5, 1e-36])
+def test_row_rms_of_subnormal_entries_is_alike_in_every_program(scale):
+    """A row with a subnormal entry (1e-5 data), or of RMS 1e-36: fused with a jnp.ldexp of
+    the same rows (the wire encoder's program), the jitted RMS came out 1600x too large
+    (or Inf): jnp.ldexp read the subnormal's bits where XLA:CPU's arithmetic flushes it."""
+    w = np.random.default_rng(0).standard_normal((4, 1024)).astype(np.float32)
+    w = w * np.float32(scale)
+    w[0, 10] = 1e-40
+
+    def program(w):
+        rms = row_rms(w)
+        y = jnp.ldexp(w, -jnp.frexp(rms)[1][:, None])
+        return rms, jnp.max(jnp.sum(y * y, -1))
+
+    # compiled as users' programs are (the suite's fast compile fuses otherwise)
+    users = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+    rms = np.asarray(jax.jit(program).lower(w).compile(users)(w)[0])
+    np.testing.assert_array_equal(rms, row_rms(w))
+    ref = np.sqrt(np.mean(w.astype(np.float64) ** 2, axis=1))
+    np.testing.assert_allclose(rms, ref, rtol=1e-3)

@@ -134,7 +134,9 @@ def compressed_mean(x, axis_name, config: HNLQConfig, method: str = "all_gather"
     Returns:
       The mean, shaped and typed as ``x`` (:func:`saturate`: a mean near a half-precision
       maximum stays finite); identical on every device. NaN only where some device's input
-      was not finite (in that device's chunk). On a one-device axis ``x`` itself
+      was not finite, or within a factor of about 2 of float32's maximum (above ~1.7e38:
+      no power-of-two scale takes that device's chunk; ``docs/dist.md``). On a one-device
+      axis ``x`` itself
       (``lax.pmean``'s: exact, nothing is communicated).
     """
     x = jnp.asarray(x)
@@ -221,7 +223,10 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
     take the exact mean (``lax.pmean``). With error feedback, what quantization left out is
     kept per leaf and added to the next gradient: ``v = g + r``, send codes of v,
     ``r' = v - sent`` where ``sent`` is v's decoded codes, the very values the other devices
-    receive (:func:`feedback_residual`: a chunk of non-finite values keeps ``r``).
+    receive (:func:`feedback_residual`: a chunk of non-finite values keeps ``r``). With
+    ``"reduce_scatter"`` only this first quantization is fed back: the owner's re-encoding
+    of each averaged slice is not, and for gradients that change slowly its error repeats
+    from step to step (``docs/dist.md``); ``"all_gather"`` (the default) has no second one.
 
     Args:
       config: the quantizer (``beta`` for unit-RMS chunks: :func:`hnlq_jax.gaussian_beta`,

@@ -71,8 +71,8 @@ CHUNK = 256  # blocks per scale
 # The payload layout's version. Payloads are not stored, so it is not FORMAT_VERSION (the codes'
 # stored form): parties exchanging payloads compare it (the DDP hook does). 1: T streams as in
 # ``pack`` (Rice-coded planes) and the Rice parameters at the end of each part; 2: flags + unary;
-# 3: the exponent ZERO.
-WIRE_VERSION = 3
+# 3: the exponent ZERO; 4: chunks sized to the blocks (layout).
+WIRE_VERSION = 4
 FAILED = -128  # the exponent of a chunk that decodes to NaN
 # The exponent of an all-zero chunk, which decodes to zeros: its codes would decode to
 # beta (Q(z) - z) with a dither z, a steady bias on a parameter whose gradient is 0
@@ -144,8 +144,8 @@ def layout(size: int, config: HNLQConfig, parts: int = 1, *, chunk: int = CHUNK,
            t_capacity: float | None = None) -> Layout:
     """The layout covering ``size`` values in ``parts`` parts.
 
-    Small arrays get smaller chunks (a multiple of 8 blocks), so padding stays below 8 blocks
-    per part plus one chunk.
+    A part takes the fewest chunks of at most ``chunk`` blocks that hold its share, each as
+    small as holds it (a multiple of 8 blocks): padding stays below 8 blocks a chunk.
 
     Args:
       size: number of values, an int >= 0.
@@ -172,8 +172,10 @@ def layout(size: int, config: HNLQConfig, parts: int = 1, *, chunk: int = CHUNK,
         raise ValueError(f"wire: t_capacity must be a positive number of bits per block, got "
                          f"{t_capacity!r}")
     blocks = max(1, -(-int(size) // config.d))
-    chunk = min(chunk, 8 * -(-blocks // (8 * parts)))
-    chunks = -(-blocks // (chunk * parts))
+    chunks = -(-blocks // (min(chunk, 8 * -(-blocks // (8 * parts))) * parts))
+    # The fewest chunks a part needs, each as small as holds the blocks: the padding spreads
+    # over them (a chunk a part almost empty cost up to 1.9x the bytes of a reduce-scatter)
+    chunk = min(chunk, 8 * -(-blocks // (8 * parts * chunks)))
     # At all T = 0 a chunk's stream is its flags: chunk bits.
     t_bytes = max(-(-int(chunk * t_capacity) // 8), chunk // 8)
     return Layout(config, int(size), chunk, chunks, parts, t_bytes)

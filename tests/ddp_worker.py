@@ -6,6 +6,8 @@ Usage: ``python ddp_worker.py PORT OUT_DIR``. Each rank writes ``OUT_DIR/rank{r}
   directly with a stand-in ``GradBucket``;
 * ``rebuild``: a bucket's result after a step with the same layout, after a step with another
   layout of the same size (DDP's bucket rebuild), and with a fresh state;
+* ``feedback_off``: a bucket's result once ``error_feedback`` was turned off after a step, and
+  with a fresh state without it;
 * ``exact``: max |grad - built-in grad| over the steps that must be exact (a warm-up step, and
   every step of a bucket below ``min_size``), and the relative error of a coded step (both
   methods; the reduce-scatter gradients too, to compare the ranks);
@@ -82,6 +84,11 @@ def buckets(rank):
     rebuilt = hook(state, x, [b, a])  # same size, other layout
     res["rebuild"] = {"same": same, "rebuilt": rebuilt,
                       "fresh": hook(HNLQHookState(D4_Q4_M2, min_size=0), x, [b, a])}
+    # error feedback turned off after a step: its residual is not added to the next
+    hook(state, x, [b, a])
+    state.error_feedback = False
+    res["feedback_off"] = {"after": hook(state, x, [b, a]), "fresh": hook(HNLQHookState(
+        D4_Q4_M2, min_size=0, error_feedback=False), x, [b, a])}
     return res
 
 

@@ -72,7 +72,7 @@ def test_a_failed_chunk_keeps_its_residual():
     kw = {"lay": wire.layout(N, CFG), "implementation": None}
     payload, r2, info = _compress(jnp.asarray(v), r, **kw)
     sent = np.asarray(_mean(payload, **kw)[:N])
-    chunk = wire.CHUNK * CFG.d  # the first chunk's values
+    chunk = kw["lay"].chunk * CFG.d  # the first chunk's values
     assert int(info.failed) == 1 and np.isnan(sent[:chunk]).all()
     np.testing.assert_array_equal(r2[:chunk], r[:chunk])
     np.testing.assert_array_equal(r2[chunk:], (v + r)[chunk:] - sent[chunk:])
@@ -127,6 +127,9 @@ def test_state_validation_and_pickling():
         HNLQHookState(CFG, warmup_steps=-1)
     with pytest.raises(ValueError, match="min_size"):
         HNLQHookState(CFG, min_size=1.5)
+    for impl in ("native", "lut", "palas"):  # at once, not after the warm-up's iterations
+        with pytest.raises(ValueError, match=r"HNLQHookState: encode: implementation must be"):
+            HNLQHookState(CFG, implementation=impl)
     state = HNLQHookState(CFG, process_group=object(), warmup_steps=3)
     state.residuals[0] = (((1, (2,)),), jnp.ones(2))
     state._agreed = True  # its group's ranks agreed; a restored state's new group must again
@@ -215,6 +218,8 @@ def test_two_ranks_gloo(tmp_path, free_port):
         # same layout keeps its residual.
         rb = r["rebuild"]
         assert rb["rebuilt"] == rb["fresh"] and rb["same"] != rb["fresh"]
+        # error feedback turned off: the last residual is not added again (a frozen bias)
+        assert r["feedback_off"]["after"] == r["feedback_off"]["fresh"]
         e = r["exact"]
         # Warm-up steps and buckets below min_size are DDP's own all-reduce, exactly.
         assert e["warmup"] == 0.0 and e["small"] == 0.0

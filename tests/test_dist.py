@@ -388,6 +388,22 @@ def test_wire_exponent_at_a_power_of_two_is_ieees(max_T):
         assert got == (lift if m > 0.5 else lift - 1)
 
 
+@settings(max_examples=40)
+@given(size=st.integers(1, 200_000), parts=st.integers(1, 16),
+       chunk=st.sampled_from([8, 64, 256]))
+def test_wire_layout_pads_under_8_blocks_a_chunk(size, parts, chunk):
+    """A part takes the fewest chunks of at most ``chunk`` blocks that hold its share, each
+    the smallest multiple of 8 that does: 8196 values over 8 parts took 2 chunks of 256
+    blocks a part (2047 blocks of padding, 1.9x the bytes)."""
+    lay = wire.layout(size, CFG, parts, chunk=chunk)
+    blocks = -(-size // CFG.d)
+    share = -(-blocks // parts)
+    assert lay.chunk % 8 == 0 and lay.chunk <= chunk
+    assert lay.chunks == -(-share // chunk)
+    assert lay.chunks * lay.chunk >= share
+    assert parts * lay.chunks * lay.chunk - blocks < 8 * parts * lay.chunks + parts
+
+
 def test_wire_t_stream_bit_layout():
     """docs/format.md, wire format: T = (0, 2, 0, 1, 0, 0, 3, 0) in a chunk of 8 blocks is the
     flag byte 0b01001010 (blocks 1, 3, 6), then the unary codes 1 0 | 0 | 1 1 0 from bit 0:

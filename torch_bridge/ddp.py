@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hnlq_jax import dist as hq_dist
-from hnlq_jax import wire
+from hnlq_jax import ops, wire
 from hnlq_jax.codes import FORMAT_VERSION
 from hnlq_jax.config import HNLQConfig, check_config
 from torch_bridge.interop import to_jax, to_torch
@@ -93,7 +93,10 @@ class HNLQHookState:
         version, method, chunk, t_capacity, warmup_steps and min_size, which decide each
         bucket's collectives) across ranks and raises ``ValueError`` if they differ.
       process_group: the group to average over (default: the default group).
-      error_feedback: add what quantization left out of a bucket to its next gradient.
+      error_feedback: add what quantization left out of a bucket to its next gradient (with
+        ``"reduce_scatter"``, what this rank's encoding left out: the owner's re-encoding of
+        each averaged part is not fed back, ``docs/dist.md``). Turned off later, the
+        residuals are dropped.
       warmup_steps: iterations that use the exact all-reduce first (as PowerSGD's
         ``start_powerSGD_iter``).
       min_size: buckets with fewer elements use the exact all-reduce.
@@ -126,6 +129,12 @@ class HNLQHookState:
             raise ValueError(f"HNLQHookState: method must be one of {METHODS}, got {method!r}")
         check_config(config, "HNLQHookState")
         wire.layout(1, config, chunk=chunk, t_capacity=t_capacity)  # validates
+        if implementation is not None:  # now, not at the first coded bucket after the warm-up
+            try:
+                ops.resolve(implementation, config, "encode")
+            except ValueError as e:
+                raise ValueError(f"HNLQHookState: {e} (the wire encodes and decodes with "
+                                 "it)") from None
         for name, v in (("warmup_steps", warmup_steps), ("min_size", min_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"HNLQHookState: {name} must be an int >= 0, got {v!r}")
@@ -246,6 +255,8 @@ def hnlq_hook(state: HNLQHookState,
     lay = state.layout(n, world)
     kw = {"lay": lay, "implementation": state.implementation}
     v = to_jax(buffer.float())
+    if not state.error_feedback:  # (turned off since: its last residual is not added again)
+        state.residuals.pop(bucket.index(), None)
     payload, r, info = _compress(v, state._residual(bucket, v), **kw)
     if state.error_feedback:
         state.residuals[bucket.index()] = (_signature(bucket), r)

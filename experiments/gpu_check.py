@@ -207,8 +207,10 @@ def split_tests(targets) -> dict:
 def run_tests(targets, clock, limit: float = TESTS_LIMIT, log: pathlib.Path | None = None):
     """The kernel tests natively, in a process of their own (a kernel that faults or hangs
     there costs at most ``limit`` seconds). ``fault``: the sign of a kernel that broke its
-    process (:func:`device_fault`), or that the tests ran past ``limit``. ``log``: where the
-    whole output goes."""
+    process (:func:`device_fault`), or that the tests ran past ``limit`` with one stuck (the
+    stack dump of a test past 60 s: a run that is only slow, its first native compiles on a
+    cold cache, leaves its kernels in the sweep, whose own watchdog guards each candidate).
+    ``log``: where the whole output goes."""
     # the programs users run: JAX's default compilation, not the tests' fast settings
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "HNLQ_TEST_FAST_COMPILE": "0"}
     # a session of its own: on a timeout its whole process group goes (the xdist workers,
@@ -225,8 +227,11 @@ def run_tests(targets, clock, limit: float = TESTS_LIMIT, log: pathlib.Path | No
         out, err = proc.communicate()
         text = out + err
         budget = clock.left() < 10
-        code, fault = None, None if budget else f"the tests ran past {limit:.0f} s"
-        stop = ["(stopped at the time budget)" if budget else f"(stopped after {limit:.0f} s)"]
+        stuck = not budget and "Timeout (" in text  # faulthandler's dump (pytest_command)
+        code, fault = None, f"a test hung: the run passed {limit:.0f} s" if stuck else None
+        stop = ["(stopped at the time budget)" if budget else
+                f"(stopped after {limit:.0f} s" + ("" if stuck else ", no test stuck: slow, "
+                                                   "not a fault") + ")"]
     if log is not None:
         log.write_text("\n".join([text.rstrip("\n")] + stop) + "\n")
     return {"targets": list(targets), "returncode": code, "fault": fault,
@@ -1051,7 +1056,7 @@ def main(argv=None):
     tests_part("tests_mosaic")
     fault = (out.get("tests_mosaic") or {}).get("fault")
     skip_mosaic = ("--no-mosaic" if args.no_mosaic else
-                   f"the native tests broke their process ({fault})" if fault else None)
+                   f"the native tests faulted or hung ({fault})" if fault else None)
     out["sweep"] = {}  # filled row by row: a run the watchdog stops keeps what was timed
     # the time the parts after the sweep took on the H100 (product table, codec, torch: 190 s
     # in all, about 80 s of them at --quick's sizes) stays theirs, and the other tests' (at

@@ -1105,21 +1105,27 @@ def test_gpu_check_stops_at_a_broken_device_context(monkeypatch):
 @pytest.mark.parametrize("script,fault", [
     ("print('3 passed')", None),
     ("import sys; print('Fatal Python error: Aborted'); sys.exit(134)", "Fatal Python error"),
-    ("import time; print('[gw0] PASSED t1', flush=True); time.sleep(30)",
-     "the tests ran past 2 s")])
+    ("import time; print('[gw0] PASSED t1', flush=True); time.sleep(30)", None),
+    ("import time; print('[gw0] PASSED t1 Timeout (0:01:00)!', flush=True); time.sleep(30)",
+     "a test hung: the run passed 2 s")])
 def test_gpu_check_tests_report_a_fault_or_hang(monkeypatch, tmp_path, script, fault):
-    """The native tests' process: a crash's sign or a run past the limit is a fault (the sweep
-    then leaves the Mosaic GPU kernels out); a run that only ends the budget is not. The
-    whole output goes to the log, a hang's too (what it left running follows its last line)."""
+    """The native tests' process: a crash's sign, or a run past the limit with a test stuck
+    (faulthandler's dump), is a fault (the sweep then leaves the Mosaic GPU kernels out); a
+    run past the limit whose tests were all moving (slow first compiles), or that only ends
+    the budget, is not. The whole output goes to the log, a hang's too (what it left running
+    follows its last line)."""
     gpu_check = experiment("gpu_check")
     monkeypatch.setattr(gpu_check, "pytest_command", lambda *t: [sys.executable, "-c", script])
     r = gpu_check.run_tests(["t"], gpu_check.Clock(3600), limit=2, log=tmp_path / "t.txt")
     assert r["fault"] == fault and r["log"] == "t.txt"
     log = (tmp_path / "t.txt").read_text()
-    if fault is None:
+    if script == "print('3 passed')":
         assert r["returncode"] == 0 and r["summary"] == ["3 passed"] and log == "3 passed\n"
-    if fault and "past" in fault:
-        assert log == "[gw0] PASSED t1\n(stopped after 2 s)\n"
+    elif fault and "hung" in fault:
+        assert log == "[gw0] PASSED t1 Timeout (0:01:00)!\n(stopped after 2 s)\n"
+    elif fault is None:
+        assert r["returncode"] is None
+        assert log == "[gw0] PASSED t1\n(stopped after 2 s, no test stuck: slow, not a fault)\n"
 
 
 def test_gpu_check_test_summary_keeps_every_failure():

@@ -1102,6 +1102,41 @@ def test_gpu_check_stops_at_a_broken_device_context(monkeypatch):
     assert "Mosaic GPU kernels not timed: --no-mosaic" in md and "context broke" in md
 
 
+def test_gpu_check_quick_sweep_times_every_first_candidate_first(monkeypatch):
+    """--quick times the first candidate of every lattice, op and batch class before any
+    other, so that a lease's budget, which ends the sweep where it is, still leaves every
+    kernel compared at every batch class (D4's candidates used to take it all: E8 and the
+    Triton baselines at 8 and 16 rows went untimed); then the rest, each phase B around its
+    winner."""
+    gpu_check = experiment("gpu_check")
+    calls = []
+
+    def timed(fn, x, ws, peak, nbytes, ref=None, iterations=10):
+        calls.append(fn)
+        return {"seconds": 1e-3 * len(calls), "rel_diff": 0.0}  # the first is fastest
+
+    def candidates(op, lattice, batch, quick, generation):
+        return [dict(block_n=8, block_k=32), dict(block_n=16, block_k=32)], [dict(num_warps=8)]
+
+    monkeypatch.setattr(gpu_check, "_timed", timed)
+    monkeypatch.setattr(gpu_check, "sweep_candidates", candidates)
+    sw = gpu_check.sweep(gpu_check.Clock(3600), small=True, quick=True,
+                         skip_mosaic="--no-mosaic")
+    assert not [r for r in sw["rows"] if "error" in r]
+    keys = [(r["op"], r["lattice"], r["batch"]) for r in sw["rows"]]
+    classes = list(dict.fromkeys(keys))
+    assert len(classes) == 2 * 5 and {k[1] for k in classes} == set(gpu_check.CONFIGS)
+    assert keys[:len(classes)] == classes  # every class's first candidate, then the others
+    assert [r["entry"] for r in sw["rows"][:len(classes)]] == [
+        dict(block_n=8, block_k=32)] * len(classes)
+    assert len(keys) == 3 * len(classes)
+    # phase B varies the winner (the first candidate, timed in the first round)
+    assert all(r["entry"] == dict(block_n=8, block_k=32, num_warps=8)
+               for r in sw["rows"][2 * len(classes):] if "num_warps" in r["entry"])
+    assert all(sw["best"][op][lat][f"batch<={b}"] == dict(block_n=8, block_k=32)
+               for op, lat, b in classes)
+
+
 @pytest.mark.parametrize("script,fault", [
     ("print('3 passed')", None),
     ("import sys; print('Fatal Python error: Aborted'); sys.exit(134)", "Fatal Python error"),

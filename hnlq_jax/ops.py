@@ -105,6 +105,15 @@ def resolve(implementation, config: HNLQConfig, op: str, *arrays) -> str:
     return implementation
 
 
+def resolve_interpret(impl: str, interpret, *arrays):
+    """``interpret`` for the Pallas kernels (``impl == "pallas"``), resolved from ``arrays``
+    before a front door's jit: inside it the kernels see tracers, whose device is unknown,
+    and a GPU machine compiled for its GPU what ran on CPU-committed inputs."""
+    if impl != "pallas" or interpret is not None:
+        return interpret
+    return kernels.pallas.interpret_mode(None, *arrays)
+
+
 FAILURES = ("raise", "mark")
 
 
@@ -146,6 +155,7 @@ def encode(x, config: HNLQConfig, *, implementation=None, interpret=None,
     impl = resolve(implementation, config, "encode", x)
     if x.size == 0:
         impl = "xla"
+    interpret = resolve_interpret(impl, interpret, x)
     if not is_concrete(x):
         return _encode(x, config, impl, interpret)
     index, T = encode_padded(x, config, impl, interpret)
@@ -269,6 +279,7 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
     N = int(np.prod(codes.blocks_shape, dtype=np.int64))
     if N == 0 or not codes.blocks_shape:
         impl = "xla"
+    interpret = resolve_interpret(impl, interpret, codes)
     if not is_concrete(codes.index):
         return saturating_cast(_decode(codes, levels, compute, impl, interpret), dtype)
     # Eager: one flat, bucket-padded batch, so a new batch size reuses the compiled decoder.
@@ -368,6 +379,7 @@ def quantize(x, config: HNLQConfig, *, implementation=None, interpret=None,
     impl = resolve(implementation, config, "quantize", x)
     if x.size == 0:
         return x.astype(dtype)
+    interpret = resolve_interpret(impl, interpret, x)
     if not is_concrete(x):
         return saturating_cast(_quantize_jit(x, config, impl, interpret), dtype)
     # Eager: a bucket-padded flat batch (see bucket).
@@ -511,6 +523,7 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
         lut.check_one_sided(codes.config, "matmul")
     if x.size == 0 or codes.blocks_shape[0] == 0:
         return jnp.zeros(x.shape[:-1] + (codes.blocks_shape[0],), _compute_dtypes(x.dtype)[1])
+    interpret = resolve_interpret(impl, interpret, x, codes)
     if not (is_concrete(x) and all(map(is_concrete, jax.tree.leaves(codes)))):
         return _matmul(x, codes, impl, interpret)
     return run_rows(_matmul_jit, x, codes, impl, interpret)

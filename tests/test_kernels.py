@@ -12,6 +12,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 import jax
@@ -116,6 +117,33 @@ def test_codes_on_the_default_device_are_the_cpus(implementation):
     assert_codes_equal(got, ref)
     rough = hq.encode(x * (np.float32(1) / np.float32(cfg.beta)), cfg.replace(beta=1.0), **XLA)
     assert np.mean(np.any(np.asarray(rough.index) != np.asarray(ref.index), axis=-1)) > 0.05
+
+
+def test_front_doors_take_interpret_mode_from_where_the_inputs_live(monkeypatch):
+    """On a GPU machine (its default backend made "gpu" here, in kernels.pallas alone) the
+    "pallas" front doors on CPU-committed inputs run the kernels in interpret mode: inside
+    their jit the kernels saw tracers, took the default backend's mode and were compiled for
+    the GPU ("Only interpret mode is supported on CPU backend")."""
+    fake = types.SimpleNamespace(**{k: getattr(jax, k) for k in dir(jax)
+                                    if not k.startswith("__")})
+    fake.default_backend = lambda: "gpu"
+    monkeypatch.setattr(K.pallas, "jax", fake)
+    monkeypatch.setattr(K.pallas, "gpu_target", lambda: ("sm90", 132))
+    modes = []
+    real = K.pallas.interpret_mode
+    monkeypatch.setattr(K.pallas, "interpret_mode",
+                        lambda interpret, *a: modes.append(real(interpret, *a)) or modes[-1])
+    cpu = jax.devices("cpu")[0]
+    w = jax.device_put(np.random.default_rng(1).standard_normal((16, 32)).astype(np.float32),
+                       cpu)
+    codes = jax.device_put(hq.encode_rows(w, D4), cpu)
+    x = jax.device_put(jnp.ones((1, 32), jnp.float32), cpu)
+    blocks = jax.device_put(jnp.asarray(_data(D4, 8)), cpu)
+    hq.matmul(x, codes, **PALLAS)
+    hq.decode(codes, **PALLAS)
+    hq.encode(blocks, D4, **PALLAS)
+    hq.quantize(blocks, D4, **PALLAS)
+    assert modes and all(modes)
 
 
 @pytest.mark.golden

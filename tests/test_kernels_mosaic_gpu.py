@@ -261,6 +261,12 @@ def test_gemv_refusals():
     x = _x(1, 256)
     e8 = hq.HNLQConfig("E8", 4, 2)
     assert "packed codebook" in mg.unsupported(e8)
+    # a refusal names its cause: 256 entries hold Z2 q = 16's codebook, whose byte fields
+    # carry from M = 2 on (they blamed the entry count)
+    assert mg.unsupported(hq.HNLQConfig("Z2", 16, 1)) is None
+    assert "would carry: (max r - min r) sum_m q^m = 272 > 255" in mg.unsupported(
+        hq.HNLQConfig("Z2", 16, 2))
+    assert "q^d = 4096" in mg.unsupported(hq.HNLQConfig("D4", 8, 1))
     with pytest.raises(ValueError, match="no kernel for .*E8"):
         mg.gemv(jnp.ones((1, 64)), _weights(e8, 64, 64), jnp.float32)
     with pytest.raises(ValueError, match="not tiled exactly"):

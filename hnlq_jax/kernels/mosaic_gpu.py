@@ -59,6 +59,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from hnlq_jax import codec
 from hnlq_jax.codes import Codes, check_activations, t_bits
 from hnlq_jax.config import HNLQConfig
 from hnlq_jax.kernels import pallas as _pallas
@@ -89,10 +90,14 @@ def unsupported(config: HNLQConfig, op: str = "gemv") -> str | None:
         return f"jax {jax.__version__} lacks Mosaic GPU's plgpu.kernel / GPU interpret mode"
     if _pallas.unsupported(config):
         return _pallas.unsupported(config)
-    packed = _pallas.packed_codebook(config)
-    if packed is None or config.d > 4 or config.q**config.d > _TABLE_ROWS_MAX:
-        return ("the packed codebook must be one word an entry with at most "
-                f"{_TABLE_ROWS_MAX} entries (q^d = {config.q**config.d})")
+    if config.d > 4 or config.q**config.d > _TABLE_ROWS_MAX:
+        return ("the packed codebook must be one word of byte fields an entry (d <= 4) with "
+                f"at most {_TABLE_ROWS_MAX} entries (d = {config.d}, q^d = {config.q**config.d})")
+    if _pallas.packed_codebook(config) is None:
+        r = codec.codebook_table(config.lattice, config.q)
+        span = (int(r.max()) - int(r.min())) * sum(config.q**m for m in range(config.M))
+        return (f"the levels' byte fields would carry: (max r - min r) sum_m q^m = {span} > 255 "
+                "(fewer levels or a smaller q)")
     view = _pallas.word_view(config)
     if view is None or view[0] != view[1]:
         return (f"M = {config.M} index bytes a block and {t_bits(config)}-bit T have no "

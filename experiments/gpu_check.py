@@ -99,7 +99,10 @@ from hnlq_jax.timing import cache_copies, device_time  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 # HBM peak by device kind (vendor figures, bytes/s); unknown devices report no roofline.
-HBM_PEAK = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "H100": 3.35e12}
+# Matched in order, by substring of the device kind (the longer names first: "GH200" holds
+# "H200", "H100 NVL" "H100"); GH200 comes with HBM3 or HBM3e: no one figure
+HBM_PEAK = {"GH200": None, "H100 NVL": 3.9e12, "H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12,
+            "H200": 4.8e12, "H100": 3.35e12}
 CONFIGS = {"D4": hq.HNLQConfig("D4", 4, 2), "E8": hq.HNLQConfig("E8", 4, 2)}
 SHAPES = [(4096, 4096), (8192, 8192), (28672, 8192)]  # (n, k): y[b, n] = x[b, k] W[n, k]^T
 BATCHES = (1, 4, 16, 64)
@@ -496,18 +499,23 @@ def pick_backends(best: dict, winners: dict, attempted=None):
     rows the ``gemv`` entry says ``"mosaic_gpu"`` (Mosaic GPU's gemv beat Triton's),
     ``"mosaic_gpu_mma"`` (Mosaic GPU's tensor-core kernel beat both gemvs) or ``"triton_mma"``
     (Triton's ``decode_matmul``, which pads x to 16 rows: timed at the batch, else its time
-    at 16 rows); beyond, the ``decode_matmul`` entry says ``"mosaic_gpu"`` (it beat
+    at the nearest class above, 8 or 16 rows); beyond, the ``decode_matmul`` entry says ``"mosaic_gpu"`` (it beat
     Triton's decode_matmul). ``winners``: ``{(op, lattice, batch): row}``
     (:func:`winners_of`), the rows' ``seconds``."""
+    def padded(op, batch):
+        """The batches whose time stands for ``batch``: itself, and for Triton's
+        decode_matmul (16 rows padded) the classes above it up to 16, the nearest first (the
+        tile entry that runs at the batch is the nearest class's)."""
+        return [batch] + ([b for b in (8, 16) if b > batch] if op == "decode_matmul" else [])
+
     def seconds(op, lattice, batch):
-        row = winners.get((op, lattice, batch))
-        if row is None and op == "decode_matmul" and batch <= 16:  # the same padded rows
-            row = winners.get((op, lattice, 16))
+        row = next((winners[(op, lattice, b)] for b in padded(op, batch)
+                    if (op, lattice, b) in winners), None)
         return row["seconds"] if row else float("inf")
 
     def timed(op, lattice, batch):
-        return attempted is None or (op, lattice, batch) in attempted or (
-            op == "decode_matmul" and batch <= 16 and (op, lattice, 16) in attempted)
+        return attempted is None or any((op, lattice, b) in attempted
+                                        for b in padded(op, batch))
 
     for lattice, batch in sorted({(lat, b) for _, lat, b in winners}):
         mma = seconds("decode_matmul_mosaic", lattice, batch)
@@ -1012,7 +1020,14 @@ def main(argv=None):
 
     def save():
         with writing:
-            (results / f"gpu_check{suffix}.json").write_text(json.dumps(out, indent=1))
+            for attempt in range(3):  # the watchdog's save may meet the main thread adding a
+                try:  # row ("dictionary changed size"): try again, the file as it was
+                    text = json.dumps(out, indent=1)
+                    break
+                except RuntimeError:
+                    if attempt == 2:
+                        raise
+            (results / f"gpu_check{suffix}.json").write_text(text)
 
     def finish():
         with writing:

@@ -961,6 +961,15 @@ def test_lowers_for_cuda_mosaic_gpu(monkeypatch):
     assert "custom_call @mosaic_gpu" in text
 
 
+def test_gpu_check_peak_bandwidth_of_each_kind():
+    """The longer names first: a GH200 is not an H200 (two memory configurations: no figure),
+    an H100 NVL not an H100 SXM."""
+    peak = experiment("gpu_check").peak_bandwidth
+    assert peak("NVIDIA H200") == 4.8e12 and peak("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert peak("NVIDIA H100 NVL") == 3.9e12 and peak("NVIDIA H100 PCIe") == 2.0e12
+    assert peak("NVIDIA GH200 480GB") is None and peak("NVIDIA A100-SXM4-80GB") is None
+
+
 def test_gpu_check_picks_the_faster_backend():
     """The sweep names a Mosaic GPU kernel the backend only where its winner beat what
     hq.matmul would run instead (or that had none, having failed; not where it was never
@@ -984,13 +993,16 @@ def test_gpu_check_picks_the_faster_backend():
     rows.append(dict(op="decode_matmul", lattice="E8", batch=16, entry=tri, error="ptxas"))
     rows.append(dict(op="gemv_mosaic", lattice="E8", batch=1, entry=mos, seconds=1e-6))
     # Triton's decode_matmul at up to 8 rows: Z2 from its time at 16 (x padded to 16 rows
-    # either way), A2 from its own time at 8 (at 16 it would lose); slower rows do not count
+    # either way), A2 from its own time at 8 (at 16 it would lose), at 8 rows and at 1 (the
+    # nearest class above it: its tiles run there); slower rows do not count
     for lat, op, b, us in (("Z2", "gemv", 8, 200), ("Z2", "decode_matmul", 16, 80),
+                           ("A2", "gemv", 1, 100),
                            ("A2", "gemv", 8, 100), ("A2", "decode_matmul", 8, 90),
                            ("A2", "decode_matmul", 8, 95), ("A2", "decode_matmul", 16, 200)):
         rows.append(dict(op=op, lattice=lat, batch=b, entry=tri, seconds=us * 1e-6))
     best = {"gemv": {"D4": {f"batch<={b}": dict(tri) for b in (1, 4, 8)},
-                     "Z2": {"batch<=8": dict(tri)}, "A2": {"batch<=8": dict(tri)}},
+                     "Z2": {"batch<=8": dict(tri)},
+                     "A2": {"batch<=1": dict(tri), "batch<=8": dict(tri)}},
             "gemv_mosaic": {"D4": {"batch<=1": dict(mos), "batch<=8": dict(mos)}},
             "decode_matmul": {"D4": {"batch<=16": dict(tri), "batch<=64": dict(tri)}}}
     gpu_check.pick_backends(best, gpu_check.winners_of(rows), gpu_check.attempted_of(rows))
@@ -998,8 +1010,9 @@ def test_gpu_check_picks_the_faster_backend():
     assert best["gemv"]["D4"] == {"batch<=1": dict(tri, backend="mosaic_gpu"),
                                   "batch<=4": dict(tri, backend="mosaic_gpu_mma"),
                                   "batch<=8": tri}  # (Triton's decode_matmul: 70 at 16)
-    assert best["gemv"]["Z2"] == best["gemv"]["A2"] == {
-        "batch<=8": dict(tri, backend="triton_mma")}
+    assert best["gemv"]["Z2"] == {"batch<=8": dict(tri, backend="triton_mma")}
+    assert best["gemv"]["A2"] == {"batch<=1": dict(tri, backend="triton_mma"),
+                                  "batch<=8": dict(tri, backend="triton_mma")}
     assert {lat: best["decode_matmul"][lat] for lat in ("D4", "E8")} == {
         "D4": {"batch<=16": dict(tri, backend="mosaic_gpu"), "batch<=64": tri},
         "E8": {"batch<=16": {"backend": "mosaic_gpu"}}}  # Triton had no winner there

@@ -499,7 +499,8 @@ def pick_backends(best: dict, winners: dict, attempted=None):
     rows the ``gemv`` entry says ``"mosaic_gpu"`` (Mosaic GPU's gemv beat Triton's),
     ``"mosaic_gpu_mma"`` (Mosaic GPU's tensor-core kernel beat both gemvs) or ``"triton_mma"``
     (Triton's ``decode_matmul``, which pads x to 16 rows: timed at the batch, else its time
-    at the nearest class above, 8 or 16 rows); beyond, the ``decode_matmul`` entry says ``"mosaic_gpu"`` (it beat
+    at the nearest class above, 8 or 16 rows); beyond, the ``decode_matmul`` entry says
+    ``"mosaic_gpu"`` (it beat
     Triton's decode_matmul). ``winners``: ``{(op, lattice, batch): row}``
     (:func:`winners_of`), the rows' ``seconds``."""
     def padded(op, batch):

@@ -814,11 +814,15 @@ def test_errors():
         K.encode(x, D4, gpu_backend="mosaic_gpu")
     with pytest.raises(ValueError, match="gpu_backend must be one of"):
         K.modq_sum(hq.encode(np.zeros((2, 4), np.float32), D4), gpu_backend="cuda")
-    with pytest.raises(ValueError, match="block must be a power of two >= 16"):
+    with pytest.raises(ValueError, match="^kernels.encode: block must be a power of two >= 16"):
         K.encode(x, D4, block=100)
     codes = _weights(D4, 8, 32)
-    with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
+    with pytest.raises(ValueError, match="^kernels.decode_matmul: block_k must be a power of two"):
         K.decode_matmul(jnp.ones((2, 32)), codes, jnp.float32, jnp.float32, block_k=8)
+    with pytest.raises(ValueError, match="^kernels.gemv: block_n must be a power of two, got 3"):
+        K.gemv(jnp.ones((1, 32)), codes, jnp.float32, block_n=3)
+    with pytest.raises(ValueError, match="^kernels.gemv: splits must be a positive int, got True"):
+        K.gemv(jnp.ones((1, 32)), codes, jnp.float32, splits=True)
     with pytest.raises(ValueError, match="expected block codes"):
         K.decode(codes, None, jnp.float32)
     with pytest.raises(TypeError, match="float32 or float64"):

@@ -174,10 +174,10 @@ def _compiler_params(gpu_backend: str, fn: str):
     raise ValueError(f"{fn}: gpu_backend must be one of {GPU_BACKENDS}, got {gpu_backend!r}")
 
 
-def _tile(n: int, block: int, what: str = "block") -> int:
+def _tile(n: int, block: int, fn: str, what: str = "block") -> int:
     """Rows per program: a power of two >= 16 (Triton's ``dot`` minimum), no larger than needed."""
-    if not isinstance(block, int) or block < 16 or block & (block - 1):
-        raise ValueError(f"{what} must be a power of two >= 16, got {block!r}")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 16 or block & (block - 1):
+        raise ValueError(f"{fn}: {what} must be a power of two >= 16, got {block!r}")
     return min(block, max(16, _pow2_at_least(n)))
 
 
@@ -614,7 +614,7 @@ def _encode_call(x, scales, config: HNLQConfig, thresholds, unit, interpret, blo
     ``(count, index, T, left, next)``, the blocks left unresolved listed (the first
     ``count`` of ``left`` and ``next``: :func:`_encode_kernel`)."""
     N, d = x.shape
-    bn = _tile(N, block)
+    bn = _tile(N, block, "kernels.encode")
     vec = jax.ShapeDtypeStruct((N,), jnp.int32)
     count = [jnp.zeros((1,), jnp.int32)] if once else []  # the atomic adds' start
     return pl.pallas_call(
@@ -678,7 +678,7 @@ def _encode_pallas(x, config, interpret, block, gpu_backend):
         return tuple(call(once=False))
     count, index, T, left, t_next = call(once=True)
     return tuple(_encode_left_call(x, count, left, t_next, index, T, scales, config, interpret,
-                                   _tile(N, block), gpu_backend))
+                                   _tile(N, block, "kernels.encode"), gpu_backend))
 
 
 def encode(x, config: HNLQConfig, *, interpret=None, block: int = 256,
@@ -746,7 +746,7 @@ def _decode_pallas(index, tfield, config, levels, dtype, L, table, interpret, bl
                    gpu_backend):
     N, M = index.shape
     d = config.d
-    bn = _tile(N, block)
+    bn = _tile(N, block, "kernels.decode")
     pow2, beta = _tables(config, dtype)
     tabs = [_codebook_input(config)] if table else []
     flat = t_bits(config) == 8 or L % 2 == 0 or N == L
@@ -970,7 +970,8 @@ def decode_matmul(x, codes: Codes, compute_dtype, out_dtype, *, interpret=None,
     t = _launch(launch_params("decode_matmul", config, n, nb, B), "kernels.decode_matmul",
                 block_n=block_n, block_k=block_k, splits=splits, num_warps=num_warps,
                 num_stages=num_stages, words=words, f16=f16)
-    bn, bk = _tile(n, t["block_n"], "block_n"), _tile(nb, t["block_k"], "block_k")
+    bn = _tile(n, t["block_n"], "kernels.decode_matmul", "block_n")
+    bk = _tile(nb, t["block_k"], "kernels.decode_matmul", "block_k")
     if B == 0 or n == 0 or nb == 0:
         return jnp.zeros(lead + (n,), out_dtype)
     compute = jnp.dtype(compute_dtype)
@@ -1201,8 +1202,8 @@ def gemv(x, codes: Codes, out_dtype, *, interpret=None, block_n: int | None = No
                 block_k=block_k, splits=splits, num_warps=num_warps, num_stages=num_stages,
                 use_table=use_table, lut_tables=lut_tables, words=words)
     mode = _gemv_mode(config, t.get("use_table"), t.get("lut_tables"), "kernels.gemv")
-    bn = _small_tile(t["block_n"], "block_n")
-    bk = _tile(nb, t["block_k"], "block_k")
+    bn = _small_tile(t["block_n"], "kernels.gemv", "block_n")
+    bk = _tile(nb, t["block_k"], "kernels.gemv", "block_k")
     if B == 0 or n == 0 or nb == 0:
         return jnp.zeros(lead + (n,), out_dtype)
     out = _gemv_call(x.reshape(B, x.shape[-1]), codes, jnp.dtype(out_dtype), mode,
@@ -1309,7 +1310,7 @@ def _launch(t: dict, fn: str, **given) -> dict:
     """Launch parameters ``t`` with the caller's (those not ``None``), checked."""
     t = {**t, **{k: v for k, v in given.items() if v is not None}}
     for name in ("splits", "num_warps", "num_stages"):
-        if not isinstance(t[name], int) or t[name] < 1:
+        if not isinstance(t[name], int) or isinstance(t[name], bool) or t[name] < 1:
             raise ValueError(f"{fn}: {name} must be a positive int, got {t[name]!r}")
     for name in ("words", "lut_tables", "f16"):
         if not isinstance(t.get(name, False), bool):
@@ -1321,10 +1322,10 @@ def _launch(t: dict, fn: str, **given) -> dict:
 GEMV_ROWS = 8
 
 
-def _small_tile(block: int, what: str) -> int:
+def _small_tile(block: int, fn: str, what: str) -> int:
     """Rows per program of a kernel without a ``dot``: any power of two."""
-    if not isinstance(block, int) or block < 1 or block & (block - 1):
-        raise ValueError(f"{what} must be a power of two, got {block!r}")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1 or block & (block - 1):
+        raise ValueError(f"{fn}: {what} must be a power of two, got {block!r}")
     return block
 
 
@@ -1508,7 +1509,7 @@ def _modq_call(codes: Codes, axis, interpret, block, gpu_backend):
     K = lead[axis]
     rest = lead[:axis] + lead[axis + 1:]
     N = int(np.prod(rest, dtype=np.int64))
-    bn = _MOSAIC_TILE if gpu_backend == "mosaic_gpu" else _tile(N, block)
+    bn = _MOSAIC_TILE if gpu_backend == "mosaic_gpu" else _tile(N, block, "kernels.modq_sum")
     pad = (-N) % bn
     index = jnp.moveaxis(codes.index, axis, 0).reshape(K, N, config.M).transpose(0, 2, 1)
     u = jnp.moveaxis(unpack_t(codes.tfield, config, lead[-1]), axis, 0).reshape(K, N)

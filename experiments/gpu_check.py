@@ -500,9 +500,8 @@ def pick_backends(best: dict, winners: dict, attempted=None):
     ``"mosaic_gpu_mma"`` (Mosaic GPU's tensor-core kernel beat both gemvs) or ``"triton_mma"``
     (Triton's ``decode_matmul``, which pads x to 16 rows: timed at the batch, else its time
     at the nearest class above, 8 or 16 rows); beyond, the ``decode_matmul`` entry says
-    ``"mosaic_gpu"`` (it beat
-    Triton's decode_matmul). ``winners``: ``{(op, lattice, batch): row}``
-    (:func:`winners_of`), the rows' ``seconds``."""
+    ``"mosaic_gpu"`` (it beat Triton's decode_matmul). ``winners``:
+    ``{(op, lattice, batch): row}`` (:func:`winners_of`), the rows' ``seconds``."""
     def padded(op, batch):
         """The batches whose time stands for ``batch``: itself, and for Triton's
         decode_matmul (16 rows padded) the classes above it up to 16, the nearest first (the

@@ -43,7 +43,7 @@ from hnlq_jax.config import HNLQConfig, check_config
 
 __all__ = ["METHODS", "CHUNK", "compressed_mean", "wire_bytes", "compress_gradients",
            "CompressState", "compression_stats", "decode_parts", "mean_of_parts",
-           "feedback_residual", "saturate"]
+           "feedback_residual", "requantize", "saturate"]
 
 METHODS = ("all_gather", "reduce_scatter")
 CHUNK = wire.CHUNK
@@ -100,18 +100,34 @@ def feedback_residual(v, sent, previous):
     return jnp.where(jnp.isnan(sent), previous, v - sent)
 
 
-def _compressed_mean(v, axis_name, lay: wire.Layout, implementation):
-    """``(mean [padded], own payload, Info)`` of the flat float32 ``v`` over the axis."""
+def requantize(avg, lay: wire.Layout, residual=None, implementation=None):
+    """A reduce-scatter's second quantization: ``(payload, next residual)`` of a device's
+    averaged part ``avg [lay.part_values]`` (``lay``: the full layout), with error feedback
+    where ``residual`` (the part's, ``[lay.part_values]``) is given: ``avg + residual`` is
+    encoded and what its codes left out kept for the next step (:func:`feedback_residual`),
+    so that the owner's re-encoding, repeated step after step, leaves no bias either."""
+    if residual is not None:
+        avg = avg + residual
+    part, _ = wire.encode(avg, lay.slice(), implementation)
+    if residual is not None:
+        residual = feedback_residual(avg, wire.decode(part, lay.slice(), implementation),
+                                     residual)
+    return part, residual
+
+
+def _compressed_mean(v, axis_name, lay: wire.Layout, implementation, part_residual=None):
+    """``(mean [padded], own payload, Info, next part residual)`` of the flat float32 ``v``
+    over the axis (``part_residual``: reduce_scatter's, see :func:`requantize`)."""
     mine, info = wire.encode(v, lay, implementation)
     if lay.parts == 1:  # all_gather
         everyone = jax.lax.all_gather(mine[0], axis_name, to="invarying")  # [n, part_bytes]
-        return mean_of_parts(everyone, lay, implementation), mine, info
+        return mean_of_parts(everyone, lay, implementation), mine, info, None
     # reduce_scatter: part i of every device goes to device i.
     parts = jax.lax.all_to_all(mine, axis_name, 0, 0)
-    avg = mean_of_parts(parts, lay, implementation)
-    part, _ = wire.encode(avg, lay.slice(), implementation)
+    part, part_residual = requantize(mean_of_parts(parts, lay, implementation), lay,
+                                     part_residual, implementation)
     everyone = jax.lax.all_gather(part[0], axis_name, to="invarying")  # part i from device i
-    return decode_parts(everyone, lay, implementation).reshape(-1), mine, info
+    return decode_parts(everyone, lay, implementation).reshape(-1), mine, info, part_residual
 
 
 def compressed_mean(x, axis_name, config: HNLQConfig, method: str = "all_gather", *,
@@ -146,8 +162,8 @@ def compressed_mean(x, axis_name, config: HNLQConfig, method: str = "all_gather"
     lay = _layout(x.size, config, method, n, chunk, t_capacity, "compressed_mean")
     if jax.lax.axis_size(axis_name) == 1:  # nothing is sent: the mean of one value is itself,
         return jax.lax.pmean(x, axis_name)  # typed as the same on every device (x would vary)
-    mean, _, _ = _compressed_mean(jnp.ravel(x).astype(jnp.float32), axis_name, lay,
-                                  implementation)
+    mean = _compressed_mean(jnp.ravel(x).astype(jnp.float32), axis_name, lay,
+                            implementation)[0]
     return saturate(mean[: x.size].reshape(x.shape), x.dtype)
 
 
@@ -191,7 +207,8 @@ class CompressState(NamedTuple):
     Attributes:
       step: int32 count of updates.
       residual: per-leaf float32 error-feedback residuals (``()`` for leaves sent plainly or
-        without error feedback).
+        without error feedback; with ``"reduce_scatter"`` a pair: the leaf's, and that of the
+        device's part of the mean, held at its place in a leaf-shaped array).
       stats: ``bytes_sent`` and ``float32_bytes`` of the last step (per device),
         ``ratio_to_float32`` (``bytes_sent / float32_bytes``), ``overload_rate`` (fraction of
         this step's coded blocks with T > 0, over all devices), ``rescaled_chunks`` (chunks whose scale the wire's rate control raised
@@ -224,9 +241,9 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
     kept per leaf and added to the next gradient: ``v = g + r``, send codes of v,
     ``r' = v - sent`` where ``sent`` is v's decoded codes, the very values the other devices
     receive (:func:`feedback_residual`: a chunk of non-finite values keeps ``r``). With
-    ``"reduce_scatter"`` only this first quantization is fed back: the owner's re-encoding
-    of each averaged slice is not, and for gradients that change slowly its error repeats
-    from step to step (``docs/dist.md``); ``"all_gather"`` (the default) has no second one.
+    ``"reduce_scatter"`` the second quantization, each device's re-encoding of its averaged
+    part of the mean, is fed back too (:func:`requantize`: that device keeps the part's
+    residual), so that its error, repeated step after step, leaves no bias either.
 
     Args:
       config: the quantizer (``beta`` for unit-RMS chunks: :func:`hnlq_jax.gaussian_beta`,
@@ -255,20 +272,33 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
     def init(params):
         def res(p):
             if error_feedback and compressed(p):
-                return jnp.zeros(p.shape, jnp.float32)
+                r = jnp.zeros(p.shape, jnp.float32)
+                # reduce_scatter: the residual of this device's part of the mean too, held at
+                # its place in the leaf (the parts' size depends on the axis size)
+                return (r, r) if method == "reduce_scatter" else r
             return ()
         return CompressState(jnp.zeros((), jnp.int32), jax.tree.map(res, params), _zero_stats())
 
     def leaf_update(g, r, lay):
         """``(mean, new residual, wire.Info)`` of one compressed leaf."""
         v = jnp.ravel(g).astype(jnp.float32)
+        own = None
         if error_feedback:
+            if lay.parts > 1:
+                r, r_mean = r
+                at = jax.lax.axis_index(axis_name) * lay.part_values
+                own = jax.lax.dynamic_slice(jnp.pad(jnp.ravel(r_mean), (
+                    0, lay.parts * lay.part_values - g.size)), (at,), (lay.part_values,))
             v = v + jnp.ravel(r)
-        mean, mine, info = _compressed_mean(v, axis_name, lay, implementation)
+        mean, mine, info, own = _compressed_mean(v, axis_name, lay, implementation, own)
         mean = saturate(mean[: g.size].reshape(g.shape), g.dtype)
         if error_feedback:  # what this device sent, as every receiver decodes it
             sent = wire.decode(mine, lay, implementation)
             r = feedback_residual(v, sent, jnp.ravel(r)).reshape(g.shape)
+            if lay.parts > 1:  # (the padding's mean is 0, coded exactly: its residual 0)
+                r_mean = jax.lax.dynamic_update_slice(
+                    jnp.zeros(lay.parts * lay.part_values, jnp.float32), own, (at,))
+                r = (r, r_mean[: g.size].reshape(g.shape))
         return mean, r, info
 
     def update(updates, state, params=None):

@@ -8,6 +8,8 @@ Usage: ``python ddp_worker.py PORT OUT_DIR``. Each rank writes ``OUT_DIR/rank{r}
   layout of the same size (DDP's bucket rebuild), and with a fresh state;
 * ``feedback_off``: a bucket's result once ``error_feedback`` was turned off after a step, and
   with a fresh state without it;
+* ``no_bias``: per method, the largest error of the average of 12 means of the same data (and
+  of the first alone);
 * ``exact``: max |grad - built-in grad| over the steps that must be exact (a warm-up step, and
   every step of a bucket below ``min_size``), and the relative error of a coded step (both
   methods; the reduce-scatter gradients too, to compare the ranks);
@@ -32,7 +34,8 @@ import numpy as np
 
 import hnlq_jax as hq
 from torch_bridge import HNLQHookState, hnlq_hook
-from torch_bridge.ddp import METHODS, _compress, _decode_parts, _encode, _mean, _saturated
+from torch_bridge.ddp import (METHODS, _compress, _decode_parts, _mean, _requantize,
+                              _saturated)
 
 D4_Q4_M2 = hq.HNLQConfig("D4", 4, 2, beta=0.2016)  # hq.gaussian_beta, rounded
 D4_Q16_M4 = hq.HNLQConfig("D4", 16, 4, beta=4.353e-5)
@@ -89,6 +92,14 @@ def buckets(rank):
     state.error_feedback = False
     res["feedback_off"] = {"after": hook(state, x, [b, a]), "fresh": hook(HNLQHookState(
         D4_Q4_M2, min_size=0, error_feedback=False), x, [b, a])}
+    # the same gradient 12 times: max |average of the means - the true mean|, and of the first
+    true = bucket_data().astype(np.float64).mean(0)
+    res["no_bias"] = {}
+    for m in METHODS:
+        state, params = HNLQHookState(D4_Q4_M2, min_size=0, method=m), [torch.zeros(x.size)]
+        means = np.array([hook(state, x, params) for _ in range(12)])  # one layout
+        res["no_bias"][m] = [float(np.abs(means.mean(0) - true).max()),
+                             float(np.abs(means[0] - true).max())]
     return res
 
 
@@ -112,8 +123,8 @@ def hook_programs():
             progs.append((_saturated, (committed(lay.parts * lay.part_values, np.float32),),
                           {"n": N, "dtype": np.dtype(np.float32)}))
             if lay.parts > 1:
-                progs.append((_encode, (committed(lay.part_values, np.float32), lay.slice(),
-                                        None), {}))
+                part = committed(lay.part_values, np.float32)  # (with its residual)
+                progs.append((_requantize, (part, lay, part, None), {}))
                 progs.append((_decode_parts,
                               (committed((2, lay.slice().part_bytes), np.uint8),), kw))
     return progs

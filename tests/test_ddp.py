@@ -220,6 +220,12 @@ def test_two_ranks_gloo(tmp_path, free_port):
         assert rb["rebuilt"] == rb["fresh"] and rb["same"] != rb["fresh"]
         # error feedback turned off: the last residual is not added again (a frozen bias)
         assert r["feedback_off"]["after"] == r["feedback_off"]["fresh"]
+        # error feedback leaves no bias: with reduce_scatter the re-encoding of a rank's part
+        # of the mean is fed back too (its error repeated every step, ~10x all_gather's)
+        nb = r["no_bias"]
+        for average, first in nb.values():
+            assert average < first / 4, nb
+        assert nb["reduce_scatter"][0] < 2 * nb["all_gather"][0]
         e = r["exact"]
         # Warm-up steps and buckets below min_size are DDP's own all-reduce, exactly.
         assert e["warmup"] == 0.0 and e["small"] == 0.0

@@ -195,6 +195,38 @@ def test_optax_error_feedback_invariant():
     assert 0 <= float(stats["overload_rate"][0]) < 1
 
 
+def test_error_feedback_leaves_no_bias_with_either_method():
+    """The same gradients every step (a slowly changing gradient): error feedback makes the
+    updates' average over K steps approach the true mean like 1/K. With reduce_scatter the
+    owner's re-encoding of its part of the mean is fed back too; before, its error repeated
+    every step as a bias (the average stayed ~10x further off than all_gather's)."""
+    rng = np.random.default_rng(11)
+    g = {"w": jnp.asarray(rng.standard_normal((N_DEV, 64, 40)), jnp.float32)}
+    true = np.asarray(g["w"], np.float64).mean(0)
+    errors = {}
+    for method in dist.METHODS:
+        tx = dist.compress_gradients(CFG, "i", method=method, min_size=16)
+        state = placed(jax.tree.map(lambda a: jnp.broadcast_to(a, (N_DEV,) + a.shape),
+                                    tx.init({"w": jnp.zeros((64, 40))})), P("i"))
+
+        def step(g, st, tx=tx):
+            u, st = tx.update(jax.tree.map(lambda a: a[0], g),
+                              jax.tree.map(lambda a: a[0], st))
+            return u, jax.tree.map(lambda a: a[None], st)
+
+        f = jax.jit(jax.shard_map(step, mesh=mesh(), in_specs=(P("i"), P("i")),
+                                  out_specs=(P(), P("i"))))
+        total = np.zeros_like(true)
+        for k in range(24):
+            u, state = f(g, state)
+            total += np.asarray(u["w"], np.float64)
+            if k == 0:
+                first = np.abs(np.asarray(u["w"]) - true).max()
+        errors[method] = np.abs(total / 24 - true).max()
+        assert errors[method] < first / 5, (method, errors[method], first)
+    assert errors["reduce_scatter"] < 2 * errors["all_gather"], errors
+
+
 def test_optax_warmup_chain_and_training():
     """Warm-up steps are exact; the chain trains a least-squares problem to the same loss."""
     rng = np.random.default_rng(4)

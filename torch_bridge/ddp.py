@@ -75,7 +75,7 @@ def _into(buffer: torch.Tensor, values) -> torch.Tensor:
     return buffer.copy_(to_torch(_saturated(values, n=buffer.numel(), dtype=dtype)))
 
 
-_encode = jax.jit(wire.encode, static_argnums=(1, 2))
+_requantize = jax.jit(hq_dist.requantize, static_argnums=(1, 3))
 
 
 def _signature(bucket) -> tuple:
@@ -94,9 +94,8 @@ class HNLQHookState:
         bucket's collectives) across ranks and raises ``ValueError`` if they differ.
       process_group: the group to average over (default: the default group).
       error_feedback: add what quantization left out of a bucket to its next gradient (with
-        ``"reduce_scatter"``, what this rank's encoding left out: the owner's re-encoding of
-        each averaged part is not fed back, ``docs/dist.md``). Turned off later, the
-        residuals are dropped.
+        ``"reduce_scatter"`` also what the re-encoding of this rank's part of the mean left
+        out, to that part's next mean). Turned off later, the residuals are dropped.
       warmup_steps: iterations that use the exact all-reduce first (as PowerSGD's
         ``start_powerSGD_iter``).
       min_size: buckets with fewer elements use the exact all-reduce.
@@ -111,6 +110,8 @@ class HNLQHookState:
         residual and the layout it belongs to (the bucket's parameters and shapes). A bucket
         whose layout changed -- DDP rebuilds its buckets after the first iteration -- starts
         again from a zero residual.
+      part_residuals: the same for this rank's part of each bucket's mean
+        (``"reduce_scatter"``).
       stats: the last completed iteration: ``bytes_sent`` (by this rank), ``float32_bytes``
         (what a ring all-reduce of float32 sends: ``2 (world - 1) / world`` per value),
         ``ratio_to_float32`` (``bytes_sent / float32_bytes``), ``overload_rate`` (fraction of
@@ -149,6 +150,7 @@ class HNLQHookState:
         self.implementation = implementation
         self.iter = 0
         self.residuals: dict[int, tuple] = {}
+        self.part_residuals: dict[int, tuple] = {}
         self.stats = {"bytes_sent": 0.0, "float32_bytes": 0.0, "ratio_to_float32": 1.0,
                       "overload_rate": 0.0, "rescaled_chunks": 0}
         self.total_bytes_sent = 0.0
@@ -182,12 +184,14 @@ class HNLQHookState:
                              f"(and restore states of the same iteration):\n{lines}")
         self._agreed = True
 
-    def _residual(self, bucket, like):
-        """The bucket's residual, or zeros when it is new or its layout changed, on the device
-        of ``like`` (the bucket as a JAX array): a fresh residual placed like a carried one
-        keeps the compiled step the same for both (an uncommitted one compiled it again)."""
+    def _residual(self, bucket, like, store=None):
+        """The bucket's residual (in ``store``: :attr:`residuals`, or :attr:`part_residuals`),
+        or zeros when it is new or its layout changed, shaped and placed as ``like`` (the
+        bucket, or this rank's part of its mean, as a JAX array): a fresh residual placed like
+        a carried one keeps the compiled step the same for both (an uncommitted one compiled
+        it again)."""
         n = like.shape[0]
-        entry = self.residuals.get(bucket.index())
+        entry = (self.residuals if store is None else store).get(bucket.index())
         if entry is None or entry[0] != _signature(bucket) or entry[1].shape[0] != n:
             return jax.device_put(jnp.zeros((n,), jnp.float32), next(iter(like.devices())))
         return entry[1]
@@ -213,6 +217,7 @@ class HNLQHookState:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("part_residuals", {})  # (pickled before it was kept)
         self.process_group = None
         self._agreed = False  # a new group (perhaps other versions on other nodes): ask again
 
@@ -257,6 +262,7 @@ def hnlq_hook(state: HNLQHookState,
     v = to_jax(buffer.float())
     if not state.error_feedback:  # (turned off since: its last residual is not added again)
         state.residuals.pop(bucket.index(), None)
+        state.part_residuals.pop(bucket.index(), None)
     payload, r, info = _compress(v, state._residual(bucket, v), **kw)
     if state.error_feedback:
         state.residuals[bucket.index()] = (_signature(bucket), r)
@@ -287,7 +293,11 @@ def hnlq_hook(state: HNLQHookState,
     def reduce_then_gather(fut):
         fut.wait()
         avg = _mean(to_jax(parts), **kw)  # this rank's part of the mean
-        mine_part, _ = _encode(avg, lay.slice(), state.implementation)
+        part_r = (state._residual(bucket, avg, state.part_residuals) if state.error_feedback
+                  else None)
+        mine_part, part_r = _requantize(avg, lay, part_r, state.implementation)
+        if state.error_feedback:  # its re-encoding's error too (hnlq_jax.dist.requantize)
+            state.part_residuals[bucket.index()] = (_signature(bucket), part_r)
         work2, out = gather(to_torch(mine_part))
         work2.wait()
         return _into(buffer, _decode_parts(to_jax(out).reshape(world, -1), **kw))

@@ -208,7 +208,8 @@ class CompressState(NamedTuple):
       step: int32 count of updates.
       residual: per-leaf float32 error-feedback residuals (``()`` for leaves sent plainly or
         without error feedback; with ``"reduce_scatter"`` a pair: the leaf's, and that of the
-        device's part of the mean, held at its place in a leaf-shaped array).
+        device's part of the mean, held at its place in a leaf-shaped array: twice the
+        memory of all_gather's, as ``init`` does not know the number of devices).
       stats: ``bytes_sent`` and ``float32_bytes`` of the last step (per device),
         ``ratio_to_float32`` (``bytes_sent / float32_bytes``), ``overload_rate`` (fraction of
         this step's coded blocks with T > 0, over all devices), ``rescaled_chunks`` (chunks whose scale the wire's rate control raised
@@ -272,10 +273,12 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
     def init(params):
         def res(p):
             if error_feedback and compressed(p):
-                r = jnp.zeros(p.shape, jnp.float32)
+                def r():  # (two buffers: a donated state must not hold one twice)
+                    return jnp.zeros(p.shape, jnp.float32)
                 # reduce_scatter: the residual of this device's part of the mean too, held at
-                # its place in the leaf (the parts' size depends on the axis size)
-                return (r, r) if method == "reduce_scatter" else r
+                # its place in a leaf-shaped array (the parts' size depends on the axis size,
+                # unknown here)
+                return (r(), r()) if method == "reduce_scatter" else r()
             return ()
         return CompressState(jnp.zeros((), jnp.int32), jax.tree.map(res, params), _zero_stats())
 
@@ -307,6 +310,12 @@ def compress_gradients(config: HNLQConfig, axis_name, method: str = "all_gather"
         leaves, treedef = jax.tree.flatten(updates)
         residuals = treedef.flatten_up_to(state.residual)
         which = [compressed(g) for g in leaves]
+        if error_feedback and method == "reduce_scatter" and any(
+                c and not isinstance(r, tuple) for c, r in zip(which, residuals)):
+            raise ValueError("compress_gradients: with method='reduce_scatter' each coded "
+                             "leaf's residual is a pair (the leaf's, its part of the mean's); "
+                             "this state holds one array (made by an older hnlq_jax?): make "
+                             "it with this transformation's init")
         lays = [_layout(g.size, config, method, n, chunk, t_capacity, "compress_gradients")
                 if c else None for g, c in zip(leaves, which)]
         f32 = [2 * (n - 1) * 4 * g.size / n for g in leaves]

@@ -227,6 +227,22 @@ def test_error_feedback_leaves_no_bias_with_either_method():
     assert errors["reduce_scatter"] < 2 * errors["all_gather"], errors
 
 
+def test_reduce_scatter_state_can_be_donated_and_old_states_are_refused():
+    """The pair of residuals a reduce_scatter leaf keeps are two buffers (one array twice
+    could not be donated: "Attempt to donate the same buffer twice"); a state holding one
+    array per leaf (made before the pair) is refused with a message."""
+    tx = dist.compress_gradients(CFG, "i", method="reduce_scatter", min_size=16)
+    state = tx.init({"w": jnp.zeros((64, 40))})
+    r, r_mean = state.residual["w"]
+    assert r.unsafe_buffer_pointer() != r_mean.unsafe_buffer_pointer()
+    jax.block_until_ready(jax.jit(lambda s: s, donate_argnums=0)(state))
+    old = state._replace(residual={"w": jnp.zeros((64, 40))})
+    f = jax.shard_map(lambda g, st: tx.update(jax.tree.map(lambda a: a[0], g), st)[0],
+                      mesh=mesh(), in_specs=(P("i"), P()), out_specs=P())
+    with pytest.raises(ValueError, match="residual is a pair .* this state holds one array"):
+        jax.jit(f)({"w": jnp.zeros((N_DEV, 64, 40))}, old)
+
+
 def test_optax_warmup_chain_and_training():
     """Warm-up steps are exact; the chain trains a least-squares problem to the same loss."""
     rng = np.random.default_rng(4)

@@ -149,11 +149,10 @@ def compressed_mean(x, axis_name, config: HNLQConfig, method: str = "all_gather"
 
     Returns:
       The mean, shaped and typed as ``x`` (:func:`saturate`: a mean near a half-precision
-      maximum stays finite); identical on every device. NaN only where some device's input
-      was not finite, or within a factor of about 2 of float32's maximum (above ~1.7e38:
-      no power-of-two scale takes that device's chunk; ``docs/dist.md``). On a one-device
-      axis ``x`` itself
-      (``lax.pmean``'s: exact, nothing is communicated).
+      maximum stays finite); identical on every device. NaN where some device's input was
+      not finite, and possibly where its chunk held values within a factor of about 2 of
+      float32's maximum (no power-of-two scale may take it; ``docs/dist.md``). On a
+      one-device axis ``x`` itself (``lax.pmean``'s: exact, nothing is communicated).
     """
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hnlq_jax import _numerics, kernels
-from hnlq_jax.codec import codebook, codebook_table, decode_blocks, default_float, to_blocks
+from hnlq_jax.codec import (check_beta_fits, codebook, codebook_table, decode_blocks,
+                            default_float, to_blocks)
 from hnlq_jax.codes import Codes, check_codes, t_bits, unpack_t, valid_blocks
 from hnlq_jax.config import HNLQConfig, check_config
 
@@ -101,6 +102,8 @@ def _check_two_sided(config, fn: str, sums: bool = True):
             f"(dot_one_sided / matmul_one_sided, q^d = {Q:,} entries per block) or decode "
             "then dot"
         )
+    if sums:  # (the products scale by beta; the table does not)
+        check_beta_fits(config.beta, default_float(), fn)
     bound = int(np.abs(_two_sided_np(config)).max()) * ((q**M - 1) // (q - 1)) ** 2
     if sums and bound >= 2**31:
         raise ValueError(
@@ -111,6 +114,7 @@ def _check_two_sided(config, fn: str, sums: bool = True):
 
 def check_one_sided(config, fn: str):
     q, _, d, Q = _base(config, fn)
+    check_beta_fits(config.beta, default_float(), fn)
     if Q > MAX_ONE_SIDED:
         raise ValueError(
             f"{fn}: a one-sided table of {config.lattice} q={q} has q^d = {Q:,} entries per "

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hnlq_jax.codec import decode_blocks, default_float, lattice_sum
+from hnlq_jax.codec import check_beta_fits, decode_blocks, default_float, lattice_sum
 from hnlq_jax.codes import (Codes, check_codes, index_dtype, index_from_labels, pack_t, unpack_t,
                             valid_blocks)
 
@@ -217,5 +217,6 @@ def sum_with_fallback(codes: Codes, axis: int = 0):
       with a ``T = -1`` summand) and ``exact[...]`` the mask of blocks taken from the mod-q sum.
     """
     labels, T = check(codes, "sum_with_fallback")
+    check_beta_fits(codes.config.beta, default_float(), "sum_with_fallback")
     axis = leading_axis(axis, T, "sum_with_fallback")
     return _sum_with_fallback(labels, T, codes.config, axis)

@@ -59,7 +59,8 @@ def row_rms(w):
     w = flush_subnormals(w)  # (they count as zero: divide_rows does the same)
     m = jnp.max(jnp.abs(w), axis=-1, initial=0.0)
     m = jnp.where(m > 0, m, 1.0)
-    rms = m * sqrt(mean_square(divide_rows(w, m)))
+    # a subnormal RMS is 0 (XLA:CPU flushes it, a GPU would not): such rows code as zero rows
+    rms = flush_subnormals(m * sqrt(mean_square(divide_rows(w, m))))
     return jnp.where(rms > 0, rms, 1.0)
 
 
@@ -158,7 +159,8 @@ def rows_codes(w, config: HNLQConfig, beta, implementation: str = "xla") -> Code
     if not (is_concrete(w) and is_concrete(beta)):
         return _rows_codes(w, config, beta, implementation)
     blocks, c = _scaled_blocks_jit(w, config, beta)
-    index, T = ops.encode_padded(blocks, unit(config), implementation)
+    index, T = ops.encode_padded(blocks, unit(config), implementation,
+                                 ops.resolve_interpret(implementation, None, w))
     return _assemble_jit(index, T, c, config, w.shape[-1])
 
 

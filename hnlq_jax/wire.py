@@ -1,7 +1,8 @@
 """The wire format: the fixed-size payload that :mod:`hnlq_jax.dist` and the DDP hook send.
 
 A flat float32 array of ``size`` values is cut into d-blocks (zero-padded), the blocks into
-chunks of ``chunk`` blocks with one power-of-two scale each, and the chunks into ``parts``
+chunks of at most ``chunk`` blocks (:func:`layout`) with one power-of-two scale each, and the
+chunks into ``parts``
 equal parts (``parts = n`` for a reduce-scatter, where part i goes to device i; 1 otherwise).
 A payload is ``uint8 [parts, part_bytes]``; each part decodes on its own (:func:`decode_part`)::
 
@@ -58,7 +59,7 @@ import numpy as np
 
 from hnlq_jax import ops, packing
 from hnlq_jax._numerics import divide, flush_subnormals, sqrt, sum_of_squares
-from hnlq_jax.codec import scale_tables
+from hnlq_jax.codec import check_beta_fits, scale_tables
 from hnlq_jax.codes import Codes, pack_t
 from hnlq_jax.config import HNLQConfig, check_config
 from hnlq_jax.rows import row_rms
@@ -159,6 +160,7 @@ def layout(size: int, config: HNLQConfig, parts: int = 1, *, chunk: int = CHUNK,
       TypeError, ValueError: a bad config, size, chunk, parts or capacity.
     """
     config = chunk_config(config)
+    check_beta_fits(config.beta, jnp.float32, "wire")  # (the wire computes in float32)
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
         raise ValueError(f"wire: size must be an int >= 0 (the number of values), got {size!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 8 or chunk % 8:
@@ -172,7 +174,7 @@ def layout(size: int, config: HNLQConfig, parts: int = 1, *, chunk: int = CHUNK,
         raise ValueError(f"wire: t_capacity must be a positive number of bits per block, got "
                          f"{t_capacity!r}")
     blocks = max(1, -(-int(size) // config.d))
-    chunks = -(-blocks // (min(chunk, 8 * -(-blocks // (8 * parts))) * parts))
+    chunks = -(-blocks // (chunk * parts))
     # The fewest chunks a part needs, each as small as holds the blocks: the padding spreads
     # over them (a chunk a part almost empty cost up to 1.9x the bytes of a reduce-scatter)
     chunk = min(chunk, 8 * -(-blocks // (8 * parts * chunks)))

@@ -143,6 +143,7 @@ def test_front_doors_take_interpret_mode_from_where_the_inputs_live(monkeypatch)
     hq.decode(codes, **PALLAS)
     hq.encode(blocks, D4, **PALLAS)
     hq.quantize(blocks, D4, **PALLAS)
+    hq.encode_rows(w, D4, **PALLAS)
     assert modes and all(modes)
 
 
@@ -823,6 +824,8 @@ def test_errors():
         K.gemv(jnp.ones((1, 32)), codes, jnp.float32, block_n=3)
     with pytest.raises(ValueError, match="^kernels.gemv: splits must be a positive int, got True"):
         K.gemv(jnp.ones((1, 32)), codes, jnp.float32, splits=True)
+    with pytest.raises(ValueError, match="^kernels.reads_words: block_k must be a power of two"):
+        K.pallas.reads_words(D4, 8, {"block_k": 8, "words": True})
     with pytest.raises(ValueError, match="expected block codes"):
         K.decode(codes, None, jnp.float32)
     with pytest.raises(TypeError, match="float32 or float64"):

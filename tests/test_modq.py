@@ -179,6 +179,7 @@ def test_corrupted_blocks_under_jit_sum_as_failed():
     bad = hq.Codes(good.index.at[1, 0, 0].set(100), good.tfield, cfg)
     acc = jax.jit(modq.accumulate)(bad)
     np.testing.assert_array_equal(acc.T, [-1, 0])
+    np.testing.assert_array_equal(jax.jit(hq.kernels.modq_sum)(bad).T, [-1, 0])  # its twin
     x, exact = jax.jit(modq.sum_with_fallback)(bad)
     np.testing.assert_array_equal(exact, [False, True])
     assert np.all(np.isnan(x[0])) and np.all(np.isfinite(x[1]))

@@ -1234,7 +1234,7 @@ def reads_words(config: HNLQConfig, nb: int, t: dict) -> bool:
     ``words`` among them) reads a weight of ``nb`` blocks a row as words: asked to, codes with
     a word view (:func:`word_view`) whose elements divide the rows and the steps, and not the
     LUT method."""
-    bk = _tile(nb, t["block_k"], "block_k")
+    bk = _tile(nb, t["block_k"], "kernels.reads_words", "block_k")
     return bool(t.get("words")) and bool(_words_fit(config, nb, bk, bool(t.get("lut_tables"))))
 
 
@@ -1512,7 +1512,11 @@ def _modq_call(codes: Codes, axis, interpret, block, gpu_backend):
     bn = _MOSAIC_TILE if gpu_backend == "mosaic_gpu" else _tile(N, block, "kernels.modq_sum")
     pad = (-N) % bn
     index = jnp.moveaxis(codes.index, axis, 0).reshape(K, N, config.M).transpose(0, 2, 1)
-    u = jnp.moveaxis(unpack_t(codes.tfield, config, lead[-1]), axis, 0).reshape(K, N)
+    u = unpack_t(codes.tfield, config, lead[-1])
+    # a corrupted block (index or T out of range: under jit, unchecked) sums as a failed one,
+    # as modq.accumulate sums it (its digits would be a valid label's)
+    u = jnp.where(valid_blocks(codes.index, u, config), u, 0)
+    u = jnp.moveaxis(u, axis, 0).reshape(K, N)
     out, u = pl.pallas_call(
         functools.partial(_modq_kernel, config=config),
         grid=((N + pad) // bn,),

@@ -515,6 +515,7 @@ def matmul(x, codes: Codes, *, implementation=None, interpret=None):
     """
     codes = check_weight_codes(codes, "matmul")
     x = check_activations(x, codes, "matmul")
+    codec.check_beta_fits(codes.config.beta, wide_dtype(x.dtype), "matmul")
     impl = resolve(implementation, codes.config, "matmul", x, codes)
     if impl == "native" and jax.dtypes.canonicalize_dtype(x.dtype) == jnp.float64:
         raise ValueError("matmul: the native kernel computes in float32; use "

@@ -2,8 +2,8 @@
 
 A flat float32 array of ``size`` values is cut into d-blocks (zero-padded), the blocks into
 chunks of at most ``chunk`` blocks (:func:`layout`) with one power-of-two scale each, and the
-chunks into ``parts``
-equal parts (``parts = n`` for a reduce-scatter, where part i goes to device i; 1 otherwise).
+chunks into ``parts`` equal parts (``parts = n`` for a reduce-scatter, where part i goes to
+device i; 1 otherwise).
 A payload is ``uint8 [parts, part_bytes]``; each part decodes on its own (:func:`decode_part`)::
 
     part   = record[0] ... record[chunks - 1]

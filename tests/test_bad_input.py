@@ -333,6 +333,10 @@ CASES = [
     pytest.param(lambda: lut.dot(*[Codes(_codes().index, _codes().tfield,
                                          C.replace(beta=1e39))] * 2), ValueError,
                  r"dot: beta = 1e\+39 is beyond the range of float32", id="lut-beta-beyond-float32"),
+    pytest.param(lambda: hq.matmul(np.ones((2, 16), np.float32), Codes(
+        WEIGHT_CODES.index, WEIGHT_CODES.tfield, C.replace(beta=1e39))), ValueError,
+                 r"matmul: beta = 1e\+39 is beyond the range of float32",
+                 id="matmul-beta-beyond-float32"),
     pytest.param(lambda: wire.layout(64, C.replace(beta=1e39)), ValueError,
                  r"wire: beta = 1e\+39 is beyond the range of float32",
                  id="wire-beta-beyond-float32"),

@@ -397,6 +397,64 @@ def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None, res
     out.update(n=n, rows=rows, best=best)
     if skip_mosaic:
         out["mosaic_skipped"] = skip_mosaic
+
+    def one_round(rnd, lattice, cfg, codes, ws, ref_w):
+        """One round over one lattice's ops and batch classes: ``"first"`` each one's first
+        candidate, ``"rest"`` the others, ``"all"`` every one (a device fault ends it:
+        ``out["fault"]``)."""
+        for op, batch in (QUICK_SWEEP if quick else SWEEP):
+            if op in _MOSAIC and (skip_mosaic
+                                  or kernels.mosaic_gpu.unsupported(cfg, _MOSAIC[op])):
+                continue
+            x = _x(batch, n)
+            ref = jnp.dot(x.astype(jnp.float32), ref_w.T, precision="highest")
+            phase_a, phase_b = sweep_candidates(op, lattice, batch, quick, generation)
+            key = (op, lattice, batch)
+            phases = {"first": (phase_a[:1],), "rest": (phase_a[1:], phase_b),
+                      "all": (phase_a, phase_b)}[rnd]
+            for phase in phases:
+                winner = winners_of(rows).get(key)
+                base = dict(winner["entry"]) if winner and phase is phase_b else {}
+                for cand in phase:
+                    if clock.left() < 20 + reserve:
+                        break
+                    entry = {**base, **cand}
+                    if op in _MOSAIC:
+                        t = kernels.mosaic_gpu.launch_params(_MOSAIC[op], cfg, n, n // cfg.d,
+                                                             batch, entry)
+                    else:
+                        t = kernels.pallas.launch_params(op, cfg, n, n // cfg.d, batch, entry)
+                    if cand.get("words") and not kernels.pallas.reads_words(cfg, n // cfg.d,
+                                                                            t):
+                        continue  # words asked for, which the tiles do not allow: a repeat
+                    if op in _MOSAIC:
+                        fn = functools.partial(getattr(kernels.mosaic_gpu, _MOSAIC[op]),
+                                               out_dtype=jnp.bfloat16, **t)
+                    elif op == "gemv":
+                        fn = functools.partial(kernels.gemv, out_dtype=jnp.bfloat16, **t)
+                    else:
+                        fn = functools.partial(kernels.decode_matmul,
+                                               compute_dtype=jnp.bfloat16,
+                                               out_dtype=jnp.bfloat16, **t)
+                    row = {"op": op, "lattice": lattice, "batch": batch, "entry": entry,
+                           "splits": t["splits"]}
+                    try:
+                        with guard(f"sweep {op} {lattice} batch {batch} {entry}", limit):
+                            row.update(_timed(lambda x, c: fn(x, c), x, ws, None,
+                                              _nbytes(codes), ref))
+                    except Exception as e:  # noqa: BLE001  (a candidate that fails to compile)
+                        row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    rows.append(row)
+                    if on_row:
+                        on_row()
+                    if device_fault(row.get("error", "")):
+                        out["fault"] = row["error"]
+                        return
+            winner = winners_of(rows).get(key)
+            if winner:
+                best.setdefault(op, {}).setdefault(lattice, {})[f"batch<={batch}"] = \
+                    winner["entry"]
+
     setups = {}  # lattice -> (codes, their copies, decoded weight): made once
     # --quick times the first candidate of every lattice, op and batch class before any
     # other, so that a run the budget cuts short still compares every kernel everywhere
@@ -408,70 +466,12 @@ def sweep(clock, small, quick=False, skip_mosaic=None, guard=None, out=None, res
                 codes = hq.encode_rows(_weight(n, n), cfg)
                 setups[lattice] = (codes, _copies(codes, _nbytes(codes)),
                                    hq.decode(codes, implementation="xla"))
-            _sweep_lattice(rnd, lattice, cfg, *setups[lattice], clock, quick, skip_mosaic,
-                           guard, out, reserve, on_row, generation, limit)
+            one_round(rnd, lattice, cfg, *setups[lattice])
             if "fault" in out:
                 pick_backends(best, winners_of(rows), attempted_of(rows))
                 return out
     pick_backends(best, winners_of(rows), attempted_of(rows))
     return out
-
-
-def _sweep_lattice(rnd, lattice, cfg, codes, ws, ref_w, clock, quick, skip_mosaic, guard, out,
-                   reserve, on_row, generation, limit):
-    """One round of :func:`sweep` over one lattice's ops and batch classes: ``"first"`` each
-    one's first candidate, ``"rest"`` the others, ``"all"`` every one; rows go into ``out``
-    (a device fault ends it: ``out["fault"]``), the winners into ``out["best"]``."""
-    n, rows, best = out["n"], out["rows"], out["best"]
-    for op, batch in (QUICK_SWEEP if quick else SWEEP):
-        if op in _MOSAIC and (skip_mosaic or kernels.mosaic_gpu.unsupported(cfg, _MOSAIC[op])):
-            continue
-        x = _x(batch, n)
-        ref = jnp.dot(x.astype(jnp.float32), ref_w.T, precision="highest")
-        phase_a, phase_b = sweep_candidates(op, lattice, batch, quick, generation)
-        key = (op, lattice, batch)
-        phases = {"first": (phase_a[:1],), "rest": (phase_a[1:], phase_b),
-                  "all": (phase_a, phase_b)}[rnd]
-        for phase in phases:
-            winner = winners_of(rows).get(key)
-            base = dict(winner["entry"]) if winner and phase is phase_b else {}
-            for cand in phase:
-                if clock.left() < 20 + reserve:
-                    break
-                entry = {**base, **cand}
-                if op in _MOSAIC:
-                    t = kernels.mosaic_gpu.launch_params(_MOSAIC[op], cfg, n, n // cfg.d,
-                                                         batch, entry)
-                else:
-                    t = kernels.pallas.launch_params(op, cfg, n, n // cfg.d, batch, entry)
-                if cand.get("words") and not kernels.pallas.reads_words(cfg, n // cfg.d, t):
-                    continue  # words asked for, which the tiles do not allow: a repeat
-                if op in _MOSAIC:
-                    fn = functools.partial(getattr(kernels.mosaic_gpu, _MOSAIC[op]),
-                                           out_dtype=jnp.bfloat16, **t)
-                elif op == "gemv":
-                    fn = functools.partial(kernels.gemv, out_dtype=jnp.bfloat16, **t)
-                else:
-                    fn = functools.partial(kernels.decode_matmul, compute_dtype=jnp.bfloat16,
-                                           out_dtype=jnp.bfloat16, **t)
-                row = {"op": op, "lattice": lattice, "batch": batch, "entry": entry,
-                       "splits": t["splits"]}
-                try:
-                    with guard(f"sweep {op} {lattice} batch {batch} {entry}", limit):
-                        row.update(_timed(lambda x, c: fn(x, c), x, ws, None,
-                                          _nbytes(codes), ref))
-                except Exception as e:  # noqa: BLE001  (a candidate that fails to compile)
-                    row["error"] = f"{type(e).__name__}: {e}"[:300]
-                rows.append(row)
-                if on_row:
-                    on_row()
-                if device_fault(row.get("error", "")):
-                    out["fault"] = row["error"]
-                    return
-        winner = winners_of(rows).get(key)
-        if winner:
-            best.setdefault(op, {}).setdefault(lattice, {})[f"batch<={batch}"] = \
-                winner["entry"]
 
 
 def winners_of(rows: list) -> dict:

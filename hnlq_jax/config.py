@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -212,6 +213,12 @@ def check_saved_kind(state, fn: str, kind: str, version: int, fields: tuple) -> 
     if state["kind"] != kind or saved_int(state["version"]) != version:
         raise ValueError(f"{fn}: saved kind {state['kind']!r} version {state['version']!r}; "
                          f"this version reads {kind!r} version {version}")
+
+
+def is_integer(value) -> bool:
+    """A Python or NumPy integer, not a bool (which Python counts as one): what an argument
+    that counts or indexes (levels, an axis, a number of steps) must be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def saved_int(value) -> int | None:

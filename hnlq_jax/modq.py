@@ -19,15 +19,14 @@ are rejected: each dithered code decodes with ``-z``, so a sum of K codes would 
 from __future__ import annotations
 
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from hnlq_jax.codec import check_beta_fits, decode_blocks, default_float, lattice_sum
 from hnlq_jax.codes import (Codes, check_codes, index_dtype, index_from_labels, pack_t, unpack_t,
                             valid_blocks)
+from hnlq_jax.config import is_integer
 
 __all__ = ["add", "accumulate", "validate", "sum_with_fallback"]
 
@@ -54,8 +53,7 @@ def check(codes, fn: str):
 
 def leading_axis(axis, T, fn: str) -> int:
     """``axis`` (an int, NumPy's too; not a bool) as a non-negative axis of ``T``, checked."""
-    if (not isinstance(axis, numbers.Integral) or isinstance(axis, (bool, np.bool_))
-            or not -T.ndim <= axis < T.ndim):
+    if not is_integer(axis) or not -T.ndim <= axis < T.ndim:
         raise ValueError(
             f"{fn}: axis must be an int indexing the leading (block) axes of shape {T.shape}, "
             f"got {axis!r}"

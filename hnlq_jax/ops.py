@@ -17,7 +17,6 @@ decoded weights).
 from __future__ import annotations
 
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +27,7 @@ from hnlq_jax.buckets import run_rows
 from hnlq_jax._numerics import saturating_cast, straight_through, wide_dtype
 from hnlq_jax.codes import (Codes, check_activations, check_codes, check_weight_codes, is_concrete,
                             pack_t, row_length, unpack_t)
-from hnlq_jax.config import HNLQConfig, check_config
+from hnlq_jax.config import HNLQConfig, check_config, is_integer
 
 __all__ = ["IMPLEMENTATIONS", "FAILURES", "encode", "decode", "quantize", "matmul",
            "default_implementation", "resolve", "bucket", "encode_padded"]
@@ -263,9 +262,7 @@ def decode(codes: Codes, *, levels: int | None = None, dtype=None, implementatio
     """
     check_codes(codes, "decode")
     config = codes.config
-    if levels is not None and not (isinstance(levels, numbers.Integral)
-                                   and not isinstance(levels, (bool, np.bool_))
-                                   and 1 <= levels <= config.M):
+    if levels is not None and not (is_integer(levels) and 1 <= levels <= config.M):
         raise ValueError(f"decode: levels must be an int in 1..M={config.M}, got {levels!r}")
     dtype = _out_dtype(dtype, "decode")
     compute = jnp.promote_types(dtype, jnp.float32)  # half precision: float32, then round

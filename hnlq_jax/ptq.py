@@ -36,7 +36,7 @@ import numpy as np
 from hnlq_jax import ops
 from hnlq_jax.codec import decode_blocks, default_float, from_blocks
 from hnlq_jax.codes import Codes, index_dtype, pack_t
-from hnlq_jax.config import HNLQConfig, check_beta, check_config, pow2_table
+from hnlq_jax.config import HNLQConfig, check_beta, check_config, is_integer, pow2_table
 from hnlq_jax.incoherence import Rotation
 from hnlq_jax.rows import (calibrate_rows, check_finite_weight, divide_rows, row_rms,
                            row_scale, unit, zero_rows_scale)
@@ -132,7 +132,7 @@ def vocabulary_sentences(vocab, n: int, *, words: int = 12, seed: int = 0) -> li
       ValueError: bad ``n`` / ``words``, or a vocabulary without such entries.
     """
     for name, v, low in (("n", n, 0), ("words", words, 1)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+        if not is_integer(v) or v < low:
             raise ValueError(f"vocabulary_sentences: {name} must be an int >= {low}, got {v!r}")
     pool = sorted({w for w in vocab if isinstance(w, str) and w.isalpha() and len(w) > 2})
     if not pool:

@@ -56,8 +56,9 @@ def row_rms(w):
     summation order): the same bits in every program, eager or jitted, fused with a transpose
     or not, so the codes are too.
     """
-    w = flush_subnormals(w)  # (they count as zero: divide_rows does the same)
-    m = jnp.max(jnp.abs(w), axis=-1, initial=0.0)
+    # subnormal entries count as zero (divide_rows flushes them), so a subnormal largest one
+    # does too
+    m = flush_subnormals(jnp.max(jnp.abs(w), axis=-1, initial=0.0))
     m = jnp.where(m > 0, m, 1.0)
     # a subnormal RMS is 0 (XLA:CPU flushes it, a GPU would not): such rows code as zero rows
     rms = flush_subnormals(m * sqrt(mean_square(divide_rows(w, m))))

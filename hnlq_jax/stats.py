@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from typing import NamedTuple
 
 import jax
@@ -14,7 +13,7 @@ import numpy as np
 from hnlq_jax._numerics import flush_subnormals, mean_square, sqrt, sum_of_squares
 from hnlq_jax.codec import check_x, decode_blocks, encode_blocks
 from hnlq_jax.codes import Codes, check_codes, is_concrete
-from hnlq_jax.config import HNLQConfig, check_config
+from hnlq_jax.config import HNLQConfig, check_config, is_integer
 
 __all__ = ["RateStats", "rate_stats", "calibrate_beta", "gaussian_beta", "search_beta", "BetaSearch"]
 
@@ -212,8 +211,7 @@ def _grid_args(x, config, criterion, num, step, scale, fn: str):
     unit scale and the scale (``"rms"`` or a float)."""
     if criterion not in ("f", "mse"):
         raise ValueError(f"{fn}: criterion must be 'f' or 'mse', got {criterion!r}")
-    if not (isinstance(num, numbers.Integral) and not isinstance(num, (bool, np.bool_))
-            and num >= 1 and math.isfinite(step) and step > 0):
+    if not (is_integer(num) and num >= 1 and math.isfinite(step) and step > 0):
         raise ValueError(f"{fn}: need num >= 1 and step > 0, got {num}, {step}")
     if not (isinstance(scale, str) and scale == "rms"):
         try:  # a Python, NumPy or concrete JAX real scalar

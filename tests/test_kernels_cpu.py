@@ -43,8 +43,11 @@ def isa(request):
 
 
 def _weight(cfg, n_out, k, seed=0):
+    """Row codes of a Gaussian weight. A drawn seed's rare tail block may overload at max_T
+    (E8 q=2 M=2 at beta 0.3: an entry of 4.6 RMS, seed 11127): it is marked, and its NaN
+    row of the product compared as the reference's."""
     w = np.random.default_rng(seed).standard_normal((n_out, k)).astype(np.float32)
-    return hq.encode_rows(w, cfg)
+    return hq.encode_rows(w, cfg, failures="mark")
 
 
 @pytest.mark.parametrize("name", CONFIGS)

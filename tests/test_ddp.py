@@ -6,6 +6,7 @@ import os
 import pickle
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +115,37 @@ def test_fresh_residual_is_placed_like_a_carried_one():
     assert state._residual(Bucket(), v) is carried
     _compress(v, carried, **kw)
     assert _compress._cache_size() == 1
+
+
+def test_cpu_buckets_on_a_gpu_machine_take_the_kernels_interpret_mode(monkeypatch):
+    """On a GPU machine (its default backend made "gpu" in kernels.pallas alone) the coders of
+    a CPU bucket with implementation="pallas" run the kernels in interpret mode, and code as
+    the XLA path: inside the coders' jit the kernels saw tracers, took the default backend's
+    mode and were compiled for the GPU ("Only interpret mode is supported on CPU backend")."""
+    K = hq.kernels
+    fake = types.SimpleNamespace(**{k: getattr(jax, k) for k in dir(jax)
+                                    if not k.startswith("__")})
+    fake.default_backend = lambda: "gpu"
+    monkeypatch.setattr(K.pallas, "jax", fake)
+    monkeypatch.setattr(K.pallas, "gpu_target", lambda: ("sm90", 132))
+    n = 600
+    lay = wire.layout(n, CFG, 2)
+    rng = np.random.default_rng(3)
+    v = jax.device_put(rng.standard_normal(n).astype(np.float32), jax.devices("cpu")[0])
+    kw = tb_ddp._coder_args(lay, "pallas", v)
+    ref = {"lay": lay, "implementation": "xla"}
+    assert kw["interpret"] is True
+    r = jnp.zeros(n, jnp.float32)
+    got, want = _compress(v, r, **kw), _compress(v, r, **ref)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(_mean(got[0], **kw), _mean(want[0], **ref))
+    np.testing.assert_array_equal(tb_ddp._decode_parts(got[0], **kw),
+                                  tb_ddp._decode_parts(want[0], **ref))
+    avg = v[:lay.part_values]
+    part = tb_ddp._requantize(avg, r[:lay.part_values], **kw)
+    jax.tree.map(np.testing.assert_array_equal, part,
+                 tb_ddp._requantize(avg, r[:lay.part_values], **ref))
 
 
 def test_state_validation_and_pickling():

@@ -38,26 +38,46 @@ METHODS = ("all_gather", "reduce_scatter")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-@functools.partial(jax.jit, static_argnames=("lay", "implementation"))
-def _compress(v, r, *, lay, implementation):
+# The coders' keywords: ``lay``, ``implementation`` and ``interpret`` (:func:`_coder_args`).
+_CODER = ("lay", "implementation", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_CODER)
+def _compress(v, r, *, lay, implementation, interpret=None):
     """``(payload [parts, part_bytes] uint8, the next residual, wire.Info)`` of a flat float32
     v with the residual r (:func:`hnlq_jax.dist.feedback_residual`)."""
     v = v + r
-    payload, info = wire.encode(v, lay, implementation)
-    return payload, hq_dist.feedback_residual(v, wire.decode(payload, lay, implementation), r), info
+    payload, info = wire.encode(v, lay, implementation, interpret)
+    sent = wire.decode(payload, lay, implementation, interpret)
+    return payload, hq_dist.feedback_residual(v, sent, r), info
 
 
-@functools.partial(jax.jit, static_argnames=("lay", "implementation"))
-def _mean(parts, *, lay, implementation):
+@functools.partial(jax.jit, static_argnames=_CODER)
+def _mean(parts, *, lay, implementation, interpret=None):
     """Rank-order mean ``[lay.part_values]`` float32 of parts ``[world, part_bytes]``
     (:func:`hnlq_jax.dist.mean_of_parts`)."""
-    return hq_dist.mean_of_parts(parts, lay, implementation)
+    return hq_dist.mean_of_parts(parts, lay, implementation, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("lay", "implementation"))
-def _decode_parts(parts, *, lay, implementation):
+@functools.partial(jax.jit, static_argnames=_CODER)
+def _decode_parts(parts, *, lay, implementation, interpret=None):
     """Values ``[world * lay.part_values]`` float32 of parts ``[world, part_bytes]``, in order."""
-    return hq_dist.decode_parts(parts, lay, implementation).reshape(-1)
+    return hq_dist.decode_parts(parts, lay, implementation, interpret).reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnames=_CODER)
+def _requantize(avg, residual, *, lay, implementation, interpret=None):
+    """:func:`hnlq_jax.dist.requantize` of this rank's averaged part."""
+    return hq_dist.requantize(avg, lay, residual, implementation, interpret)
+
+
+def _coder_args(lay, implementation, v) -> dict:
+    """The coders' keywords for a bucket ``v`` (a JAX array): the Pallas kernels' interpret
+    mode is resolved here from where the bucket lives, as the front doors resolve it (inside
+    the coders' jit the kernels see tracers and would take the default backend's mode: CPU
+    buckets on a GPU machine were compiled for the GPU)."""
+    return {"lay": lay, "implementation": implementation,
+            "interpret": ops.resolve_interpret(implementation, None, v)}
 
 
 @functools.partial(jax.jit, static_argnames=("n", "dtype"))
@@ -73,9 +93,6 @@ def _into(buffer: torch.Tensor, values) -> torch.Tensor:
     dtype = jnp.dtype(str(buffer.dtype).removeprefix("torch."))
     dtype = dtype if dtype.itemsize <= 4 else jnp.dtype(jnp.float32)
     return buffer.copy_(to_torch(_saturated(values, n=buffer.numel(), dtype=dtype)))
-
-
-_requantize = jax.jit(hq_dist.requantize, static_argnums=(1, 3))
 
 
 def _signature(bucket) -> tuple:
@@ -258,8 +275,8 @@ def hnlq_hook(state: HNLQHookState,
         return work.get_future().then(lambda fut: fut.value()[0])
 
     lay = state.layout(n, world)
-    kw = {"lay": lay, "implementation": state.implementation}
     v = to_jax(buffer.float())
+    kw = _coder_args(lay, state.implementation, v)
     if not state.error_feedback:  # (turned off since: its last residual is not added again)
         state.residuals.pop(bucket.index(), None)
         state.part_residuals.pop(bucket.index(), None)
@@ -295,7 +312,7 @@ def hnlq_hook(state: HNLQHookState,
         avg = _mean(to_jax(parts), **kw)  # this rank's part of the mean
         part_r = (state._residual(bucket, avg, state.part_residuals) if state.error_feedback
                   else None)
-        mine_part, part_r = _requantize(avg, lay, part_r, state.implementation)
+        mine_part, part_r = _requantize(avg, part_r, **kw)
         if state.error_feedback:  # its re-encoding's error too (hnlq_jax.dist.requantize)
             state.part_residuals[bucket.index()] = (_signature(bucket), part_r)
         work2, out = gather(to_torch(mine_part))

@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import os
 import pathlib
+import re
 import socket
 import sys
 
@@ -87,8 +88,11 @@ def golden_config(g, **changes):
 # CI's second venv has the newest jax on Python 3.12 and no torch (README, "Tests"): there
 # the test files that name torch are not collected, and the run's header says how many.
 _NO_TORCH = importlib.util.find_spec("torch") is None
+# A file needs torch where it imports torch or torch_bridge, or says so in a comment line:
+# one that only names torch in a docstring (test_kernels_cpu) is collected.
+_NEEDS_TORCH = re.compile(r"^\s*(import|from)\s+torch(_bridge)?\b|^# needs torch", re.M)
 _TORCH_FILES = sorted(p.name for p in pathlib.Path(__file__).parent.glob("test_*.py")
-                      if _NO_TORCH and "torch" in p.read_text())  # read only where needed
+                      if _NO_TORCH and _NEEDS_TORCH.search(p.read_text()))  # read where needed
 
 
 def sum_of_squares_in_numpy(x):

@@ -5,6 +5,8 @@ block fenced ```` ```python fragment ```` needs context a test cannot provide (a
 several processes) and is only compiled, so that a syntax error still fails.
 """
 
+# needs torch: docs/torch.md's examples import it
+
 import pathlib
 import re
 import shutil

@@ -1026,7 +1026,30 @@ def test_gpu_check_picks_the_faster_backend():
     env = dict(device="H100", backend="gpu", jax="0", python="3", generation="sm90")
     md = gpu_check.markdown({"environment": env, "sweep": {"n": 8192, "rows": rows,
                                                            "best": best}})
-    assert "'backend': 'mosaic_gpu'}` | 50.0 µs" in md and "| 20.0 µs |" in md
+    # a row naming a backend shows that backend's time (at the batch its time stands for),
+    # then the entry's tiles' in the op's own kernel
+    assert "'backend': 'mosaic_gpu'}` | 20.0 µs (at 1 rows); `gemv`'s tiles 50.0 µs |" in md
+    assert "'backend': 'mosaic_gpu_mma'}` | 30.0 µs (at 4 rows); `gemv`'s tiles 50.0 µs |" in md
+    assert "'backend': 'triton_mma'}` | 80.0 µs (at 16 rows); `gemv`'s tiles 200.0 µs |" in md
+    assert "| `gemv` | D4 | batch<=8 | `" + str(tri) + "` | 60.0 µs |" in md
+
+
+@pytest.mark.parametrize("pct,flagged", [(83.6, False), (55.0, True), (None, True)])
+def test_gpu_check_flags_ratios_against_a_weak_baseline(pct, flagged):
+    """On a GPU the report flags the ratios where the bfloat16 GEMV read outside 70-90 % of
+    the HBM peak (or no peak is known), and names int4's bits as measured."""
+    gpu_check = experiment("gpu_check")
+    gemv = {"n": 8192, "seconds": 4.8e-5, "GBps": 2800.0}
+    if pct is not None:
+        gemv["pct_peak"] = pct
+    ceilings = {"copy": {"bytes": 2e9, "seconds": 7e-4, "GBps": 2900.0}, "bf16_gemv": gemv}
+    env = dict(device="H100", backend="gpu", jax="0", python="3")
+    out = {"environment": env, "ceilings": ceilings}
+    assert gpu_check.baseline_ok(out) is not flagged
+    assert ("not to be believed" in gpu_check.markdown(out)) is flagged
+    W = jax.random.normal(jax.random.key(0), (16, 256))
+    q4 = gpu_check.quantize_int4(W)
+    assert 8 * gpu_check._nbytes(q4) / W.size == 4 + 16 / 128  # int4 packs 2 a byte
 
 
 def test_gpu_check_merges_winners_per_batch_class():

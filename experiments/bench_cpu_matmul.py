@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +38,7 @@ import torch
 
 import hnlq_jax as hq
 import torch_bridge as tb
+from hnlq_jax.timing import ROTATE_MB, interleaved, median_time, n_copies
 from report import DOCS, RESULTS, add_report_flag, load_results, markdown_table, \
     write_between_markers
 
@@ -53,42 +52,6 @@ ROUNDS = 3  # interleaved rounds of the fast paths (each --repeat calls)
 def config(lattice):
     cfg = hq.HNLQConfig(lattice, 4, 2)
     return cfg.replace(beta=hq.gaussian_beta(cfg))
-
-
-def sample_times(fn, copies, repeat, stream=True, warm_all=False):
-    """Seconds of ``fn(copy)`` per call, calls cycling through ``copies``, after a warm-up
-    call (on every copy with ``warm_all``: a layer checks its codes on its first call):
-    ``repeat`` calls, or (``stream``) at least one per copy, so that a copy is back in use only
-    after all the others went through the caches."""
-    for c in copies if warm_all else copies[:1]:
-        jax.block_until_ready(fn(c))
-    times = []
-    for i in range(max(repeat, len(copies)) if stream else repeat):
-        c = copies[i % len(copies)]
-        t = time.perf_counter()
-        jax.block_until_ready(fn(c))
-        times.append(time.perf_counter() - t)
-    return times
-
-
-def median_time(fn, copies, repeat, **kw):
-    """The median of :func:`sample_times`."""
-    return float(np.median(sample_times(fn, copies, repeat, **kw)))
-
-
-def interleaved(candidates: dict, repeat, rounds) -> dict:
-    """``{name: median seconds}`` of ``candidates`` (``{name: (fn, copies, kw)}``, as
-    :func:`sample_times` takes them), timed in ``rounds`` rounds that each take every candidate
-    in turn: a slow spell of this shared machine then falls on all of them alike."""
-    samples = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, (fn, copies, kw) in candidates.items():
-            samples[name] += sample_times(fn, copies, repeat, **kw)
-    return {name: float(np.median(v)) for name, v in samples.items()}
-
-
-def n_copies(nbytes, rotate_mb):
-    return max(2, math.ceil(rotate_mb * 2**20 / nbytes))
 
 
 def bench_shape(n_out, k, batches, repeat, rotate_mb, rng):
@@ -350,7 +313,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1024^2 and 4096^2, batch 1, 16")
     parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--rotate-mb", type=float, default=320.0)
+    parser.add_argument("--rotate-mb", type=float, default=ROTATE_MB)
     parser.add_argument("--only", nargs="+", choices=["bridge", "minilm", "rotation", "decode"],
                         help="measure only these parts, keeping the results file's others (the "
                              "product table among them)")

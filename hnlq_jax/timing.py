@@ -22,6 +22,50 @@ def best_time(fn, *args, repeat: int = 3) -> float:
     return best
 
 
+# MiB of copies a CPU benchmark cycles each weight through (beyond any L3 here).
+ROTATE_MB = 320
+
+
+def sample_times(fn, copies, repeat: int, stream: bool = True, warm_all: bool = False) -> list:
+    """Wall-clock seconds of ``fn(copy)`` per call, calls cycling through ``copies`` (operands
+    at their own addresses, :func:`n_copies` of them), after a warm-up
+    call (on every copy with ``warm_all``: a layer checks its codes on its first call):
+    ``repeat`` calls, or (``stream``) at least one per copy, so that a copy is back in use only
+    after all the others went through the caches."""
+    for c in copies if warm_all else copies[:1]:
+        jax.block_until_ready(fn(c))
+    times = []
+    for i in range(max(repeat, len(copies)) if stream else repeat):
+        c = copies[i % len(copies)]
+        t = time.perf_counter()
+        jax.block_until_ready(fn(c))
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def median_time(fn, copies, repeat: int, **kw) -> float:
+    """The median of :func:`sample_times`."""
+    return float(np.median(sample_times(fn, copies, repeat, **kw)))
+
+
+def interleaved(candidates: dict, repeat: int, rounds: int) -> dict:
+    """``{name: median seconds}`` of ``candidates`` (``{name: (fn, copies, kw)}``, as
+    :func:`sample_times` takes them), timed in ``rounds`` rounds that each take every candidate
+    in turn: a slow spell of this shared machine then falls on all of them alike."""
+    samples = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, (fn, copies, kw) in candidates.items():
+            samples[name] += sample_times(fn, copies, repeat, **kw)
+    return {name: float(np.median(v)) for name, v in samples.items()}
+
+
+def n_copies(nbytes: int, rotate_mb: float = ROTATE_MB) -> int:
+    """How many copies of an operand of ``nbytes`` to cycle through on a CPU so that together
+    they are at least ``rotate_mb`` MiB (at least 2): a copy is back in use only after the
+    others went through the caches, as a model's layers read their own weights."""
+    return max(2, math.ceil(rotate_mb * 2**20 / nbytes))
+
+
 def cache_copies(nbytes: int, cache_bytes: int = 50 * 2**20, least: int = 4) -> int:
     """How many copies of an operand of ``nbytes`` to rotate so that together they are at least
     three times ``cache_bytes`` (an H100's L2 is 50 MB): each call then reads its copy from

@@ -66,3 +66,33 @@ def test_device_time_on_a_gpu_is_cuptis_sum_by_kernel():
     assert how == "cupti" and kernels and 0 < t < 1e-2
     assert sum(kernels.values()) == pytest.approx(t, rel=0.2)
     np.testing.assert_allclose(y, np.ones((8, 256)))
+
+
+@pytest.mark.parametrize("repeat,stream,calls", [(5, True, 7), (9, True, 9), (5, False, 5)])
+def test_sample_times_cycle_through_every_copy(repeat, stream, calls):
+    """A warm-up call on the first copy, then the copies in turn: streamed, at least one call
+    a copy (a copy is back in use only after the others), else ``repeat`` calls."""
+    seen = []
+    copies = list(range(7))
+    times = timing.sample_times(lambda c: seen.append(c) or jnp.zeros(()), copies, repeat,
+                                stream=stream)
+    assert seen == [0] + [i % 7 for i in range(calls)]
+    assert len(times) == calls and all(t >= 0 for t in times)
+    seen.clear()
+    timing.sample_times(lambda c: seen.append(c) or jnp.zeros(()), copies, 1, warm_all=True)
+    assert seen[:7] == copies  # every copy warmed (a layer checks its codes on its first call)
+
+
+def test_interleaved_takes_every_candidate_each_round():
+    """Rounds of every candidate in turn: a slow spell falls on all of them alike."""
+    order = []
+    out = timing.interleaved({name: (lambda c, n=name: order.append(n) or jnp.zeros(()), [0],
+                                     {}) for name in ("a", "b")}, repeat=2, rounds=3)
+    assert order == (["a"] * 3 + ["b"] * 3) * 3  # (a warm-up call, then 2) each, 3 rounds
+    assert set(out) == {"a", "b"} and all(v >= 0 for v in out.values())
+
+
+@pytest.mark.parametrize("nbytes,mb,want", [(64 * 2**20, 320, 5), (10 * 2**20, 320, 32),
+                                            (2**30, 320, 2), (3 * 2**20, 10, 4)])
+def test_n_copies_cover_the_rotation(nbytes, mb, want):
+    assert timing.n_copies(nbytes, mb) == want

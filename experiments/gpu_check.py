@@ -318,23 +318,23 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
     A's winner (the keys it names replace the winner's). ``quick``: ``gemv``'s tuning-table
     entry with its codes read as words and block by block, and tiles of words."""
     if op == "gemv_mosaic":  # kernels.mosaic_gpu.gemv: rows a program, words a step, stages
-        if quick:  # and about one work item a program (each item fills its own pipeline)
+        if quick:  # taller tiles (x's loads amortized), longer steps, and 4 work items a
+            # program (each item fills its own pipeline)
             entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
-            return [entry] + [dict(entry, block_w=bw) for bw in (16, 32, 64)
-                              if bw != entry["block_w"]] + [dict(entry, waves=1)], []
+            return [entry, dict(entry, block_n=128, resident=1), dict(entry, block_w=64),
+                    dict(entry, waves=4)], []
         a = [dict(block_n=bn, block_w=bw, stages=4, waves=4)
              for bn in (64, 128) for bw in ((16, 32, 64) if batch == 1 else (16, 32))]
         return a, [dict(stages=2), dict(stages=8), dict(waves=2), dict(waves=8),
                    dict(resident=1), dict(resident=3)]  # (shared memory holds at most 3)
     if op == "decode_matmul_mosaic":  # kernels.mosaic_gpu.decode_matmul (wgmma)
         entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
-        if quick:  # the planes through shared memory, taller tiles, longer steps, two
-            # programs a multiprocessor (the tables and two stages each: 8 warps, not 4), and
-            # about one work item a program (each item fills its own pipeline)
+        if quick:  # the planes through shared memory, taller tiles (one program a
+            # multiprocessor), longer steps, and one program of 4 stages and 2 work items
             return [entry, dict(entry, a_registers=not entry["a_registers"]),
-                    dict(entry, block_n=2 * entry["block_n"]),
+                    dict(entry, block_n=2 * entry["block_n"], resident=1),
                     dict(entry, block_w=2 * entry["block_w"]),
-                    dict(entry, stages=2, resident=2), dict(entry, waves=1)], []
+                    dict(entry, stages=4, resident=1, waves=2)], []
         # (with A in registers, block_w must hold x's padded rows: invalid ones fail at once)
         a = [dict(entry, block_n=bn, block_w=bw, a_registers=r)
              for bn in (64, 128) for bw in (16, 32, 64) for r in (True, False)]
@@ -374,11 +374,14 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
 # The tensor-core kernels also compete with both gemvs at 8 rows (Mosaic GPU's also at 1 in
 # the full run), Triton's with Triton's gemv at 4 too (its time at 16 rows: it pads to 16).
 # The Mosaic GPU kernels, never yet timed on a device, come first: a short budget cuts the end.
-QUICK_SWEEP = (("gemv_mosaic", 1), ("gemv_mosaic", 8), ("decode_matmul_mosaic", 8),
+# (--quick leaves out Mosaic's gemv at 8 rows, which cannot win: 255 registers, 22.6
+# instructions a weight compiled for sm_90a, against 5.3 of its tensor-core kernel; and that
+# kernel at 1 row, whose time at 8 stands for it: x is padded to 16 rows either way)
+QUICK_SWEEP = (("gemv_mosaic", 1), ("decode_matmul_mosaic", 8),
                ("decode_matmul_mosaic", 16), ("gemv", 1), ("gemv", 4), ("gemv", 8),
                ("decode_matmul", 8), ("decode_matmul", 16))
-SWEEP = QUICK_SWEEP + (("decode_matmul_mosaic", 1), ("decode_matmul", 64),
-                       ("decode_matmul_mosaic", 64))
+SWEEP = QUICK_SWEEP + (("gemv_mosaic", 8), ("decode_matmul_mosaic", 1),
+                       ("decode_matmul", 64), ("decode_matmul_mosaic", 64))
 _MOSAIC = {"gemv_mosaic": "gemv", "decode_matmul_mosaic": "decode_matmul"}
 
 
@@ -504,10 +507,11 @@ BACKEND_OPS = {"gemv": {"mosaic_gpu": "gemv_mosaic", "mosaic_gpu_mma": "decode_m
 
 
 def _stands_for(op, batch):
-    """The batches whose time stands for ``batch``: itself, and for Triton's decode_matmul
-    (16 rows padded) the classes above it up to 16, the nearest first (the tile entry that
-    runs at the batch is the nearest class's)."""
-    return [batch] + ([b for b in (8, 16) if b > batch] if op == "decode_matmul" else [])
+    """The batches whose time stands for ``batch``: itself, and for the tensor-core kernels
+    (Triton's decode_matmul and Mosaic GPU's both pad x to 16 rows) the classes above it up
+    to 16, the nearest first (the tile entry that runs at the batch is the nearest class's)."""
+    padded = op in ("decode_matmul", "decode_matmul_mosaic")
+    return [batch] + ([b for b in (8, 16) if b > batch] if padded else [])
 
 
 def class_winner(winners: dict, op, lattice, batch):

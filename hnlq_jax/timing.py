@@ -78,7 +78,9 @@ def device_time(fn, x, operands, *, iterations: int = 10):
 
     One jitted program calls ``fn(x, w)`` for each ``w`` in ``operands`` (copies of one weight
     at their own addresses, :func:`cache_copies` of them, so no call finds its weight in
-    cache). On a GPU, CUPTI (``jax.experimental.mosaic.gpu.profiler``) sums the durations of
+    cache), each call taking the one before's output (:func:`chained`: XLA would otherwise
+    compute the work on ``x`` alone once for all calls, and fuse their epilogues into one
+    kernel, which charged a call a fraction of its own). On a GPU, CUPTI (``jax.experimental.mosaic.gpu.profiler``) sums the durations of
     the kernels the program launched, everything ``fn`` runs included (activation re-layouts,
     split-K sums) and the gaps between launches excluded; the median over ``iterations`` runs,
     over ``len(operands)``. Elsewhere (no CUPTI): the best wall-clock time of the program,
@@ -89,7 +91,7 @@ def device_time(fn, x, operands, *, iterations: int = 10):
       the seconds per call of each kernel by name (:func:`per_kernel`; ``None`` without
       CUPTI).
     """
-    prog = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
+    prog = jax.jit(lambda x, ws: chained(fn, x, ws))
     if jax.default_backend() == "gpu":
         # Compiled and run once first: a kernel's own error (a failed compile, a fault on
         # launch: JaxRuntimeError, a RuntimeError too) is raised here, not taken for CUPTI's
@@ -106,6 +108,24 @@ def device_time(fn, x, operands, *, iterations: int = 10):
             return t, "cupti", out[0], kernels
     t = best_time(prog, x, operands, repeat=iterations) / len(operands)
     return t, "wall", prog(x, operands)[0], None
+
+
+def chained(fn, x, operands) -> list:
+    """``fn(x_i, w)`` for each ``w`` in ``operands`` (traced), each call's input the one
+    before's output, as a model's next layer takes it: ``x_0 = x``, ``x_{i+1}`` the first
+    ``x.shape[-1]`` columns of ``fn(x_i, w_i)`` in x's dtype (for a square weight its output
+    itself; where the output cannot be an input, such as a decode's, ``x`` throughout). So no
+    two calls share a computation on x (XLA computed it once for all of them) or a kernel
+    (sibling epilogues fused into one), and each is charged its own."""
+    out = []
+    for w in operands:
+        out.append(fn(x, w))
+        y = out[-1]
+        if (isinstance(y, jax.Array) and y.ndim == x.ndim >= 1 and y.shape[:-1] == x.shape[:-1]
+                and y.shape[-1] >= x.shape[-1]
+                and jax.numpy.issubdtype(y.dtype, jax.numpy.floating)):
+            x = y[..., :x.shape[-1]].astype(x.dtype)
+    return out
 
 
 def per_kernel(runs: list, calls: int) -> tuple:

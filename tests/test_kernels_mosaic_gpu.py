@@ -328,9 +328,10 @@ def test_launch_params_split_k():
     assert t["splits"] == 2  # 32 words: two steps of 16
     t = mg.launch_params("decode_matmul", D4, 8192, 2048, 16)
     assert t["a_registers"] is True and t["block_n"] == 64 and t["block_w"] == 32
-    assert t["splits"] == -(-2 * 132 // 128)  # the defaults: waves 2
+    assert t["splits"] == -(-1 * 132 // 128)  # the defaults: waves 1
+    assert t["stages"] == 2 and t["programs"] == 2 * 132  # two programs of 2 stages each
     # 64 rows of x: 4 stages of 8 planes x 32 words x 64 rows would pass shared memory
-    t = mg.launch_params("decode_matmul", D4, 8192, 2048, 64)
+    t = mg.launch_params("decode_matmul", D4, 8192, 2048, 64, entry=dict(stages=4, resident=1))
     assert t["stages"] == 3 and mg._launch_error("decode_matmul", t, D4, 64) is None
     # tiles halved until they cover the weight: 48 words a row (384 weights), 192 rows
     t = mg.launch_params("decode_matmul", D4, 192, 96, 16,
@@ -354,8 +355,9 @@ def test_programs_fit_shared_memory_with_the_callers_tiles():
         m.setattr(K.pallas, "gpu_target", lambda: ("sm90", 1))
         m.setattr(mg, "_gemv_call", lambda *a: calls.append(a[8]) or real(*a))
         assert mg.launch_params("gemv", D4, 64, 256, 1)["programs"] == 2  # the default's
-        y = mg.gemv(_x(1, 1024), codes, jnp.float32, block_w=64, stages=4)
-        mg.gemv(_x(1, 1024), codes, jnp.float32, block_w=64, stages=4, programs=2)
+        # (splits=2: two work items for two programs)
+        y = mg.gemv(_x(1, 1024), codes, jnp.float32, block_w=64, stages=4, splits=2)
+        mg.gemv(_x(1, 1024), codes, jnp.float32, block_w=64, stages=4, splits=2, programs=2)
     assert calls == [1, 2]
     # the table's stages drop for the caller's tiles too (64 rows of x, 64-word steps: 4
     # stages of 64 KiB would not fit), an explicit one is kept and refused

@@ -96,3 +96,21 @@ def test_interleaved_takes_every_candidate_each_round():
                                             (2**30, 320, 2), (3 * 2**20, 10, 4)])
 def test_n_copies_cover_the_rotation(nbytes, mb, want):
     assert timing.n_copies(nbytes, mb) == want
+
+
+def test_chained_calls_share_no_computation():
+    """device_time's calls each take the one before's output: XLA computed sin(x), common to
+    every call, once for all of them (each call charged a third of its own work)."""
+    fn = lambda x, w: jnp.sin(x) @ w  # noqa: E731
+    x, ws = jnp.ones((2, 8)), [jnp.full((8, 8), 0.1 * i) for i in range(3)]
+    hlo = jax.jit(lambda x, ws: timing.chained(fn, x, ws)).lower(x, ws).compile().as_text()
+    assert hlo.count(" sine(") == 3
+    ys = timing.chained(fn, x, ws)
+    np.testing.assert_allclose(ys[1], np.sin(ys[0]) @ ws[1], rtol=1e-6)  # x_1 = y_0
+    # 16 columns out of 8 in: the next input is the first 8, in x's dtype
+    wide = timing.chained(lambda x, w: x.astype(jnp.float32) @ w, x.astype(jnp.bfloat16),
+                          [jnp.eye(8, 16), 2 * jnp.eye(8, 16)])
+    np.testing.assert_array_equal(wide[1][:, :8], 2 * wide[0][:, :8])
+    # an output that cannot be an input (a decode's, a scalar x): x throughout
+    dec = timing.chained(lambda x, w: w * 2, jnp.zeros(()), ws)
+    np.testing.assert_array_equal(dec[2], 2 * ws[2])

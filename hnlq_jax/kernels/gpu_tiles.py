@@ -14,14 +14,16 @@ DEFAULT = {"gemv": {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages":
            "decode_matmul": {"block_n": 32, "block_k": 32, "num_warps": 4, "num_stages": 1,
                              "waves": 1, "words": True, "f16": False},
            # kernels.mosaic_gpu.gemv: block_w index words a pipeline step, stages in flight,
-           # resident persistent programs a multiprocessor
-           "gemv_mosaic": {"block_n": 64, "block_w": 32, "stages": 4, "waves": 4,
+           # resident persistent programs a multiprocessor. waves=1: about one work item a
+           # program, as each item fills its own pipeline (8192²: 256 items of 16 steps)
+           "gemv_mosaic": {"block_n": 64, "block_w": 32, "stages": 4, "waves": 1,
                            "resident": 2},
            # kernels.mosaic_gpu.decode_matmul, as gemv_mosaic; a_registers: the decoded
            # planes go to the wgmma from registers, not through shared memory (then block_w
-           # holds x's padded rows: up to 32 here)
-           "decode_matmul_mosaic": {"block_n": 64, "block_w": 32, "stages": 4, "waves": 2,
-                                    "resident": 1, "a_registers": True}}
+           # holds x's padded rows: up to 32 here). Two programs a multiprocessor (2 stages
+           # each: 8 warps, not the 4 of one program of 4 stages)
+           "decode_matmul_mosaic": {"block_n": 64, "block_w": 32, "stages": 2, "waves": 1,
+                                    "resident": 2, "a_registers": True}}
 
 # {generation: {op: {lattice: {"batch<=B": params}}}}, op: "gemv" or "decode_matmul"
 TILES: dict = {'sm90': {'decode_matmul': {'D4': {'batch<=16': {'block_k': 64,

@@ -47,7 +47,9 @@ def bucket_rows(rows: int, k: int, config: HNLQConfig) -> int:
 @jax.jit  # one program for an eager call (calibration), not one per operation
 def row_rms(w):
     """RMS of each row of ``w[..., k]`` (1 for an all-zero row, whose codes then store the
-    scale 0: :func:`zero_rows_scale`).
+    scale 0: :func:`zero_rows_scale`), over its finite entries: a NaN or Inf entry's block
+    fails when coded (T = -1, a NaN block), and the row's other blocks code at their own scale
+    (as 1, they decoded to zeros with T = 0).
 
     Computed as ``m sqrt(mean((w/m)^2))`` with ``m = max |w_row|``, so an entry near the float
     range (1e20 squares to inf in float32) gives a finite scale instead of a NaN row; the
@@ -56,6 +58,7 @@ def row_rms(w):
     summation order): the same bits in every program, eager or jitted, fused with a transpose
     or not, so the codes are too.
     """
+    w = jnp.where(jnp.isfinite(w), w, 0)
     # subnormal entries count as zero (divide_rows flushes them), so a subnormal largest one
     # does too
     m = flush_subnormals(jnp.max(jnp.abs(w), axis=-1, initial=0.0))

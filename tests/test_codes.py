@@ -309,6 +309,27 @@ def test_saved_header_refuses_other_versions(version):
         check_saved_header({**saved_header(cfg), "format_version": version}, cfg, "load", "")
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_nonfinite_entry_fails_its_block_not_its_row(bad):
+    """Under jit (no eager check) a NaN or Inf entry marks its block failed (T = -1, a NaN
+    block); the row's other blocks code at their own row scale, as without it (a non-finite
+    RMS had made the scale beta x 1: rows of 1e-3 decoded to zeros with T = 0)."""
+    cfg = hq.HNLQConfig("D4", 4, 2, beta=0.2016)
+    W = (np.random.default_rng(4).standard_normal((3, 16)) * 1e-3).astype(np.float32)
+    W[1, 13] = 0  # the row's scale is its finite entries' RMS: that of the row with a 0 there
+    clean = jax.jit(lambda w: hq.encode_rows(w, cfg))(W)
+    W[1, 13] = bad
+    codes = jax.jit(lambda w: hq.encode_rows(w, cfg))(W)
+    T = np.asarray(codes.T)
+    np.testing.assert_array_equal(T[1, 3], -1)
+    np.testing.assert_array_equal(np.delete(T, [7]), np.delete(np.asarray(clean.T), [7]))
+    decoded, want = np.asarray(hq.decode(codes)), np.asarray(hq.decode(clean))
+    assert np.isnan(decoded[1, 12:]).all()
+    np.testing.assert_array_equal(decoded[1, :12], want[1, :12])
+    np.testing.assert_array_equal(np.delete(decoded, 1, 0), np.delete(want, 1, 0))
+    assert np.abs(decoded[1, :12] - W[1, :12]).max() < 5e-4
+
+
 @pytest.mark.parametrize("dither", [None, (0.1, -0.05, 0.02, 0.0)])
 def test_all_zero_rows_decode_to_zero(dither):
     """An all-zero row (a pruned output) stores the scale 0 and decodes to exactly 0, with a

@@ -135,7 +135,7 @@ def lattice(name: str) -> Lattice:
     """
     if not isinstance(name, str):
         raise TypeError(f"lattice name must be a str, got {type(name).__name__}")
-    m = re.fullmatch(r"([ZD])(\d+)", name)
+    m = re.fullmatch(r"([ZD])([1-9]\d*)", name)  # ("Z02" is no second name of Z2)
     if name == "E8":
         G, kind, rcov, s2 = _E8_G, "E8", 1.0, 929 / 12960
         P_from_basis = np.rint(2 * G)
@@ -522,6 +522,11 @@ def closest_point(y, lat: Lattice | str):
     Returns:
       ``[..., d]`` Cartesian coordinates of the nearest lattice points, in ``y``'s dtype
       (float32 for half-precision input).
+
+    Exact for coordinates below 2^22 in magnitude in float32 (2^51 in float64): beyond, D_n's
+    parity sum and E8's half-integer coset round (the encoder's clamp keeps its level-0
+    inputs far below). Subnormal coordinates count as zero on XLA:CPU, which flushes them;
+    the encoder flushes them itself, on every backend.
     """
     lat = lattice(lat) if isinstance(lat, str) else lat
     y = jnp.asarray(y)

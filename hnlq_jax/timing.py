@@ -80,10 +80,11 @@ def device_time(fn, x, operands, *, iterations: int = 10):
     at their own addresses, :func:`cache_copies` of them, so no call finds its weight in
     cache), each call taking the one before's output (:func:`chained`: XLA would otherwise
     compute the work on ``x`` alone once for all calls, and fuse their epilogues into one
-    kernel, which charged a call a fraction of its own). On a GPU, CUPTI (``jax.experimental.mosaic.gpu.profiler``) sums the durations of
-    the kernels the program launched, everything ``fn`` runs included (activation re-layouts,
-    split-K sums) and the gaps between launches excluded; the median over ``iterations`` runs,
-    over ``len(operands)``. Elsewhere (no CUPTI): the best wall-clock time of the program,
+    kernel, which charged a call a fraction of its own). On a GPU, CUPTI
+    (``jax.experimental.mosaic.gpu.profiler``) sums the durations of the kernels the program
+    launched, everything ``fn`` runs included (activation re-layouts, split-K sums) and the
+    gaps between launches excluded; the median over ``iterations`` runs, over
+    ``len(operands)``. Elsewhere (no CUPTI): the best wall-clock time of the program,
     dispatch and gaps included.
 
     Returns:

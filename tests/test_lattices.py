@@ -226,7 +226,8 @@ def test_second_moment_monte_carlo(name, sigma2):
 
 @pytest.mark.parametrize("bad, hint", [("E7", None), ("Z1", None), ("D1", None), ("X4", None),
                                        ("", None), ("z2", "Z2"), ("e8", "E8"), (" a2", "A2"),
-                                       ("d16", "D16"), ("d1", None)])
+                                       ("d16", "D16"), ("d1", None), ("Z02", None),
+                                       ("D004", None)])
 def test_unknown_lattice(bad, hint):
     """Names are exact; one in another case or with spaces is named with the lattice it
     resembles, where that is one."""

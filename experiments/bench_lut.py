@@ -13,12 +13,18 @@ N(0,1) entries, D4 q=4 M=2 row codes (``hq.encode_rows``, the layers' weight for
 * decode-then-dot: ``x @ decode(codes_W)^T`` per call (the weights stay codes);
 * ``float32``: the dense float32 weight, ``jnp.einsum`` (XLA's best form for batch 1).
 
-Reports best-of-``--repeat`` seconds, rows of x per second, the time ratio to the float32 dot,
-the relative error to the exact float32 product, and the memory of each weight representation.
+Every weight (float or codes) cycles through copies of ``--rotate-mb`` MiB (320, beyond any L3
+here), as a model's layers read their own weights: the float32 dot, the native paths and the
+front door are timed in 3 interleaved rounds (so that a slow spell of the shared machine falls
+on all alike), medians of at least ``--repeat`` calls each; the compute-bound paths (XLA's
+gathers, decode-then-dot) are medians of ``--repeat`` calls. Reports seconds, rows of x per
+second, the time ratio to the float32 dot, the relative error to the exact float32 product, and
+the memory of each weight representation.
 Writes ``results/bench_lut.json``, prints a Markdown table and writes the tables into
 ``docs/performance.md``.
 
-Usage: ``python experiments/bench_lut.py [--size 4096] [--batches 1 8 64] [--repeat 3]``;
+Usage: ``python experiments/bench_lut.py [--size 4096] [--batches 1 8 64] [--repeat 5]
+[--rotate-mb 320]``;
 ``--report`` only rewrites the docs tables from ``results/bench_lut.json``.
 """
 
@@ -36,7 +42,7 @@ import numpy as np
 
 import hnlq_jax as hq
 from hnlq_jax import lut
-from hnlq_jax.timing import best_time
+from hnlq_jax.timing import ROTATE_MB, interleaved, median_time, n_copies
 from report import DOCS, add_report_flag, load_results, markdown_table, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -55,7 +61,17 @@ def memory(cW, batch):
     }
 
 
-def run(size, batches, repeat):
+ROUNDS = 3  # interleaved rounds of the streamed paths
+
+
+def _copies(a, rotate_mb):
+    """``a`` (an array or Codes) and fresh copies of it, :func:`n_copies` in all."""
+    nbytes = sum(v.nbytes for v in jax.tree.leaves(a))
+    return [a] + [jax.tree.map(lambda v: jnp.array(v, copy=True), a)
+                  for _ in range(n_copies(nbytes, rotate_mb) - 1)]
+
+
+def run(size, batches, repeat, rotate_mb=ROTATE_MB):
     n = k = size
     cfg = hq.HNLQConfig("D4", 4, 2)
     cfg = cfg.replace(beta=hq.gaussian_beta(cfg))
@@ -63,6 +79,7 @@ def run(size, batches, repeat):
     W = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)
     cW = hq.encode_rows(W, cfg)
     Wq = hq.decode(cW)
+    Ws, cWs = _copies(W, rotate_mb), _copies(cW, rotate_mb)
 
     impls = ("native", "xla") if hq.kernels.cpu.available() else ("xla",)
     one_sided = {i: jax.jit(lambda c, x, i=i: lut.matmul_one_sided(c, x, implementation=i))
@@ -81,22 +98,28 @@ def run(size, batches, repeat):
         xq = hq.decode(cx)
         exact_w = np.asarray(x, np.float64) @ np.asarray(Wq, np.float64).T
         exact_xw = np.asarray(xq, np.float64) @ np.asarray(Wq, np.float64).T
-        results = {}
+        # {method: (f(weight), its copies, the exact product, streamed)}: streamed where
+        # memory-bound at small batches (native, the front door, the float dot), the others
+        # compute-bound (XLA's gathers, decode-then-dot)
+        paths = {}
         for i in impls:
-            results[f"matmul_one_sided (LUT, {sums[i]})"] = (
-                best_time(one_sided[i], cW, x, repeat=repeat), one_sided[i](cW, x), exact_w)
+            paths[f"matmul_one_sided (LUT, {sums[i]})"] = (
+                lambda c, i=i: one_sided[i](c, x), cWs, exact_w, i == "native")
         for i in impls:
-            results[f"matmul two-sided (LUT, {sums[i]})"] = (
-                best_time(two_sided[i], cx, cW, repeat=repeat), two_sided[i](cx, cW), exact_xw)
-        results |= {
-            "hq.matmul (default implementation)": (best_time(front_door, x, cW, repeat=repeat),
-                                                   front_door(x, cW), exact_w),
-            "decode-then-dot": (best_time(decode_dot, cW, x, repeat=repeat),
-                                decode_dot(cW, x), exact_w),
-            "float32 dot (dense W)": (best_time(dense, W, x, repeat=repeat), dense(W, x),
-                                      np.asarray(x, np.float64) @ np.asarray(W, np.float64).T),
-        }
-        t_enc = best_time(encode_x, x, repeat=repeat)
+            paths[f"matmul two-sided (LUT, {sums[i]})"] = (
+                lambda c, i=i: two_sided[i](cx, c), cWs, exact_xw, i == "native")
+        paths["hq.matmul (default implementation)"] = (lambda c: front_door(x, c), cWs,
+                                                       exact_w, True)
+        paths["decode-then-dot"] = (lambda c: decode_dot(c, x), cWs, exact_w, False)
+        paths["float32 dot (dense W)"] = (
+            lambda w: dense(w, x), Ws, np.asarray(x, np.float64) @ np.asarray(W, np.float64).T,
+            True)
+        times = interleaved({m: (f, ws, {}) for m, (f, ws, _, s) in paths.items() if s},
+                            repeat, ROUNDS)
+        times |= {m: median_time(f, ws, repeat, stream=False)
+                  for m, (f, ws, _, s) in paths.items() if not s}
+        results = {m: (times[m], f(ws[0]), ref) for m, (f, ws, ref, _) in paths.items()}
+        t_enc = median_time(encode_x, [x], repeat)
         base = results["float32 dot (dense W)"][0]
         for method, (t, out, ref) in results.items():
             err = float(np.max(np.abs(np.asarray(out) - ref)) / np.max(np.abs(ref)))
@@ -130,8 +153,9 @@ def table(res: dict) -> str:
           f"{b / 2**20:.3g}", "" if "table" in name else f"{8 * b / weights:.2f}"]
          for name, b in res["memory_bytes"].items()])
     caption = (f"y = x @ Wᵀ, W {res['n']} × {res['k']}, {res['config']} {res['weights']}, "
-               f"β = {res['beta_relative_to_row_rms']:.4f} × row RMS, best of {res['repeat']}, "
-               f"{res['backend']}; time per call (time / float32 dot):")
+               f"β = {res['beta_relative_to_row_rms']:.4f} × row RMS, {res['backend']}; "
+               "median time per call (time / float32 dot), each weight cycling through "
+               f"{res['rotate_mb']:.0f} MiB of copies:")
     return f"{caption}\n\n{times}\n\n{memory}"
 
 
@@ -139,17 +163,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rotate-mb", type=float, default=ROTATE_MB)
     add_report_flag(ap)
     args = ap.parse_args()
     if args.report:
         out = load_results("bench_lut")
     else:
-        cfg, rows, mem = run(args.size, args.batches, args.repeat)
+        cfg, rows, mem = run(args.size, args.batches, args.repeat, args.rotate_mb)
         RESULTS.mkdir(exist_ok=True)
         out = {"config": "D4 q=4 M=2", "weights": "row codes (hq.encode_rows)",
                "beta_relative_to_row_rms": cfg.beta, "n": args.size, "k": args.size,
-               "repeat": args.repeat, "backend": jax.default_backend(), "jax": jax.__version__,
+               "repeat": args.repeat, "rotate_mb": args.rotate_mb,
+               "backend": jax.default_backend(), "jax": jax.__version__,
                "machine": platform.machine(), "cpus": os.cpu_count(),
                "devices": jax.device_count(), "rows": rows,
                "memory_bytes": mem}

@@ -145,6 +145,8 @@ def summarize(runs: dict, n_params: int) -> dict:
     for method, rs in runs.items():
         acc = [r["test_accuracy"] for r in rs]
         b = float(np.mean([r["bytes_per_step"] for r in rs]))
+        if b <= 0:  # its collectives went past the Counter
+            raise RuntimeError(f"ddp_hook: no byte of {method} was counted")
         out[method] = {"test_accuracy_mean": float(np.mean(acc)), "test_accuracy": acc,
                        "final_loss": float(np.mean([np.mean(r["losses"][-20:]) for r in rs])),
                        "bytes_per_step": b, "ratio_to_float32": f32 / b,

@@ -148,6 +148,19 @@ def test_cpu_buckets_on_a_gpu_machine_take_the_kernels_interpret_mode(monkeypatc
                  tb_ddp._requantize(avg, r[:lay.part_values], **ref))
 
 
+def test_the_hooks_all_gather_is_torchs_at_each_call(monkeypatch):
+    """The hook's all-gather is looked up on torch.distributed at each call: a wrapper
+    installed after import (experiments/ddp_hook.py's byte counter) sees it (bound at
+    import, it counted no byte of the HNLQ hooks)."""
+    import torch
+    calls = []
+    monkeypatch.setattr(torch.distributed, "all_gather_single",
+                        lambda out, inp, **kw: calls.append((out, inp, kw)) or "work")
+    out, inp = torch.empty(4, dtype=torch.uint8), torch.ones(2, dtype=torch.uint8)
+    assert tb_ddp._all_gather(out, inp, async_op=True) == "work"
+    assert calls == [(out, inp, {"async_op": True})]
+
+
 def test_state_validation_and_pickling():
     with pytest.raises(TypeError, match="HNLQConfig"):
         HNLQHookState("D4")

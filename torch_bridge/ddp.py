@@ -33,9 +33,13 @@ from torch_bridge.interop import to_jax, to_torch
 __all__ = ["METHODS", "HNLQHookState", "hnlq_hook"]
 
 METHODS = ("all_gather", "reduce_scatter")
-# One flat all-gather into a preallocated tensor: all_gather_single where torch has it (2.13
-# deprecates all_gather_into_tensor in its favour), all_gather_into_tensor before (torch 2.11).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _all_gather(out, inp, **kw):
+    """One flat all-gather into a preallocated tensor: all_gather_single where torch has it
+    (2.13 deprecates all_gather_into_tensor in its favour), all_gather_into_tensor before
+    (torch 2.11); looked up at each call, so that a wrapper installed on torch.distributed
+    (a byte counter, a profiler) sees it."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp,
+                                                                                     **kw)
 
 
 # The coders' keywords: ``lay``, ``implementation`` and ``interpret`` (:func:`_coder_args`).

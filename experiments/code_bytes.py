@@ -13,7 +13,9 @@ weight ``W[rows, cols]`` coded by rows (``hq.encode_rows``, per-row scale, calib
 
 Then times ``hq.matmul`` (xla: decode then dot; lut: one-sided tables; pallas: the fused kernel,
 interpret mode on a CPU) against a float32 and a bf16 ``jnp.dot`` on the same shapes, batch 1
-and 8, best of 5 in one process.
+and 8, in one process, each weight cycling through ``ROTATE_MB`` MiB of copies (so none runs
+from cache): the dots' medians of calls over every copy, the codes' (compute-bound) medians of
+``--repeat`` calls.
 
 Writes ``experiments/results/code_bytes.json`` and ``.png``.
 Usage: ``python experiments/code_bytes.py [--rows 1024] [--cols 1024]``
@@ -32,7 +34,7 @@ import numpy as np
 
 import hnlq_jax as hq
 from hnlq_jax import dist
-from hnlq_jax.timing import best_time
+from hnlq_jax.timing import ROTATE_MB, median_time, n_copies
 from report import DOCS, add_report_flag, load_results, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -83,16 +85,22 @@ def timings(rows: int, cols: int, repeat: int) -> list:
         cfg = hq.HNLQConfig(lattice, 4, 2)
         codes = hq.encode_rows(W, cfg.replace(beta=hq.gaussian_beta(cfg)))
         W_hat = hq.decode(codes)
+        copies = {dtype: [jnp.array(W_hat.astype(dtype), copy=True)
+                          for _ in range(n_copies(W_hat.size * size))]
+                  for dtype, size in ((jnp.float32, 4), (jnp.bfloat16, 2))}
+        code_copies = [jax.tree.map(lambda v: jnp.array(v, copy=True), codes)
+                       for _ in range(n_copies(codes.nbytes))]
+        dense = jax.jit(lambda a, w: a @ w.T)
         for batch in (1, 8):
             x = jnp.asarray(rng.standard_normal((batch, cols)), jnp.float32)
             row = {"lattice": lattice, "rows": rows, "cols": cols, "batch": batch}
-            dense = jax.jit(lambda a, w: a @ w.T)
-            row["float32_dot_s"] = best_time(dense, x, W_hat, repeat=repeat)
-            row["bf16_dot_s"] = best_time(dense, x.astype(jnp.bfloat16),
-                                          W_hat.astype(jnp.bfloat16), repeat=repeat)
+            for name, dtype in (("float32", jnp.float32), ("bf16", jnp.bfloat16)):
+                xd = x.astype(dtype)
+                row[f"{name}_dot_s"] = median_time(lambda w: dense(xd, w), copies[dtype], repeat)
             for impl in ("xla", "lut", "pallas"):
                 f = jax.jit(lambda a, c, impl=impl: hq.matmul(a, c, implementation=impl))
-                row[f"matmul_{impl}_s"] = best_time(f, x, codes, repeat=repeat)
+                row[f"matmul_{impl}_s"] = median_time(lambda c: f(x, c), code_copies, repeat,
+                                                      stream=False)
             out.append(row)
             print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in row.items()), flush=True)
@@ -167,7 +175,8 @@ def main():
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"backend": jax.default_backend(), "jax": jax.__version__,
-            "python": platform.python_version(), "rows": a.rows, "cols": a.cols}
+            "python": platform.python_version(), "rows": a.rows, "cols": a.cols,
+            "repeat": a.repeat, "rotate_mb": ROTATE_MB}
     out.with_suffix(".json").write_text(json.dumps(
         {"meta": meta, "baselines_bits": base, "sizes": rows, "matmul_times": times}, indent=2))
     plot(rows, base, out.with_suffix(".png"))

@@ -79,17 +79,17 @@ def _ordered_mean(dec):
     return jnp.where(jnp.isfinite(plain), plain, scaled)
 
 
-def decode_parts(parts, lay: wire.Layout, implementation=None, interpret=None):
+def decode_parts(parts, lay: wire.Layout, implementation=None):
     """``[n, lay.part_values]`` float32 values of wire parts ``uint8 [n, lay.part_bytes]``
     (each part one device's, :func:`hnlq_jax.wire.decode_part`)."""
-    return jax.vmap(lambda p: wire.decode_part(p, lay, implementation, interpret))(parts)
+    return jax.vmap(lambda p: wire.decode_part(p, lay, implementation))(parts)
 
 
-def mean_of_parts(parts, lay: wire.Layout, implementation=None, interpret=None):
+def mean_of_parts(parts, lay: wire.Layout, implementation=None):
     """The mean ``[lay.part_values]`` float32 of wire parts ``uint8 [n, lay.part_bytes]``,
     summed in the parts' (device) order: the same bits on every device and backend, and
     finite wherever every part's value is (the sum cannot overflow)."""
-    return _ordered_mean(decode_parts(parts, lay, implementation, interpret))
+    return _ordered_mean(decode_parts(parts, lay, implementation))
 
 
 def feedback_residual(v, sent, previous):
@@ -100,7 +100,7 @@ def feedback_residual(v, sent, previous):
     return jnp.where(jnp.isnan(sent), previous, v - sent)
 
 
-def requantize(avg, lay: wire.Layout, residual=None, implementation=None, interpret=None):
+def requantize(avg, lay: wire.Layout, residual=None, implementation=None):
     """A reduce-scatter's second quantization: ``(payload, next residual)`` of a device's
     averaged part ``avg [lay.part_values]`` (``lay``: the full layout), with error feedback
     where ``residual`` (the part's, ``[lay.part_values]``) is given: ``avg + residual`` is
@@ -108,10 +108,10 @@ def requantize(avg, lay: wire.Layout, residual=None, implementation=None, interp
     so that the owner's re-encoding, repeated step after step, leaves no bias either."""
     if residual is not None:
         avg = avg + residual
-    part, _ = wire.encode(avg, lay.slice(), implementation, interpret)
+    part, _ = wire.encode(avg, lay.slice(), implementation)
     if residual is not None:
-        residual = feedback_residual(
-            avg, wire.decode(part, lay.slice(), implementation, interpret), residual)
+        residual = feedback_residual(avg, wire.decode(part, lay.slice(), implementation),
+                                     residual)
     return part, residual
 
 
@@ -135,7 +135,10 @@ def compressed_mean(x, axis_name, config: HNLQConfig, method: str = "all_gather"
     """The mean of ``x`` over a named axis, communicated as HNLQ codes.
 
     Call inside ``jax.shard_map`` (a ``pallas_call`` there needs ``check_vma=False``, which
-    matters when the kernels run, on a GPU) or ``jax.pmap``.
+    matters when the kernels run, on a GPU) or ``jax.pmap``. Inside them the arrays are
+    traced, and the implementation (and the Pallas kernels' interpret mode) follows JAX's
+    default device: for a mesh of CPU devices on a GPU machine, trace under
+    ``jax.default_device(jax.devices("cpu")[0])`` (or pass ``implementation="xla"``).
 
     Args:
       x: array of any shape and floating dtype (the local value on this device).

@@ -34,7 +34,7 @@ import numpy as np
 
 import hnlq_jax as hq
 from torch_bridge import HNLQHookState, hnlq_hook
-from torch_bridge.ddp import (METHODS, _coder_args, _compress, _decode_parts, _mean, _requantize,
+from torch_bridge.ddp import (METHODS, _compress, _decode_parts, _mean, _requantize,
                               _saturated)
 
 D4_Q4_M2 = hq.HNLQConfig("D4", 4, 2, beta=0.2016)  # hq.gaussian_beta, rounded
@@ -116,8 +116,8 @@ def hook_programs():
     for cfg, methods in ((D4_Q4_M2, METHODS), (D4_Q16_M4, ("all_gather",))):
         for m in methods:
             lay = HNLQHookState(cfg, method=m).layout(N, 2)
+            kw = {"lay": lay, "implementation": None}
             v = committed(N, np.float32)
-            kw = _coder_args(lay, None, v)
             progs.append((_compress, (v, committed(N, np.float32)), kw))
             progs.append((_mean, (committed((2, lay.part_bytes), np.uint8),), kw))
             progs.append((_saturated, (committed(lay.parts * lay.part_values, np.float32),),

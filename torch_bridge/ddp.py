@@ -33,6 +33,8 @@ from torch_bridge.interop import to_jax, to_torch
 __all__ = ["METHODS", "HNLQHookState", "hnlq_hook"]
 
 METHODS = ("all_gather", "reduce_scatter")
+
+
 def _all_gather(out, inp, **kw):
     """One flat all-gather into a preallocated tensor: all_gather_single where torch has it
     (2.13 deprecates all_gather_into_tensor in its favour), all_gather_into_tensor before
@@ -42,46 +44,49 @@ def _all_gather(out, inp, **kw):
                                                                                      **kw)
 
 
-# The coders' keywords: ``lay``, ``implementation`` and ``interpret`` (:func:`_coder_args`).
-_CODER = ("lay", "implementation", "interpret")
+def _placed(coder):
+    """``coder`` (jitted) run with JAX's default device that of its first argument, a bucket's
+    (or its parts') array: inside the jit the coders see tracers, and the codec resolves its
+    default implementation and the Pallas kernels' interpret mode from the default device
+    (:func:`hnlq_jax.kernels.platform`). Without it a CPU bucket on a GPU machine took the
+    GPU's kernels, compiled for the GPU, and failed."""
+    @functools.wraps(coder)
+    def run(a, *args, **kw):
+        with jax.default_device(next(iter(a.devices()))):
+            return coder(a, *args, **kw)
+    return run
 
 
-@functools.partial(jax.jit, static_argnames=_CODER)
-def _compress(v, r, *, lay, implementation, interpret=None):
+@_placed
+@functools.partial(jax.jit, static_argnames=("lay", "implementation"))
+def _compress(v, r, *, lay, implementation):
     """``(payload [parts, part_bytes] uint8, the next residual, wire.Info)`` of a flat float32
     v with the residual r (:func:`hnlq_jax.dist.feedback_residual`)."""
     v = v + r
-    payload, info = wire.encode(v, lay, implementation, interpret)
-    sent = wire.decode(payload, lay, implementation, interpret)
-    return payload, hq_dist.feedback_residual(v, sent, r), info
+    payload, info = wire.encode(v, lay, implementation)
+    return payload, hq_dist.feedback_residual(v, wire.decode(payload, lay, implementation), r), info
 
 
-@functools.partial(jax.jit, static_argnames=_CODER)
-def _mean(parts, *, lay, implementation, interpret=None):
+@_placed
+@functools.partial(jax.jit, static_argnames=("lay", "implementation"))
+def _mean(parts, *, lay, implementation):
     """Rank-order mean ``[lay.part_values]`` float32 of parts ``[world, part_bytes]``
     (:func:`hnlq_jax.dist.mean_of_parts`)."""
-    return hq_dist.mean_of_parts(parts, lay, implementation, interpret)
+    return hq_dist.mean_of_parts(parts, lay, implementation)
 
 
-@functools.partial(jax.jit, static_argnames=_CODER)
-def _decode_parts(parts, *, lay, implementation, interpret=None):
+@_placed
+@functools.partial(jax.jit, static_argnames=("lay", "implementation"))
+def _decode_parts(parts, *, lay, implementation):
     """Values ``[world * lay.part_values]`` float32 of parts ``[world, part_bytes]``, in order."""
-    return hq_dist.decode_parts(parts, lay, implementation, interpret).reshape(-1)
+    return hq_dist.decode_parts(parts, lay, implementation).reshape(-1)
 
 
-@functools.partial(jax.jit, static_argnames=_CODER)
-def _requantize(avg, residual, *, lay, implementation, interpret=None):
+@_placed
+@functools.partial(jax.jit, static_argnames=("lay", "implementation"))
+def _requantize(avg, residual, *, lay, implementation):
     """:func:`hnlq_jax.dist.requantize` of this rank's averaged part."""
-    return hq_dist.requantize(avg, lay, residual, implementation, interpret)
-
-
-def _coder_args(lay, implementation, v) -> dict:
-    """The coders' keywords for a bucket ``v`` (a JAX array): the Pallas kernels' interpret
-    mode is resolved here from where the bucket lives, as the front doors resolve it (inside
-    the coders' jit the kernels see tracers and would take the default backend's mode: CPU
-    buckets on a GPU machine were compiled for the GPU)."""
-    return {"lay": lay, "implementation": implementation,
-            "interpret": ops.resolve_interpret(implementation, None, v)}
+    return hq_dist.requantize(avg, lay, residual, implementation)
 
 
 @functools.partial(jax.jit, static_argnames=("n", "dtype"))
@@ -279,8 +284,8 @@ def hnlq_hook(state: HNLQHookState,
         return work.get_future().then(lambda fut: fut.value()[0])
 
     lay = state.layout(n, world)
+    kw = {"lay": lay, "implementation": state.implementation}
     v = to_jax(buffer.float())
-    kw = _coder_args(lay, state.implementation, v)
     if not state.error_feedback:  # (turned off since: its last residual is not added again)
         state.residuals.pop(bucket.index(), None)
         state.part_residuals.pop(bucket.index(), None)

@@ -330,9 +330,13 @@ def test_launch_params_split_k():
     assert t["a_registers"] is True and t["block_n"] == 64 and t["block_w"] == 32
     assert t["splits"] == -(-1 * 132 // 128)  # the defaults: waves 1
     assert t["stages"] == 2 and t["programs"] == 2 * 132  # two programs of 2 stages each
-    # 64 rows of x: 4 stages of 8 planes x 32 words x 64 rows would pass shared memory
-    t = mg.launch_params("decode_matmul", D4, 8192, 2048, 64, entry=dict(stages=4, resident=1))
-    assert t["stages"] == 3 and mg._launch_error("decode_matmul", t, D4, 64) is None
+    # 64 rows of x: one program fits a multiprocessor, and takes the stages of both, as far as
+    # its shared memory holds (4 stages of 8 planes x 32 words x 64 rows would pass it)
+    t = mg.launch_params("decode_matmul", D4, 8192, 2048, 64)
+    assert t["programs"] == 132 and t["stages"] == 3
+    assert mg._launch_error("decode_matmul", t, D4, 64) is None
+    t = mg.launch_params("decode_matmul", D4, 8192, 2048, 32)
+    assert t["programs"] == 132 and t["stages"] == 4
     # tiles halved until they cover the weight: 48 words a row (384 weights), 192 rows
     t = mg.launch_params("decode_matmul", D4, 192, 96, 16,
                          entry=dict(block_n=128, block_w=32))

@@ -15,7 +15,8 @@ DEFAULT = {"gemv": {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages":
                              "waves": 1, "words": True, "f16": False},
            # kernels.mosaic_gpu.gemv: block_w index words a pipeline step, stages in flight,
            # resident persistent programs a multiprocessor. waves=1: about one work item a
-           # program, as each item fills its own pipeline (8192²: 256 items of 16 steps)
+           # multiprocessor, as each item fills its own pipeline (8192²: 256 items of 16
+           # steps for 264 programs)
            "gemv_mosaic": {"block_n": 64, "block_w": 32, "stages": 4, "waves": 1,
                            "resident": 2},
            # kernels.mosaic_gpu.decode_matmul, as gemv_mosaic; a_registers: the decoded

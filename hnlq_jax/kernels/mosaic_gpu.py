@@ -709,7 +709,8 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     (:func:`hnlq_jax.kernels.pallas.tuning_entry`), over its defaults; ``splits`` grows until
     about ``waves`` work items (a row tile's split-K share) a multiprocessor, taken in turn by
     ``resident`` persistent programs a multiprocessor (``programs`` in all; at most as many as
-    its shared memory holds at once); ``stages`` at most what a program's shared memory holds;
+    its shared memory holds at once); ``stages`` at most what a program's shared memory holds
+    (where fewer programs fit than asked, up to the stages they would have held together);
     ``block_n`` and ``block_w`` halved (down to 64 and 16) until they tile the weight exactly
     (MiniLM's 384 x 384: 48 words a row, not a multiple of the default 32). Without a GPU: an
     H100's (sm90, 132)."""
@@ -729,7 +730,18 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     resident = t.pop("resident")
     if view is not None:
         _fit_stages(op, t, config, batch)
-        resident = min(resident, _resident_cap(op, t, config, batch))
+        cap = _resident_cap(op, t, config, batch)
+        if cap < resident:  # fewer programs than asked: each takes the stages the others'
+            # shared memory would have held (the default's two programs of 2 stages at 16
+            # rows of x are one of 3 at 64), as far as its own and the cap allow
+            want = t["stages"] * resident // cap
+            while t["stages"] < want:
+                more = dict(t, stages=t["stages"] + 1)
+                if (_smem_bytes(op, more, config, batch) > _SMEM_BYTES
+                        or _resident_cap(op, more, config, batch) < cap):
+                    break
+                t["stages"] += 1
+        resident = min(resident, cap)
     t["programs"] = resident * sms
     return t
 

@@ -15,11 +15,12 @@ measured):
    (:func:`device_fault`).
 3. **sweep**: the launch parameters (rows and blocks per program, warps, stages, split-K
    waves) of ``kernels.gemv`` (Triton) and ``kernels.mosaic_gpu.gemv`` (Mosaic GPU, the
-   codebooks it holds: D4) at batch 1 and 8 and of ``kernels.decode_matmul`` and
-   ``kernels.mosaic_gpu.decode_matmul`` (tensor cores) at batch 16 and 64 (``--quick``: 16),
-   the latter also at 1 and 8 against both gemvs (``--quick``: 8) and the former at 8, for
-   D4 q=4 M=2 and E8 q=4 M=2 at 8192^2; the fastest kernel becomes the batch class's
-   ``"backend"`` (:func:`pick_backends`); the winners go into
+   codebooks it holds: D4) at batch 1 and 8 (``--quick``: 1) and of ``kernels.decode_matmul``
+   and ``kernels.mosaic_gpu.decode_matmul`` (tensor cores) at batch 16 and 64
+   (``--quick``: 16), the latter also at 1 and 8 against both gemvs (``--quick``: 8, whose
+   time stands for 1) and the former at 8, for D4 q=4 M=2 and E8 q=4 M=2 at 8192^2; the
+   fastest kernel becomes the batch class's ``"backend"`` (:func:`pick_backends`); the
+   winners go into
    ``hnlq_jax/kernels/gpu_tiles.py`` (``--write-tiles`` after the run) and into this run's
    table.
 4. **matmul**: ``hq.matmul(x, codes, implementation="pallas")`` (``gemv`` up to 8 rows,
@@ -61,9 +62,10 @@ into ``docs/gpu.md`` and ``--write-tiles`` the sweep's winners into the tuning t
 from the saved JSON. Without a GPU it stops with exit status 2 unless ``--allow-cpu`` (a
 smoke run at tiny sizes).
 
-Exit status: 0 every part ran; 1 a part or a test failed, or the device context broke; 2 no
-GPU; 3 the watchdog stopped the run; 4 nothing failed, but parts were skipped (the budget) or
-the bfloat16 GEMV read outside ``BASELINE_PCT`` of the HBM peak (its ratios flagged).
+Exit status (:func:`exit_status`): 0 every part ran; 1 a part, a case or a test failed, or
+the device context broke; 2 no GPU; 3 the watchdog stopped the run; 4 nothing failed, but
+parts were skipped or a test run stopped at its limit (the budget), or the bfloat16 GEMV read
+outside ``BASELINE_PCT`` of the HBM peak (its ratios flagged).
 
 Usage: ``python experiments/gpu_check.py [--budget 420] [--quick] [--allow-cpu] [--skip-tests]
 [--no-mosaic] [--out DIR]``
@@ -319,7 +321,7 @@ def sweep_candidates(op: str, lattice: str, batch: int, quick: bool = False,
     entry with its codes read as words and block by block, and tiles of words."""
     if op == "gemv_mosaic":  # kernels.mosaic_gpu.gemv: rows a program, words a step, stages
         if quick:  # taller tiles (x's loads amortized), longer steps, and 4 work items a
-            # program (each item fills its own pipeline)
+            # multiprocessor (each item fills its own pipeline)
             entry = kernels.pallas.tuning_entry(op, CONFIGS[lattice], batch, generation)
             return [entry, dict(entry, block_n=128, resident=1), dict(entry, block_w=64),
                     dict(entry, waves=4)], []
@@ -797,6 +799,13 @@ def baseline_ok(out) -> bool:
     return pct is not None and BASELINE_PCT[0] <= pct <= BASELINE_PCT[1]
 
 
+def _cells(r) -> list:
+    """``(name, cell)`` of a product-table row's timed cells (:func:`matmul_table`)."""
+    return [("bf16", r["bf16"]), ("int4", r["int4"])] + [
+        (f"{lat} {kind}", r[lat][kind]) for lat in CONFIGS
+        for kind in ("fused", "decode_then_dot")]
+
+
 def _us(r):
     return f"{r['seconds'] * 1e6:.1f} µs" if r and "seconds" in r else "n/a"
 
@@ -867,9 +876,7 @@ def markdown(out) -> str:
                   f"weights: {worst:.1e}.",
                   ""]
         cells = [(f"{r['n']} x {r['k']} batch {r['batch']} {name}", cell["error"])
-                 for r in mm for name, cell in [("bf16", r["bf16"]), ("int4", r["int4"])]
-                 + [(f"{lat} {kind}", r[lat][kind]) for lat in CONFIGS
-                    for kind in ("fused", "decode_then_dot")] if "error" in cell]
+                 for r in mm for name, cell in _cells(r) if "error" in cell]
         lines += [f"{where} failed: `{err.splitlines()[0][:200]}`" for where, err in cells]
         lines += [""] if cells else []
         split = [(r, lat) for r in mm for lat in CONFIGS if r[lat]["fused"].get("kernels")]
@@ -1163,11 +1170,23 @@ def main(argv=None):
     section("torch", torch_path, small)
     tests_part("tests")
     finish()
-    tests_ok = all(out[t]["returncode"] == 0 for t in tests if t in out)
-    if not tests_ok or out.get("errors") or out.get("fault"):
+    return exit_status(out)
+
+
+def exit_status(out) -> int:
+    """The run's exit status (the module docstring's): 1 where a part, a case of the product
+    table or the codec, or a test failed, or the device context broke; 4 where nothing
+    failed but parts were skipped, a test run was stopped at its time limit (no test
+    stuck), or, on a GPU, the GEMV baseline is not to be believed; else 0."""
+    runs = [out[t] for t in ("tests_mosaic", "tests") if out.get(t)]
+    cells = [c for r in out.get("matmul") or [] for _, c in _cells(r) if "error" in c]
+    if (out.get("errors") or out.get("fault") or cells
+            or any("error" in r for r in out.get("codec") or [])
+            or any(r["returncode"] not in (0, None) for r in runs)):
         return 1
-    # nothing failed, but parts did not run or the baseline is not to be believed
-    return 4 if out.get("skipped") or (env["backend"] == "gpu" and not baseline_ok(out)) else 0
+    partial = (out.get("skipped") or any(r["returncode"] is None for r in runs)
+               or (out["environment"]["backend"] == "gpu" and not baseline_ok(out)))
+    return 4 if partial else 0
 
 
 def timing_of(out) -> str:

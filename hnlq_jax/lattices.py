@@ -523,9 +523,9 @@ def closest_point(y, lat: Lattice | str):
       ``[..., d]`` Cartesian coordinates of the nearest lattice points, in ``y``'s dtype
       (float32 for half-precision input).
 
-    Exact for coordinates below 2^22 in magnitude in float32 (2^51 in float64): beyond, D_n's
-    parity sum and E8's half-integer coset round (the encoder's clamp keeps its level-0
-    inputs far below). Subnormal coordinates count as zero on XLA:CPU, which flushes them;
+    Exact for coordinates below about 2^24 / d in magnitude in float32 (2^53 / d in float64;
+    E8: 2^21): beyond, D_n's parity sum and E8's half-integer coset round (the encoder's
+    clamp keeps its level-0 inputs far below). Subnormal coordinates count as zero on XLA:CPU, which flushes them;
     the encoder flushes them itself, on every backend.
     """
     lat = lattice(lat) if isinstance(lat, str) else lat

@@ -1357,3 +1357,29 @@ def test_gpu_check_command_parses():
     r = subprocess.run(cmd + ["--collect-only", "-q"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_gpu_check_exit_status():
+    """0 for a whole run; 1 where a part, a product-table case, a codec row or a test failed;
+    4 where nothing failed but parts were skipped, a test run stopped at its limit, or the
+    GEMV baseline (on a GPU) is not to be believed."""
+    gpu_check = experiment("gpu_check")
+    gemv = {"n": 8192, "seconds": 4.8e-5, "GBps": 2800.0, "pct_peak": 83.6}
+    cell = {"seconds": 1e-5}
+    row = {"bf16": cell, "int4": cell, "D4": {"fused": cell, "decode_then_dot": cell},
+           "E8": {"fused": cell, "decode_then_dot": cell}}
+    whole = {"environment": {"backend": "gpu"}, "ceilings": {"bf16_gemv": gemv},
+             "matmul": [row], "codec": [{"op": "decode", "seconds": 1e-3}],
+             "tests_mosaic": {"returncode": 0}, "tests": {"returncode": 0}}
+    assert gpu_check.exit_status(whole) == 0
+    failed = {"errors": {"torch": "ModuleNotFoundError"}, "fault": "ILLEGAL_ADDRESS",
+              "matmul": [dict(row, E8={"fused": {"error": "ptxas"}, "decode_then_dot": cell})],
+              "codec": [{"op": "encode", "error": "OOM"}], "tests": {"returncode": 1}}
+    for key, value in failed.items():
+        assert gpu_check.exit_status({**whole, key: value}) == 1, key
+    partial = {"skipped": ["matmul"], "tests": {"returncode": None},
+               "ceilings": {"bf16_gemv": dict(gemv, pct_peak=55.0)}}
+    for key, value in partial.items():
+        assert gpu_check.exit_status({**whole, key: value}) == 4, key
+    cpu = {**whole, "environment": {"backend": "cpu"}, "ceilings": {"bf16_gemv": {}}}
+    assert gpu_check.exit_status(cpu) == 0  # no baseline to believe off a GPU

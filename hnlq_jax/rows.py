@@ -136,6 +136,9 @@ def calibrate_rows(w, config: HNLQConfig):
     check_finite_weight(w, "calibrate_rows")
     w = w.astype(jnp.promote_types(w.dtype, jnp.float32))
     blocks = to_blocks(divide_rows(w, row_rms(w)), config.d).reshape(-1, config.d)
+    # Traced, a NaN/Inf block (it fails when coded) joins the sample as a zero block: as
+    # itself it counted as overloading at every beta, and one doubled a layer's beta
+    blocks = jnp.where(jnp.all(jnp.isfinite(blocks), axis=-1, keepdims=True), blocks, 0)
     idx = (jnp.arange(CALIBRATION_BLOCKS) * blocks.shape[0]) // CALIBRATION_BLOCKS
     # The search itself is compiled for the fixed sample shape: once per config, not per layer.
     # scale=1: the rows are normalized already, and beta is relative to each row's RMS.

@@ -330,6 +330,19 @@ def test_a_nonfinite_entry_fails_its_block_not_its_row(bad):
     assert np.abs(decoded[1, :12] - W[1, :12]).max() < 5e-4
 
 
+def test_a_nonfinite_entry_leaves_the_traced_calibration_alone():
+    """Under jit a NaN entry's block joins calibrate_rows' sample as a zero block: beta is
+    about that of the weight with a 0 there (one block of 1024 differs), where as itself it
+    overloaded at every beta and doubled beta (0.21 -> 0.46 on this weight)."""
+    cfg = hq.HNLQConfig("D4", 4, 2)
+    W = np.random.default_rng(5).standard_normal((64, 64)).astype(np.float32)
+    W[7, 9] = 0
+    calibrate = jax.jit(lambda w: hq.rows.calibrate_rows(w, cfg))
+    clean = float(calibrate(W))
+    W[7, 9] = np.nan
+    assert float(calibrate(W)) == pytest.approx(clean, rel=0.02)
+
+
 @pytest.mark.parametrize("dither", [None, (0.1, -0.05, 0.02, 0.0)])
 def test_all_zero_rows_decode_to_zero(dither):
     """An all-zero row (a pruned output) stores the scale 0 and decodes to exactly 0, with a

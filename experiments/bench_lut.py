@@ -42,7 +42,7 @@ import numpy as np
 
 import hnlq_jax as hq
 from hnlq_jax import lut
-from hnlq_jax.timing import ROTATE_MB, interleaved, median_time, n_copies
+from hnlq_jax.timing import ROTATE_MB, fresh_copies, interleaved, median_time, n_copies
 from report import DOCS, add_report_flag, load_results, markdown_table, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -66,9 +66,7 @@ ROUNDS = 3  # interleaved rounds of the streamed paths
 
 def _copies(a, rotate_mb):
     """``a`` (an array or Codes) and fresh copies of it, :func:`n_copies` in all."""
-    nbytes = sum(v.nbytes for v in jax.tree.leaves(a))
-    return [a] + [jax.tree.map(lambda v: jnp.array(v, copy=True), a)
-                  for _ in range(n_copies(nbytes, rotate_mb) - 1)]
+    return fresh_copies(a, n_copies(sum(v.nbytes for v in jax.tree.leaves(a)), rotate_mb))
 
 
 def run(size, batches, repeat, rotate_mb=ROTATE_MB):

@@ -13,9 +13,9 @@ weight ``W[rows, cols]`` coded by rows (``hq.encode_rows``, per-row scale, calib
 
 Then times ``hq.matmul`` (xla: decode then dot; lut: one-sided tables; pallas: the fused kernel,
 interpret mode on a CPU) against a float32 and a bf16 ``jnp.dot`` on the same shapes, batch 1
-and 8, in one process, each weight cycling through ``ROTATE_MB`` MiB of copies (so none runs
-from cache): the dots' medians of calls over every copy, the codes' (compute-bound) medians of
-``--repeat`` calls.
+and 8, in one process, each weight cycling through ``ROTATE_MB`` MiB of copies: the dots'
+medians of calls over every copy (none from cache), the codes' (compute-bound) medians of
+``--repeat`` calls on the first copies.
 
 Writes ``experiments/results/code_bytes.json`` and ``.png``.
 Usage: ``python experiments/code_bytes.py [--rows 1024] [--cols 1024]``
@@ -34,7 +34,7 @@ import numpy as np
 
 import hnlq_jax as hq
 from hnlq_jax import dist
-from hnlq_jax.timing import ROTATE_MB, median_time, n_copies
+from hnlq_jax.timing import ROTATE_MB, fresh_copies, median_time, n_copies
 from report import DOCS, add_report_flag, load_results, write_between_markers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -85,11 +85,9 @@ def timings(rows: int, cols: int, repeat: int) -> list:
         cfg = hq.HNLQConfig(lattice, 4, 2)
         codes = hq.encode_rows(W, cfg.replace(beta=hq.gaussian_beta(cfg)))
         W_hat = hq.decode(codes)
-        copies = {dtype: [jnp.array(W_hat.astype(dtype), copy=True)
-                          for _ in range(n_copies(W_hat.size * size))]
+        copies = {dtype: fresh_copies(W_hat.astype(dtype), n_copies(W_hat.size * size))
                   for dtype, size in ((jnp.float32, 4), (jnp.bfloat16, 2))}
-        code_copies = [jax.tree.map(lambda v: jnp.array(v, copy=True), codes)
-                       for _ in range(n_copies(codes.nbytes))]
+        code_copies = fresh_copies(codes, n_copies(codes.nbytes))
         dense = jax.jit(lambda a, w: a @ w.T)
         for batch in (1, 8):
             x = jnp.asarray(rng.standard_normal((batch, cols)), jnp.float32)

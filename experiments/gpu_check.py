@@ -101,7 +101,7 @@ import report  # noqa: E402
 import hnlq_jax as hq  # noqa: E402
 from hnlq_jax import kernels  # noqa: E402
 from hnlq_jax.kernels import gpu_tiles  # noqa: E402
-from hnlq_jax.timing import cache_copies, device_time  # noqa: E402
+from hnlq_jax.timing import cache_copies, device_time, fresh_copies  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 # HBM peak by device kind (vendor figures, bytes/s); unknown devices report no roofline.
@@ -250,8 +250,7 @@ def run_tests(targets, clock, limit: float = TESTS_LIMIT, log: pathlib.Path | No
 def _copies(a, nbytes):
     """``a`` (an array or a pytree of them) and fresh copies of it, enough to defeat the L2
     (two in a smoke run on the CPU, which times nothing that matters)."""
-    n = cache_copies(nbytes) if jax.default_backend() == "gpu" else 2
-    return [a] + [jax.tree.map(lambda v: jnp.array(v, copy=True), a) for _ in range(n - 1)]
+    return fresh_copies(a, cache_copies(nbytes) if jax.default_backend() == "gpu" else 2)
 
 
 def _nbytes(tree) -> int:

@@ -27,11 +27,21 @@ ROTATE_MB = 320
 
 
 def sample_times(fn, copies, repeat: int, stream: bool = True, warm_all: bool = False) -> list:
-    """Wall-clock seconds of ``fn(copy)`` per call, calls cycling through ``copies`` (operands
-    at their own addresses, :func:`n_copies` of them), after a warm-up
-    call (on every copy with ``warm_all``: a layer checks its codes on its first call):
-    ``repeat`` calls, or (``stream``) at least one per copy, so that a copy is back in use only
-    after all the others went through the caches."""
+    """Wall-clock seconds of each call ``fn(copy)``, the calls cycling through ``copies``.
+
+    Args:
+      fn: the call to time (its result is waited for).
+      copies: its operand and copies of it at their own addresses (:func:`fresh_copies`,
+        :func:`n_copies` of them).
+      repeat: calls to time.
+      stream: at least one call a copy, so that a copy is back in use only after all the
+        others went through the caches (else ``repeat`` calls, for compute-bound calls).
+      warm_all: warm up on every copy (a layer checks its codes on its first call), not the
+        first alone.
+
+    Returns:
+      The seconds of each timed call, in order.
+    """
     for c in copies if warm_all else copies[:1]:
         jax.block_until_ready(fn(c))
     times = []
@@ -44,14 +54,22 @@ def sample_times(fn, copies, repeat: int, stream: bool = True, warm_all: bool = 
 
 
 def median_time(fn, copies, repeat: int, **kw) -> float:
-    """The median of :func:`sample_times`."""
+    """The median seconds of :func:`sample_times` (same arguments)."""
     return float(np.median(sample_times(fn, copies, repeat, **kw)))
 
 
 def interleaved(candidates: dict, repeat: int, rounds: int) -> dict:
-    """``{name: median seconds}`` of ``candidates`` (``{name: (fn, copies, kw)}``, as
-    :func:`sample_times` takes them), timed in ``rounds`` rounds that each take every candidate
-    in turn: a slow spell of this shared machine then falls on all of them alike."""
+    """Medians of several calls timed in turn, so that a slow spell of a shared machine falls
+    on all of them alike.
+
+    Args:
+      candidates: ``{name: (fn, copies, kw)}``, as :func:`sample_times` takes them.
+      repeat: calls a round (:func:`sample_times`).
+      rounds: rounds, each timing every candidate once in order.
+
+    Returns:
+      ``{name: median seconds}`` over all rounds.
+    """
     samples = {name: [] for name in candidates}
     for _ in range(rounds):
         for name, (fn, copies, kw) in candidates.items():
@@ -64,6 +82,13 @@ def n_copies(nbytes: int, rotate_mb: float = ROTATE_MB) -> int:
     they are at least ``rotate_mb`` MiB (at least 2): a copy is back in use only after the
     others went through the caches, as a model's layers read their own weights."""
     return max(2, math.ceil(rotate_mb * 2**20 / nbytes))
+
+
+def fresh_copies(a, n: int) -> list:
+    """``a`` (an array or a pytree of them, such as :class:`~hnlq_jax.Codes`) and ``n - 1``
+    copies of it, each at its own addresses (``n`` in all)."""
+    return [a] + [jax.tree.map(lambda v: jax.numpy.array(v, copy=True), a)
+                  for _ in range(n - 1)]
 
 
 def cache_copies(nbytes: int, cache_bytes: int = 50 * 2**20, least: int = 4) -> int:
@@ -112,12 +137,22 @@ def device_time(fn, x, operands, *, iterations: int = 10):
 
 
 def chained(fn, x, operands) -> list:
-    """``fn(x_i, w)`` for each ``w`` in ``operands`` (traced), each call's input the one
-    before's output, as a model's next layer takes it: ``x_0 = x``, ``x_{i+1}`` the first
-    ``x.shape[-1]`` columns of ``fn(x_i, w_i)`` in x's dtype (for a square weight its output
-    itself; where the output cannot be an input, such as a decode's, ``x`` throughout). So no
-    two calls share a computation on x (XLA computed it once for all of them) or a kernel
-    (sibling epilogues fused into one), and each is charged its own."""
+    """Calls of ``fn`` on each operand (traced), each call's input the one before's output,
+    as a model's next layer takes it: so no two calls share a computation on x (XLA computed
+    it once for all of them) or a kernel (sibling epilogues fused into one), and each is
+    charged its own.
+
+    Args:
+      fn: ``fn(x, w)``.
+      x: the first call's input ``[..., k]``.
+      operands: the ``w`` of each call, in order.
+
+    Returns:
+      ``[fn(x_0, w_0), fn(x_1, w_1), ...]`` with ``x_0 = x`` and ``x_{i+1}`` the first ``k``
+      columns of ``fn(x_i, w_i)`` in x's dtype (for a square weight its output itself); where
+      an output cannot be an input (a decode's, other leading axes, fewer columns), ``x``
+      throughout.
+    """
     out = []
     for w in operands:
         out.append(fn(x, w))

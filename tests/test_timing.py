@@ -114,3 +114,13 @@ def test_chained_calls_share_no_computation():
     # an output that cannot be an input (a decode's, a scalar x): x throughout
     dec = timing.chained(lambda x, w: w * 2, jnp.zeros(()), ws)
     np.testing.assert_array_equal(dec[2], 2 * ws[2])
+
+
+def test_fresh_copies_are_equal_at_their_own_addresses():
+    w = jnp.arange(6.0).reshape(2, 3)
+    copies = timing.fresh_copies({"w": w, "s": jnp.ones(2)}, 3)
+    assert len(copies) == 3 and copies[0]["w"] is w
+    pointers = {c["w"].unsafe_buffer_pointer() for c in copies}
+    assert len(pointers) == 3  # (a copy sharing a buffer would be read from cache)
+    for c in copies[1:]:
+        np.testing.assert_array_equal(c["w"], w)

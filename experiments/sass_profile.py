@@ -486,6 +486,11 @@ def markdown(out: dict) -> str:
     return text
 
 
+def _pythonpath() -> str:
+    """The repository, then the caller's ``PYTHONPATH`` (where a CUDA plugin may be)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas")
@@ -516,7 +521,7 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as d:
             env = {**os.environ, "MOSAIC_GPU_DUMP_TO": d, "MOSAIC_GPU_DUMP_PTX": "1",
                    "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_PLATFORMS": "cpu",
-                   "PYTHONPATH": str(ROOT)}
+                   "PYTHONPATH": _pythonpath()}
             subprocess.run([sys.executable, __file__, "--case",
                             json.dumps([kernel, batch, params, d])], env=env, check=True,
                            capture_output=True)
@@ -527,7 +532,7 @@ def main(argv=None):
               f"{row['spill_bytes']} B spilled, {row['per_word']:.1f} instructions a word",
               flush=True)
     env = {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": _pythonpath()}
     with tempfile.TemporaryDirectory() as d:
         subprocess.run([sys.executable, __file__, "--variants", d], env=env, check=True,
                        capture_output=True)

@@ -270,12 +270,14 @@ def _overload(tw, p: int, pow_smem, valid, nan: int, *, config: HNLQConfig,
 
 def _block(w, tw, p: int, tab_smem, pow_smem, *, config: HNLQConfig, interpret: bool):
     """Block ``p`` of each index word of a tile (``w``, ``tw``: uint32 ``[rows, words]``):
-    ``(fields, scale)``, its ``d`` packed fields ``P + bias`` as float32 and ``2^(alpha T)``,
-    NaN where the block failed or its index names no entry."""
+    ``(coords, scale)``, its ``d`` coordinates ``P`` as float32 and ``2^(alpha T)``, NaN
+    where the block failed or its index names no entry."""
     word, valid = _levels(w, p, tab_smem, config=config, interpret=interpret)
-    # byte c under the magic exponent: 0x4B0000cc, the float 2^23 + field
-    fields = [jax.lax.bitcast_convert_type(_magic_byte(word, c, interpret), jnp.float32)
-              - np.float32(_TWO23) for c in range(config.d)]
+    # byte c under the magic exponent: 0x4B0000cc, the float 2^23 + field, less 2^23 and the
+    # fields' bias in one exact subtraction (as Triton's gemv: no offsets term a block)
+    base = np.float32(_TWO23 + _pallas.packed_bias(config, 0))
+    fields = [jax.lax.bitcast_convert_type(_magic_byte(word, c, interpret), jnp.float32) - base
+              for c in range(config.d)]
     nan = int(np.float32(np.nan).view(np.uint32))
     scale = jax.lax.bitcast_convert_type(
         _overload(tw, p, pow_smem, valid, nan, config=config, interpret=interpret),
@@ -306,7 +308,7 @@ def _kernel(w_gmem, t_gmem, xt_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, pow_s
         w = plgpu.layout_cast(w_smem[...], _LAYOUT)  # [bn, bw] index words
         tw = plgpu.layout_cast(t_smem[...], _LAYOUT).astype(jnp.uint32)
         acc = list(acc)
-        for p in range(g):  # block p of each word; the fields' bias is in the offsets
+        for p in range(g):  # block p of each word
             coords, scale = _block(w, tw, p, tab_smem, pow_smem, config=config,
                                    interpret=interpret)
             for b in range(bb):
@@ -314,7 +316,9 @@ def _kernel(w_gmem, t_gmem, xt_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, pow_s
                 for c in range(d):
                     prod = coords[c] * xt_smem[p, c, b, :][None, :]
                     v = prod if v is None else v + prod
-                acc[b] = acc[b] + scale * (v - xt_smem[p, d, b, :][None, :])
+                if config.dither is not None:  # the offsets plane: beta x . z
+                    v = v - xt_smem[p, d, b, :][None, :]
+                acc[b] = acc[b] + scale * v
         return tuple(acc)
 
     # Persistent programs: each loads the tables once, then takes work items (a row tile and
@@ -798,7 +802,7 @@ def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, pro
     n, nb = codes.blocks_shape
     g = _pallas.word_view(config)[0]
     # block g w + p of x in part p at word w
-    xt = _pallas.gemv_activations(x, config, nb, packed=True, parts=g)
+    xt = _pallas.gemv_activations(x, config, nb, parts=g)
     bb = xt.shape[2]
     splits = nb // g // bw // steps
     kernel = functools.partial(_kernel, config=config, g=g, bn=bn, bw=bw, steps=steps,

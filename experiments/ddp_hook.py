@@ -79,6 +79,7 @@ class Counter:
     def __init__(self):
         self.sent = 0.0
         self._all_reduce, self._all_gather_single = dist.all_reduce, dist.all_gather_single
+        self._all_to_all_single = dist.all_to_all_single
 
     def install(self):
         def all_reduce(tensor, *args, **kw):
@@ -89,7 +90,12 @@ class Counter:
             self.sent += (WORLD - 1) * inp.numel() * inp.element_size()
             return self._all_gather_single(out, inp, *args, **kw)
 
+        def all_to_all_single(out, inp, *args, **kw):  # (a reduce_scatter hook's first step)
+            self.sent += (WORLD - 1) / WORLD * inp.numel() * inp.element_size()
+            return self._all_to_all_single(out, inp, *args, **kw)
+
         dist.all_reduce, dist.all_gather_single = all_reduce, all_gather_single
+        dist.all_to_all_single = all_to_all_single
 
 
 def model(seed):

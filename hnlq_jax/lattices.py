@@ -525,8 +525,8 @@ def closest_point(y, lat: Lattice | str):
 
     Exact for coordinates below about 2^24 / d in magnitude in float32 (2^53 / d in float64;
     E8: 2^21): beyond, D_n's parity sum and E8's half-integer coset round (the encoder's
-    clamp keeps its level-0 inputs far below). Subnormal coordinates count as zero on XLA:CPU, which flushes them;
-    the encoder flushes them itself, on every backend.
+    clamp keeps its level-0 inputs far below). Subnormal coordinates count as zero on
+    XLA:CPU, which flushes them; the encoder flushes them itself, on every backend.
     """
     lat = lattice(lat) if isinstance(lat, str) else lat
     y = jnp.asarray(y)

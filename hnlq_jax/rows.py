@@ -115,7 +115,8 @@ def calibrate_rows(w, config: HNLQConfig):
     The one calibration routine of the quantized layers (Flax ``QDense`` / ``QuantDotGeneral``,
     PyTorch ``QLinear`` / ``quantize_model``): the same weights give the same beta everywhere.
     It searches :data:`CALIBRATION_BLOCKS` blocks of ``w / rms(row)`` taken at evenly spaced
-    positions (every block when fewer, repeated to the fixed size).
+    positions (every block when fewer, repeated to the fixed size); traced, a block with a
+    NaN or Inf entry is sampled as a zero block (it fails when coded).
 
     Args:
       w: ``[..., k]`` weight rows (traceable).

@@ -337,6 +337,13 @@ def test_launch_params_split_k():
     assert mg._launch_error("decode_matmul", t, D4, 64) is None
     t = mg.launch_params("decode_matmul", D4, 8192, 2048, 32)
     assert t["programs"] == 132 and t["stages"] == 4
+    # stages an entry names are kept (a sweep's candidates stay apart), and the growth stops
+    # at the pipeline's steps (128 x 1024: 4 word tiles a row split 4 ways, a step a program)
+    t = mg.launch_params("decode_matmul", D4, 8192, 2048, 64, entry=dict(stages=2))
+    assert t["programs"] == 132 and t["stages"] == 2
+    t = mg.launch_params("decode_matmul", D4, 128, 256, 32)
+    assert t["splits"] == 4 and t["programs"] == 132 and t["stages"] == 2
+    assert mg.launch_params("gemv", D4, 8192, 2048, 8)["stages"] == 4  # the gemv default's
     # tiles halved until they cover the weight: 48 words a row (384 weights), 192 rows
     t = mg.launch_params("decode_matmul", D4, 192, 96, 16,
                          entry=dict(block_n=128, block_w=32))

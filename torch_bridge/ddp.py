@@ -50,7 +50,7 @@ def _placed(coder):
     default implementation and the Pallas kernels' interpret mode from the default device
     (:func:`hnlq_jax.kernels.platform`). Without it a CPU bucket on a GPU machine took the
     GPU's kernels, compiled for the GPU, and failed."""
-    @functools.wraps(coder)
+    @functools.wraps(coder, updated=())  # (not the jitted function's private attributes)
     def run(a, *args, **kw):
         with jax.default_device(next(iter(a.devices()))):
             return coder(a, *args, **kw)

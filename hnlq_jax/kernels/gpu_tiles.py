@@ -22,8 +22,10 @@ DEFAULT = {"gemv": {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages":
            # kernels.mosaic_gpu.decode_matmul, as gemv_mosaic; a_registers: the decoded
            # planes go to the wgmma from registers, not through shared memory (then block_w
            # holds x's padded rows: up to 32 here). Two programs a multiprocessor (2 stages
-           # each: 8 warps, not the 4 of one program of 4 stages)
-           "decode_matmul_mosaic": {"block_n": 64, "block_w": 32, "stages": 2, "waves": 1,
+           # each: 8 warps, not the 4 of one program of 4 stages); stages None: 2, and as
+           # many as one program holds where x's rows leave room for one program only
+           # (kernels.mosaic_gpu.launch_params)
+           "decode_matmul_mosaic": {"block_n": 64, "block_w": 32, "stages": None, "waves": 1,
                                     "resident": 2, "a_registers": True}}
 
 # {generation: {op: {lattice: {"batch<=B": params}}}}, op: "gemv" or "decode_matmul"

@@ -25,11 +25,11 @@ pipeline (``stages`` tiles in flight) in the layout they are stored in, viewed, 
 
 A block's level words are gathered from the packed codebook
 (:func:`~hnlq_jax.kernels.pallas.packed_codebook`) held in shared memory, added as integers,
-their byte fields turned into floats; in ``gemv`` their inner product with the block's
-activations (``beta``, the basis, the dither and the fields' bias folded in once per call, as
-the Triton kernel does), times ``2^(alpha T)`` (gathered from a 16- or 256-entry table), is
-summed per weight row (``decode_matmul`` subtracts the bias in the kernel: its planes are the
-coordinates themselves); the row scale multiplies the row's sum after the split-K sums.
+their byte fields turned into floats, the fields' bias subtracted with the magic constant (the
+coordinates themselves); in ``gemv`` their inner product with the block's activations
+(``beta``, the basis and the dither folded in once per call, as the Triton kernel does), times
+``2^(alpha T)`` (gathered from a 16- or 256-entry table), is summed per weight row; the row
+scale multiplies the row's sum after the split-K sums.
 
 **Gathers.** Pallas' Mosaic GPU lowering has no gather, so the two shared-memory tables are
 read through ``plgpu.inline_mgpu``: one ``ld.shared`` per element at the thread's own address.
@@ -331,7 +331,7 @@ def _kernel(w_gmem, t_gmem, xt_gmem, tab_gmem, pow_gmem, o_gmem, tab_smem, pow_s
         acc = plgpu.emit_pipeline(
             step, grid=(steps,),
             in_specs=_codes_specs(bn, bw, i, first) + [
-                plgpu.BlockSpec((g, d + 1, bb, bw), lambda k: (0, 0, 0, first + k))],
+                plgpu.BlockSpec((g, xt_gmem.shape[1], bb, bw), lambda k: (0, 0, 0, first + k))],
             max_concurrent_steps=stages, init_carry=(zero,) * bb,
         )(w_gmem, t_gmem, xt_gmem)
         for b in range(bb):
@@ -646,6 +646,9 @@ _SM_SMEM_BYTES = 228 * 1024
 _SMEM_RESERVED = 1024
 # the pipeline's and the tables' barriers (48 bytes in the programs Mosaic GPU built), with room
 _BARRIER_BYTES = 128
+# Stages of a launch whose entry leaves them to launch_params (``None``): two a program, more
+# for a program alone on its multiprocessor
+AUTO_STAGES = 2
 
 
 def _mma_rows(batch: int) -> int:
@@ -664,7 +667,7 @@ def _smem_bytes(op: str, t: dict, config: HNLQConfig, batch: int) -> int:
     tables += _BARRIER_BYTES
     if op == "gemv":
         bb = 1 << max(0, batch - 1).bit_length()  # x's rows, padded to a power of two
-        return tables + t["stages"] * (codes + g * (config.d + 1) * bb * bw * 4)
+        return tables + t["stages"] * (codes + g * _gemv_planes(config) * bb * bw * 4)
     planes = _planes(config)
     a = 0 if t["a_registers"] else planes * bn * bw * 2
     return tables + a + t["stages"] * (codes + planes * bw * _mma_rows(batch) * 2)
@@ -714,7 +717,8 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     about ``waves`` work items (a row tile's split-K share) a multiprocessor, taken in turn by
     ``resident`` persistent programs a multiprocessor (``programs`` in all; at most as many as
     its shared memory holds at once); ``stages`` at most what a program's shared memory holds
-    (where fewer programs fit than asked, up to the stages they would have held together);
+    (``None``, the default's: ``AUTO_STAGES``, and where fewer programs fit than asked, up to
+    the stages they would have held together);
     ``block_n`` and ``block_w`` halved (down to 64 and 16) until they tile the weight exactly
     (MiniLM's 384 x 384: 48 words a row, not a multiple of the default 32). Without a GPU: an
     H100's (sm90, 132)."""
@@ -732,13 +736,16 @@ def launch_params(op: str, config: HNLQConfig, n: int, nb: int, batch: int,
     tiles = -(-nb // ((view[0] if view else 1) * t["block_w"]))  # a row's steps
     t["splits"] = max(1, min(-(-waves * sms // row_tiles), tiles))
     resident = t.pop("resident")
+    auto = t["stages"] is None  # (the default's: AUTO_STAGES, grown below)
+    if auto:
+        t["stages"] = AUTO_STAGES
     if view is not None:
         _fit_stages(op, t, config, batch)
         cap = _resident_cap(op, t, config, batch)
-        if cap < resident:  # fewer programs than asked: each takes the stages the others'
-            # shared memory would have held (the default's two programs of 2 stages at 16
-            # rows of x are one of 3 at 64), as far as its own and the cap allow
-            want = t["stages"] * resident // cap
+        if auto and cap < resident:  # fewer programs than asked: each takes the stages the
+            # others' shared memory would have held (two programs of 2 stages at 16 rows of
+            # x are one of 3 at 64), as far as its own, the cap and the pipeline's steps allow
+            want = min(t["stages"] * resident // cap, _steps(tiles, t["splits"]))
             while t["stages"] < want:
                 more = dict(t, stages=t["stages"] + 1)
                 if (_smem_bytes(op, more, config, batch) > _SMEM_BYTES
@@ -801,8 +808,9 @@ def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, pro
     config = codes.config
     n, nb = codes.blocks_shape
     g = _pallas.word_view(config)[0]
-    # block g w + p of x in part p at word w
-    xt = _pallas.gemv_activations(x, config, nb, parts=g)
+    # block g w + p of x in part p at word w; the offsets plane only with a dither (it is zero
+    # without one: neither copied nor held)
+    xt = _pallas.gemv_activations(x, config, nb, parts=g)[:, :_gemv_planes(config)]
     bb = xt.shape[2]
     splits = nb // g // bw // steps
     kernel = functools.partial(_kernel, config=config, g=g, bn=bn, bw=bw, steps=steps,
@@ -811,6 +819,11 @@ def _gemv_call(x, codes: Codes, out_dtype, interpret, bn, bw, steps, stages, pro
     out = _launch(kernel, (splits, bb, n), programs, (tab, pow_tab), [], interpret)(
         w, tf, xt, tab, pow_tab)
     return _pallas.split_k_sum(out, x.shape[0], codes.scale, out_dtype)
+
+
+def _gemv_planes(config: HNLQConfig) -> int:
+    """x's planes a block in :func:`gemv`: the coordinates', and the offsets' with a dither."""
+    return config.d + (config.dither is not None)
 
 
 def _mma_planes(x, config: HNLQConfig, nb: int, bb: int, bw: int) -> tuple:

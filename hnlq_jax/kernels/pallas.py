@@ -1329,13 +1329,11 @@ def _small_tile(block: int, fn: str, what: str) -> int:
     return block
 
 
-def gemv_activations(x, config: HNLQConfig, nbp: int, packed: bool = False,
-                     parts: int | None = None):
+def gemv_activations(x, config: HNLQConfig, nbp: int, parts: int | None = None):
     """x's planes, float32 ``[d + 1, bb, nbp]``: planes ``j < d`` are ``beta C^T x`` per block
-    (``C``: P to Cartesian coordinates), plane ``d`` the offsets ``beta x . z`` (the dither)
-    plus, with ``packed``, the packed fields' bias ``bias sum_j (beta C^T x)_j``
-    (:func:`packed_codebook`); x's rows zero-padded to ``bb`` (a power of two) and its blocks
-    to ``nbp``. One array: XLA computes it in one kernel.
+    (``C``: P to Cartesian coordinates), plane ``d`` the offsets ``beta x . z`` (the dither;
+    zeros without one); x's rows zero-padded to ``bb`` (a power of two) and its blocks to
+    ``nbp``. One array: XLA computes it in one kernel.
 
     ``parts``: the blocks interleaved ``parts`` ways, block ``parts w + p`` in part ``p`` at
     ``w``: ``[parts, d + 1, bb, nbp / parts]`` (kernels that read several blocks from one word
@@ -1352,8 +1350,6 @@ def gemv_activations(x, config: HNLQConfig, nbp: int, packed: bool = False,
     if config.dither is not None:
         dither = np.asarray(config.dither_array, np.float32)[:, None]
         off = off + beta * _constant_products(xb, dither)[0]
-    if packed:
-        off = off + np.float32(packed_bias(config, 0)) * functools.reduce(jnp.add, xt)
     planes = jnp.stack(xt + [off])
     if parts is not None:
         planes = planes.reshape(d + 1, bb, nbp // parts, parts).transpose(3, 0, 1, 2)

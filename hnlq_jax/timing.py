@@ -7,6 +7,7 @@ import math
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -87,7 +88,7 @@ def n_copies(nbytes: int, rotate_mb: float = ROTATE_MB) -> int:
 def fresh_copies(a, n: int) -> list:
     """``a`` (an array or a pytree of them, such as :class:`~hnlq_jax.Codes`) and ``n - 1``
     copies of it, each at its own addresses (``n`` in all)."""
-    return [a] + [jax.tree.map(lambda v: jax.numpy.array(v, copy=True), a)
+    return [a] + [jax.tree.map(lambda v: jnp.array(v, copy=True), a)
                   for _ in range(n - 1)]
 
 
@@ -159,7 +160,7 @@ def chained(fn, x, operands) -> list:
         y = out[-1]
         if (isinstance(y, jax.Array) and y.ndim == x.ndim >= 1 and y.shape[:-1] == x.shape[:-1]
                 and y.shape[-1] >= x.shape[-1]
-                and jax.numpy.issubdtype(y.dtype, jax.numpy.floating)):
+                and jnp.issubdtype(y.dtype, jnp.floating)):
             x = y[..., :x.shape[-1]].astype(x.dtype)
     return out
 
